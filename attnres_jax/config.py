@@ -1,0 +1,87 @@
+"""Model configuration: defaults and validation (raised before anything compiles)."""
+
+from __future__ import annotations
+
+import ml_collections
+
+RESIDUAL_MODES = ('standard', 'full', 'block')
+REMAT_POLICIES = ('none', 'sublayer', 'layer')
+DTYPES = ('float32', 'bfloat16')
+
+
+def model_config(**overrides) -> ml_collections.ConfigDict:
+  """The default (tiny) model config, with `overrides` applied."""
+  cfg = ml_collections.ConfigDict(dict(
+      vocab_size=256,          # bytes
+      d_model=128,
+      num_layers=4,            # Transformer blocks; L = 2 * num_layers sublayers
+      num_heads=4,
+      mlp_dim=384,             # SwiGLU hidden width
+      residual='block',        # 'standard' | 'full' | 'block'
+      block_size=2,            # S: sublayers per AttnRes block ('block' only)
+      tie_embeddings=True,
+      rope_theta=10_000.0,
+      norm_eps=1e-6,           # PreNorm and final RMSNorm
+      attn_res_eps=1e-6,       # key RMSNorm of the depth read
+      dtype='float32',         # compute dtype; the depth read is always float32
+      param_dtype='float32',
+      scan_layers=True,        # False: unrolled Python loop (debugging, test reference)
+      remat='none',            # 'none' | 'sublayer' | 'layer'
+      # Backward pass of the AttnRes layer stack that keeps one source buffer
+      # (memory linear in depth); False uses plain autodiff through the scan.
+      linear_memory_backward=True,
+  ))
+  cfg.update(overrides)
+  return cfg
+
+
+def num_sublayers(cfg) -> int:
+  return 2 * cfg.num_layers
+
+
+def effective_block_size(cfg) -> int:
+  """S in sublayers: 1 for Full, the configured size for Block."""
+  if cfg.residual == 'full':
+    return 1
+  return cfg.block_size
+
+
+def validate_model_config(cfg) -> None:
+  """Raises ValueError with a readable message for an invalid model config."""
+
+  def fail(message):
+    raise ValueError(f'Invalid model config: {message}')
+
+  for name in ('vocab_size', 'd_model', 'num_layers', 'num_heads', 'mlp_dim'):
+    value = cfg.get(name)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+      fail(f'{name} must be a positive integer, got {value!r}.')
+  if cfg.residual not in RESIDUAL_MODES:
+    fail(f'residual must be one of {RESIDUAL_MODES}, got {cfg.residual!r}.')
+  if cfg.residual == 'block':
+    size = cfg.block_size
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+      fail(
+          f'block_size is the number of sublayers per AttnRes block and must be an '
+          f'integer >= 1, got {size!r} (1 = Full AttnRes; >= 2 * num_layers = one '
+          'block).'
+      )
+  if cfg.d_model % cfg.num_heads:
+    fail(
+        f'num_heads={cfg.num_heads} does not divide d_model={cfg.d_model}.'
+    )
+  if (cfg.d_model // cfg.num_heads) % 2:
+    fail(
+        f'head dim d_model / num_heads = {cfg.d_model // cfg.num_heads} must be '
+        'even for rotary embeddings.'
+    )
+  for name in ('dtype', 'param_dtype'):
+    if cfg.get(name) not in DTYPES:
+      fail(f'{name} must be one of {DTYPES}, got {cfg.get(name)!r}.')
+  if cfg.remat not in REMAT_POLICIES:
+    fail(f'remat must be one of {REMAT_POLICIES}, got {cfg.remat!r}.')
+  for name in ('norm_eps', 'attn_res_eps'):
+    if not cfg.get(name, 0) > 0:
+      fail(f'{name} must be > 0, got {cfg.get(name)!r}.')
+  if not cfg.rope_theta > 0:
+    fail(f'rope_theta must be > 0, got {cfg.rope_theta!r}.')

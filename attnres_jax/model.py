@@ -1,0 +1,271 @@
+"""A decoder-only Transformer LM with Standard, Full-AttnRes and Block-AttnRes residuals.
+
+One Transformer body for all three modes: the residual mode only changes the depth
+state that travels between sublayers (the residual stream, or the AttnRes buffer of
+sources) and how each sublayer's input is read from it. See `depth.py` for the read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from attnres_jax import config as config_lib
+from attnres_jax import depth
+from attnres_jax import stack as stack_lib
+
+Array = jax.Array
+
+ATTENTION, MLP = 0, 1  # the two sublayers of a Transformer layer, in order
+
+
+def _param(init, shape, axes, rngs=None, dtype=jnp.float32) -> nnx.Param:
+  """A parameter with logical axis names (mapped to a mesh in `sharding.py`)."""
+  value = init(rngs.params(), shape, dtype) if rngs is not None else init(shape, dtype)
+  return nnx.Param(value, out_sharding=axes, eager_sharding=False)
+
+
+def _dtype(name: str):
+  return jnp.dtype(name)
+
+
+class RMSNorm(nnx.Module):
+  """RMSNorm with a learned gain, computed in float32."""
+
+  def __init__(self, dim: int, *, eps: float, param_dtype):
+    self.eps = eps
+    self.scale = _param(jnp.ones, (dim,), ('embed',), dtype=param_dtype)
+
+  def __call__(self, x: Array) -> Array:
+    normed = x.astype(jnp.float32) * depth.rms_inverse(x, self.eps)[..., None]
+    return (normed * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def rotary_embedding(x_BTNH: Array, positions_BT: Array, theta: float) -> Array:
+  """Rotary position embedding (rotate-half form), computed in float32."""
+  head_dim = x_BTNH.shape[-1]
+  frequencies = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+  angles_BTH = positions_BT[..., None].astype(jnp.float32) * frequencies
+  sin, cos = jnp.sin(angles_BTH)[:, :, None, :], jnp.cos(angles_BTH)[:, :, None, :]
+  x1, x2 = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)
+  rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return rotated.astype(x_BTNH.dtype)
+
+
+@dataclasses.dataclass
+class KVCache:
+  """Per-layer key/value cache for decoding: [B, T_max, N, H] each."""
+  keys: Array
+  values: Array
+
+
+class Attention(nnx.Module):
+  """Causal multi-head self-attention with RoPE."""
+
+  def __init__(self, cfg, *, rngs: nnx.Rngs):
+    d, n = cfg.d_model, cfg.num_heads
+    h = d // n
+    pdt = _dtype(cfg.param_dtype)
+    init = nnx.initializers.variance_scaling(1.0, 'fan_in', 'normal', in_axis=0,
+                                              out_axis=(1, 2))
+    out_init = nnx.initializers.variance_scaling(1.0, 'fan_in', 'normal',
+                                                  in_axis=(0, 1), out_axis=2)
+    self.query = _param(init, (d, n, h), ('embed', 'heads', 'head_dim'), rngs, pdt)
+    self.key = _param(init, (d, n, h), ('embed', 'heads', 'head_dim'), rngs, pdt)
+    self.value = _param(init, (d, n, h), ('embed', 'heads', 'head_dim'), rngs, pdt)
+    self.out = _param(out_init, (n, h, d), ('heads', 'head_dim', 'embed'), rngs, pdt)
+    self.rope_theta = cfg.rope_theta
+    self.dtype = _dtype(cfg.dtype)
+
+  def __call__(self, x_BTD: Array, positions_BT: Array,
+               cache: KVCache | None = None, cache_index=None):
+    """Self-attention; with a cache, writes this call's keys at `cache_index`.
+
+    Returns the output, and the updated cache when one is given.
+    """
+    x_BTD = x_BTD.astype(self.dtype)
+    project = lambda w: jnp.einsum('btd,dnh->btnh', x_BTD, w[...].astype(self.dtype))
+    q_BTNH = rotary_embedding(project(self.query), positions_BT, self.rope_theta)
+    k_BTNH = rotary_embedding(project(self.key), positions_BT, self.rope_theta)
+    v_BTNH = project(self.value)
+    if cache is None:
+      out_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BTNH, v_BTNH, is_causal=True)
+    else:
+      keys = jax.lax.dynamic_update_slice_in_dim(
+          cache.keys, k_BTNH.astype(cache.keys.dtype), cache_index, axis=1)
+      values = jax.lax.dynamic_update_slice_in_dim(
+          cache.values, v_BTNH.astype(cache.values.dtype), cache_index, axis=1)
+      cache = KVCache(keys, values)
+      # Query at absolute position p sees cached keys at positions <= p.
+      key_positions = jnp.arange(keys.shape[1])
+      mask_BTS = key_positions[None, None, :] <= positions_BT[:, :, None]
+      out_BTNH = jax.nn.dot_product_attention(
+          q_BTNH, keys.astype(self.dtype), values.astype(self.dtype),
+          mask=mask_BTS[:, None, :, :])
+    out_BTD = jnp.einsum('btnh,nhd->btd', out_BTNH, self.out[...].astype(self.dtype))
+    return out_BTD if cache is None else (out_BTD, cache)
+
+
+class SwiGLU(nnx.Module):
+  """The gated MLP: down(silu(gate(x)) * up(x))."""
+
+  def __init__(self, cfg, *, rngs: nnx.Rngs):
+    d, f = cfg.d_model, cfg.mlp_dim
+    pdt = _dtype(cfg.param_dtype)
+    init = nnx.initializers.lecun_normal()
+    self.gate = _param(init, (d, f), ('embed', 'mlp'), rngs, pdt)
+    self.up = _param(init, (d, f), ('embed', 'mlp'), rngs, pdt)
+    self.down = _param(init, (f, d), ('mlp', 'embed'), rngs, pdt)
+    self.dtype = _dtype(cfg.dtype)
+
+  def __call__(self, x_BTD: Array) -> Array:
+    x_BTD = x_BTD.astype(self.dtype)
+    gate_BTF = x_BTD @ self.gate[...].astype(self.dtype)
+    up_BTF = x_BTD @ self.up[...].astype(self.dtype)
+    return (jax.nn.silu(gate_BTF) * up_BTF) @ self.down[...].astype(self.dtype)
+
+
+class TransformerLayer(nnx.Module):
+  """Two PreNorm sublayers (attention, MLP), each with its AttnRes query and key gain.
+
+  The pseudo-queries start at zero (uniform depth weights) and the gains at one; they
+  take no random numbers, so the shared weights are initialised identically in every
+  residual mode. In 'standard' mode they exist but are unused.
+  """
+
+  def __init__(self, cfg, *, rngs: nnx.Rngs):
+    pdt = _dtype(cfg.param_dtype)
+    self.attention_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pdt)
+    self.attention = Attention(cfg, rngs=rngs)
+    self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pdt)
+    self.mlp = SwiGLU(cfg, rngs=rngs)
+    self.depth_query = _param(jnp.zeros, (2, cfg.d_model), ('sublayers', 'embed'),
+                              dtype=pdt)
+    self.depth_gain = _param(jnp.ones, (2, cfg.d_model), ('sublayers', 'embed'),
+                             dtype=pdt)
+
+  def sublayer(self, which: int, h_BTD: Array, positions_BT: Array) -> Array:
+    """f(h): the raw output of the attention (0) or MLP (1) sublayer."""
+    if which == ATTENTION:
+      return self.attention(self.attention_norm(h_BTD), positions_BT)
+    return self.mlp(self.mlp_norm(h_BTD))
+
+
+class Transformer(nnx.Module):
+  """The language model. `residual` in the config picks the residual mode."""
+
+  def __init__(self, cfg, *, rngs: nnx.Rngs):
+    config_lib.validate_model_config(cfg)
+    self.cfg = cfg
+    pdt = _dtype(cfg.param_dtype)
+    d = cfg.d_model
+    # Std 1/sqrt(d): tied logits h.E start with unit variance after the final norm.
+    embed_init = nnx.initializers.normal(stddev=d ** -0.5)
+    self.embedding = _param(embed_init, (cfg.vocab_size, d), ('vocab', 'embed'), rngs,
+                            pdt)
+
+    @nnx.vmap(in_axes=0, out_axes=0,
+              transform_metadata={nnx.PARTITION_NAME: 'layers'})
+    def make_layers(layer_rngs):
+      return TransformerLayer(cfg, rngs=layer_rngs)
+
+    self.layers = make_layers(rngs.fork(split=cfg.num_layers))
+    self.final_query = _param(jnp.zeros, (d,), ('embed',), dtype=pdt)
+    self.final_gain = _param(jnp.ones, (d,), ('embed',), dtype=pdt)
+    self.final_norm = RMSNorm(d, eps=cfg.norm_eps, param_dtype=pdt)
+    if not cfg.tie_embeddings:
+      self.lm_head = _param(nnx.initializers.lecun_normal(), (d, cfg.vocab_size),
+                            ('embed', 'vocab'), rngs, pdt)
+
+  # -- pieces shared by training, analysis and decoding ------------------------------
+
+  def embed(self, tokens_BT: Array) -> Array:
+    return jnp.take(self.embedding[...], tokens_BT, axis=0).astype(_dtype(self.cfg.dtype))
+
+  def final_hidden(self, depth_state: Array) -> Array:
+    """The input of the final RMSNorm: the stream, or the final depth read."""
+    if self.cfg.residual == 'standard':
+      return depth_state
+    h_BTD, _ = depth.attn_res_read(
+        depth_state, self.final_query[...], self.final_gain[...],
+        eps=self.cfg.attn_res_eps)
+    return h_BTD
+
+  def head(self, h_BTD: Array) -> Array:
+    x_BTD = self.final_norm(h_BTD)
+    dtype = _dtype(self.cfg.dtype)
+    if self.cfg.tie_embeddings:
+      w_DV = self.embedding[...].astype(dtype).T
+    else:
+      w_DV = self.lm_head[...].astype(dtype)
+    return jnp.einsum('btd,dv->btv', x_BTD.astype(dtype), w_DV,
+                      preferred_element_type=jnp.float32)
+
+  def initial_depth_state(self, x_BTD: Array) -> Array:
+    """The residual stream (standard) or the AttnRes buffer with b_0 = embedding."""
+    if self.cfg.residual == 'standard':
+      return x_BTD
+    slots = depth.num_slots(config_lib.num_sublayers(self.cfg),
+                            config_lib.effective_block_size(self.cfg))
+    buffer_SBTD = jnp.zeros((slots,) + x_BTD.shape, x_BTD.dtype)
+    return buffer_SBTD.at[0].set(x_BTD)
+
+  def __call__(self, tokens_BT: Array, positions_BT: Array | None = None, *,
+               collect_stats: bool = False):
+    """Logits [B, T, V] in float32; with `collect_stats`, also per-sublayer statistics.
+
+    Statistics (for analysis, see `stack.SublayerStats`) are returned stacked as
+    [num_layers, 2, ...] (sublayer order: attention, MLP) plus the final read's
+    depth weights.
+    """
+    if positions_BT is None:
+      positions_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
+    state = self.initial_depth_state(self.embed(tokens_BT))
+    graphdef, layer_state = nnx.split(self.layers)
+    state, stats = stack_lib.apply_layers(
+        graphdef, layer_state, state, positions_BT, cfg=self.cfg,
+        collect_stats=collect_stats)
+    h_BTD = self.final_hidden(state)
+    logits_BTV = self.head(h_BTD)
+    if not collect_stats:
+      return logits_BTV
+    if self.cfg.residual != 'standard':
+      _, final_weights_SBT = depth.attn_res_read(
+          state, self.final_query[...], self.final_gain[...],
+          eps=self.cfg.attn_res_eps)
+      stats['final_depth_weights'] = jnp.mean(final_weights_SBT, axis=(1, 2))
+    stats['final_input_rms'] = jnp.mean(
+        1.0 / depth.rms_inverse(h_BTD, 0.0))
+    return logits_BTV, stats
+
+
+def convert_standard_to_attnres(standard_model: Transformer, attnres_cfg) -> Transformer:
+  """A Full/Block model computing the standard model's function (up to RMSNorm eps).
+
+  The shared weights are copied; the AttnRes queries are set to zero and the gains to
+  one, so every read is the mean of its sources, which sum to the standard residual
+  stream, and PreNorm removes the scale (DESIGN.md, equivalence E2).
+  """
+  execution_only = ('residual', 'block_size', 'scan_layers', 'remat',
+                    'linear_memory_backward')
+  for name, value in standard_model.cfg.items():
+    if name not in execution_only and attnres_cfg.get(name) != value:
+      raise ValueError(
+          f'Cannot convert: config field {name!r} differs '
+          f'({value!r} in the standard model, {attnres_cfg.get(name)!r} requested).')
+  # The parameter trees of all modes are identical, so the state loads as it is.
+  target = nnx.eval_shape(lambda: Transformer(attnres_cfg, rngs=nnx.Rngs(0)))
+  nnx.update(target, nnx.state(standard_model))
+  for query in (target.layers.depth_query, target.final_query):
+    query[...] = jnp.zeros_like(query[...])
+  for gain in (target.layers.depth_gain, target.final_gain):
+    gain[...] = jnp.ones_like(gain[...])
+  return target
+
+
+def count_params(model: nnx.Module) -> int:
+  return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+

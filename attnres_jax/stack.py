@@ -1,0 +1,242 @@
+"""Applying the stacked Transformer layers: scan or unrolled loop, remat, and the
+linear-memory backward pass of the AttnRes source buffer.
+
+The depth state that travels between layers is the residual stream [B, T, D]
+('standard') or the AttnRes buffer [N + 1, B, T, D] ('full', 'block'; see `depth.py`).
+
+Why a custom backward pass: when the whole buffer is in the scan carry and every layer
+reads it, autodiff saves one copy of the buffer per layer, so memory grows as L^2. But
+the buffer is append-only (a slot is only ever added to by the sublayers of its own
+block, and read-only afterwards), so each layer's view of it can be rebuilt from the
+final buffer plus, for Block, the running partial sum of the current block. The custom
+VJP below keeps the final buffer once, saves each sublayer's ordinary residuals (as
+plain autodiff would, minus the buffer), and recomputes the cheap depth reads in a
+reverse scan. Memory is then linear in depth. Gradients equal plain autodiff (tests).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from attnres_jax import config as config_lib
+from attnres_jax import depth
+
+SUBLAYERS = (0, 1)  # attention, MLP
+
+
+def _sublayer_function(graphdef, which: int, remat: bool):
+  """f(layer_state, h, positions) -> raw output of one sublayer, as a pure function."""
+
+  def apply(layer_state, h_BTD, positions_BT):
+    return nnx.merge(graphdef, layer_state).sublayer(which, h_BTD, positions_BT)
+
+  return jax.checkpoint(apply) if remat else apply
+
+
+def _read(graphdef, cfg, layer_state, buffer_SBTD, which, sublayer):
+  """The depth read that forms the input of `sublayer` (global 0-based index)."""
+  layer = nnx.merge(graphdef, layer_state)
+  return depth.attn_res_read(
+      buffer_SBTD, layer.depth_query[...][which], layer.depth_gain[...][which],
+      eps=cfg.attn_res_eps,
+      num_valid=depth.num_valid_sources(sublayer, config_lib.effective_block_size(cfg)))
+
+
+def _add_to_slot(buffer_SBTD, slot, out_BTD):
+  updated = jax.lax.dynamic_index_in_dim(buffer_SBTD, slot, 0, keepdims=False) + out_BTD
+  return jax.lax.dynamic_update_index_in_dim(buffer_SBTD, updated, slot, 0)
+
+
+def _token_rms(x_BTD):
+  """Mean over tokens of the RMS over features."""
+  return jnp.mean(1.0 / depth.rms_inverse(x_BTD, 0.0))
+
+
+def _layer_step(graphdef, cfg, layer_state, state, layer_index, positions_BT,
+                collect_stats):
+  """Both sublayers of one layer: read the input, apply f, write the output."""
+  standard = cfg.residual == 'standard'
+  block_size = config_lib.effective_block_size(cfg)
+  stats = []
+  for which in SUBLAYERS:
+    sublayer = 2 * layer_index + which
+    if standard:
+      h_BTD = state
+    else:
+      h_BTD, weights_SBT = _read(graphdef, cfg, layer_state, state, which, sublayer)
+    f = _sublayer_function(graphdef, which, cfg.remat == 'sublayer')
+    out_BTD = f(layer_state, h_BTD, positions_BT)
+    if standard:
+      state = state + out_BTD
+    else:
+      state = _add_to_slot(state, depth.output_slot(sublayer, block_size), out_BTD)
+    if collect_stats:
+      entry = {'input_rms': _token_rms(h_BTD), 'output_rms': _token_rms(out_BTD)}
+      if not standard:
+        entry['depth_weights'] = jnp.mean(weights_SBT, axis=(1, 2))
+        plogp = jnp.where(weights_SBT > 0, weights_SBT * jnp.log(weights_SBT), 0.0)
+        entry['depth_entropy'] = jnp.mean(-jnp.sum(plogp, axis=0))
+      stats.append(entry)
+  if collect_stats:
+    stats = jax.tree.map(lambda *xs: jnp.stack(xs), *stats)
+  return state, (stats if collect_stats else None)
+
+
+def _plain_stack(graphdef, cfg, layer_state, state, positions_BT, collect_stats):
+  """Scan (or unrolled loop) over layers with ordinary autodiff."""
+  step = functools.partial(_layer_step, graphdef, cfg,
+                           positions_BT=positions_BT, collect_stats=collect_stats)
+  if cfg.remat == 'layer':
+    step = jax.checkpoint(step)
+
+  if not cfg.scan_layers:
+    per_layer = []
+    for k in range(cfg.num_layers):
+      state_k = jax.tree.map(lambda x: x[k], layer_state)
+      state, stats = step(state_k, state, k)
+      per_layer.append(stats)
+    if collect_stats:
+      return state, jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)
+    return state, None
+
+  def body(carry, xs):
+    state_k, k = xs
+    return step(state_k, carry, k)
+
+  return jax.lax.scan(body, state, (layer_state, jnp.arange(cfg.num_layers)))
+
+
+def apply_layers(graphdef, layer_state, state, positions_BT, *, cfg,
+                 collect_stats=False):
+  """Runs the stacked layers on the depth state; returns (final state, stats or None)."""
+  use_linear_memory = (
+      cfg.residual != 'standard' and cfg.linear_memory_backward and cfg.scan_layers
+      and not collect_stats)
+  if use_linear_memory:
+    return _linear_memory_stack(graphdef, cfg, layer_state, state, positions_BT), None
+  return _plain_stack(graphdef, cfg, layer_state, state, positions_BT, collect_stats)
+
+
+# -- the linear-memory backward pass ------------------------------------------------
+
+
+def _split_residuals(vjp_fn, known_leaves):
+  """Flattens a VJP closure; leaves that are known inputs are referenced, not saved.
+
+  Returns (treedef, spec, saved): spec[i] is ('known', j) for known_leaves[j] or
+  ('saved', j) for saved[j].
+  """
+  leaves, treedef = jax.tree.flatten(vjp_fn)
+  known_ids = {id(x): j for j, x in enumerate(known_leaves)}
+  spec, saved = [], []
+  for leaf in leaves:
+    if id(leaf) in known_ids:
+      spec.append(('known', known_ids[id(leaf)]))
+    else:
+      spec.append(('saved', len(saved)))
+      saved.append(leaf)
+  return treedef, spec, saved
+
+
+def _join_residuals(treedef, spec, saved, known_leaves):
+  leaves = [known_leaves[j] if kind == 'known' else saved[j] for kind, j in spec]
+  return jax.tree.unflatten(treedef, leaves)
+
+
+def _view_at_entry(buffer_SBTD, slot, partial_BTD):
+  """The buffer as sublayer writing to `slot` saw it, rebuilt from the final buffer.
+
+  Slots before `slot` are complete; `slot` held the running partial sum of the block
+  (zero at a block's first sublayer); later slots were still zero.
+  """
+  slot_ids = jnp.arange(buffer_SBTD.shape[0])[:, None, None, None]
+  return jnp.where(slot_ids < slot, buffer_SBTD,
+                   jnp.where(slot_ids == slot, partial_BTD[None], 0).astype(
+                       buffer_SBTD.dtype))
+
+
+def _linear_memory_stack(graphdef, cfg, layer_state, buffer_SBTD, positions_BT):
+  block_size = config_lib.effective_block_size(cfg)
+  keeps_partial = block_size > 1  # Full: every sublayer starts a fresh slot.
+  recompute_sublayers = cfg.remat == 'layer'
+  functions = [_sublayer_function(graphdef, which, cfg.remat == 'sublayer')
+               for which in SUBLAYERS]
+  # Static facts about the VJP closures, recorded while tracing the forward pass and
+  # used while tracing the backward pass (both happen within one trace).
+  closure_layout = {}
+
+  @jax.custom_vjp
+  def stack(layer_state, buffer_SBTD, positions_BT):
+    state, _ = _plain_stack(graphdef, cfg, layer_state, buffer_SBTD, positions_BT,
+                            collect_stats=False)
+    return state
+
+  def forward(layer_state, buffer_SBTD, positions_BT):
+    def body(buffer_SBTD, xs):
+      state_k, k = xs
+      known = jax.tree.leaves(state_k) + [positions_BT]
+      saved = []
+      for which in SUBLAYERS:
+        sublayer = 2 * k + which
+        slot = depth.output_slot(sublayer, block_size)
+        partial_BTD = (jax.lax.dynamic_index_in_dim(buffer_SBTD, slot, 0, False)
+                       if keeps_partial else None)
+        h_BTD, _ = _read(graphdef, cfg, state_k, buffer_SBTD, which, sublayer)
+        if recompute_sublayers:
+          out_BTD = functions[which](state_k, h_BTD, positions_BT)
+          residuals = []
+        else:
+          out_BTD, vjp_fn = jax.vjp(
+              lambda s, h, f=functions[which]: f(s, h, positions_BT), state_k, h_BTD)
+          treedef, spec, residuals = _split_residuals(vjp_fn, known)
+          closure_layout[which] = (treedef, spec)
+        saved.append((partial_BTD, residuals))
+        buffer_SBTD = _add_to_slot(buffer_SBTD, slot, out_BTD)
+      return buffer_SBTD, saved
+
+    final_SBTD, saved = jax.lax.scan(
+        body, buffer_SBTD, (layer_state, jnp.arange(cfg.num_layers)))
+    return final_SBTD, (layer_state, final_SBTD, positions_BT, saved)
+
+  def backward(residuals, d_final_SBTD):
+    layer_state, final_SBTD, positions_BT, saved = residuals
+
+    def body(d_buffer_SBTD, xs):
+      state_k, k, saved_k = xs
+      known = jax.tree.leaves(state_k) + [positions_BT]
+      d_state_k = jax.tree.map(jnp.zeros_like, state_k)
+      for which in reversed(SUBLAYERS):
+        sublayer = 2 * k + which
+        slot = depth.output_slot(sublayer, block_size)
+        partial_BTD, sublayer_residuals = saved_k[which]
+        if partial_BTD is None:
+          partial_BTD = jnp.zeros(final_SBTD.shape[1:], final_SBTD.dtype)
+        view_SBTD = _view_at_entry(final_SBTD, slot, partial_BTD)
+        h_BTD, read_vjp = jax.vjp(
+            lambda s, b: _read(graphdef, cfg, s, b, which, sublayer)[0],
+            state_k, view_SBTD)
+        if recompute_sublayers:
+          _, sublayer_vjp = jax.vjp(
+              lambda s, h, f=functions[which]: f(s, h, positions_BT), state_k, h_BTD)
+        else:
+          treedef, spec = closure_layout[which]
+          sublayer_vjp = _join_residuals(treedef, spec, sublayer_residuals, known)
+        d_out_BTD = jax.lax.dynamic_index_in_dim(d_buffer_SBTD, slot, 0, False)
+        d_state_f, d_h_BTD = sublayer_vjp(d_out_BTD)
+        d_state_read, d_view_SBTD = read_vjp(d_h_BTD)
+        d_state_k = jax.tree.map(lambda a, b, c: a + b + c, d_state_k, d_state_f,
+                                 d_state_read)
+        d_buffer_SBTD = d_buffer_SBTD + d_view_SBTD
+      return d_buffer_SBTD, d_state_k
+
+    d_buffer_SBTD, d_layer_state = jax.lax.scan(
+        body, d_final_SBTD, (layer_state, jnp.arange(cfg.num_layers), saved),
+        reverse=True)
+    return d_layer_state, d_buffer_SBTD, None
+
+  stack.defvjp(forward, backward)
+  return stack(layer_state, buffer_SBTD, positions_BT)
