@@ -55,6 +55,7 @@ def rotary_embedding(x_BTNH: Array, positions_BT: Array, theta: float) -> Array:
   return rotated.astype(x_BTNH.dtype)
 
 
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
   """Per-layer key/value cache for decoding: [B, T_max, N, H] each."""
@@ -147,10 +148,15 @@ class TransformerLayer(nnx.Module):
     self.depth_gain = _param(jnp.ones, (2, cfg.d_model), ('sublayers', 'embed'),
                              dtype=pdt)
 
-  def sublayer(self, which: int, h_BTD: Array, positions_BT: Array) -> Array:
-    """f(h): the raw output of the attention (0) or MLP (1) sublayer."""
+  def sublayer(self, which: int, h_BTD: Array, positions_BT: Array,
+               cache: KVCache | None = None, cache_index=None):
+    """f(h): the raw output of the attention (0) or MLP (1) sublayer.
+
+    With a KV cache (decoding), the attention sublayer returns (output, new cache).
+    """
     if which == ATTENTION:
-      return self.attention(self.attention_norm(h_BTD), positions_BT)
+      return self.attention(self.attention_norm(h_BTD), positions_BT, cache,
+                            cache_index)
     return self.mlp(self.mlp_norm(h_BTD))
 
 
@@ -212,6 +218,28 @@ class Transformer(nnx.Module):
                             config_lib.effective_block_size(self.cfg))
     buffer_SBTD = jnp.zeros((slots,) + x_BTD.shape, x_BTD.dtype)
     return buffer_SBTD.at[0].set(x_BTD)
+
+  def init_cache(self, batch_size: int, max_length: int) -> KVCache:
+    """An empty KV cache for all layers: [num_layers, B, max_length, N, H]."""
+    cfg = self.cfg
+    shape = (cfg.num_layers, batch_size, max_length, cfg.num_heads,
+             cfg.d_model // cfg.num_heads)
+    dtype = _dtype(cfg.dtype)
+    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+  def decode(self, tokens_BT: Array, cache: KVCache, cache_index) -> tuple[Array, KVCache]:
+    """Logits for tokens at positions cache_index .. cache_index + T - 1, using and
+    extending the KV cache: a prompt prefill (T > 1) or one generation step (T = 1).
+
+    The depth state is per token, so nothing about depth is cached across positions.
+    """
+    positions_BT = cache_index + jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]),
+                                                  tokens_BT.shape)
+    state = self.initial_depth_state(self.embed(tokens_BT))
+    graphdef, layer_state = nnx.split(self.layers)
+    state, cache = stack_lib.apply_layers_cached(
+        graphdef, layer_state, state, positions_BT, cache, cache_index, cfg=self.cfg)
+    return self.head(self.final_hidden(state)), cache
 
   def __call__(self, tokens_BT: Array, positions_BT: Array | None = None, *,
                collect_stats: bool = False):

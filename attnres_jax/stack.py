@@ -57,8 +57,11 @@ def _token_rms(x_BTD):
 
 
 def _layer_step(graphdef, cfg, layer_state, state, layer_index, positions_BT,
-                collect_stats):
-  """Both sublayers of one layer: read the input, apply f, write the output."""
+                collect_stats, cache=None, cache_index=None):
+  """Both sublayers of one layer: read the input, apply f, write the output.
+
+  With a KV cache (decoding) returns (state, new cache) instead of (state, stats).
+  """
   standard = cfg.residual == 'standard'
   block_size = config_lib.effective_block_size(cfg)
   stats = []
@@ -68,8 +71,14 @@ def _layer_step(graphdef, cfg, layer_state, state, layer_index, positions_BT,
       h_BTD = state
     else:
       h_BTD, weights_SBT = _read(graphdef, cfg, layer_state, state, which, sublayer)
-    f = _sublayer_function(graphdef, which, cfg.remat == 'sublayer')
-    out_BTD = f(layer_state, h_BTD, positions_BT)
+    if cache is not None:
+      layer = nnx.merge(graphdef, layer_state)
+      out_BTD = layer.sublayer(which, h_BTD, positions_BT, cache, cache_index)
+      if which == 0:
+        out_BTD, cache = out_BTD
+    else:
+      f = _sublayer_function(graphdef, which, cfg.remat == 'sublayer')
+      out_BTD = f(layer_state, h_BTD, positions_BT)
     if standard:
       state = state + out_BTD
     else:
@@ -81,6 +90,8 @@ def _layer_step(graphdef, cfg, layer_state, state, layer_index, positions_BT,
         plogp = jnp.where(weights_SBT > 0, weights_SBT * jnp.log(weights_SBT), 0.0)
         entry['depth_entropy'] = jnp.mean(-jnp.sum(plogp, axis=0))
       stats.append(entry)
+  if cache is not None:
+    return state, cache
   if collect_stats:
     stats = jax.tree.map(lambda *xs: jnp.stack(xs), *stats)
   return state, (stats if collect_stats else None)
@@ -119,6 +130,18 @@ def apply_layers(graphdef, layer_state, state, positions_BT, *, cfg,
   if use_linear_memory:
     return _linear_memory_stack(graphdef, cfg, layer_state, state, positions_BT), None
   return _plain_stack(graphdef, cfg, layer_state, state, positions_BT, collect_stats)
+
+
+def apply_layers_cached(graphdef, layer_state, state, positions_BT, cache,
+                        cache_index, *, cfg):
+  """Decoding: runs the layers with their KV caches; returns (final state, cache)."""
+
+  def body(carry, xs):
+    state_k, k, cache_k = xs
+    return _layer_step(graphdef, cfg, state_k, carry, k, positions_BT,
+                       collect_stats=False, cache=cache_k, cache_index=cache_index)
+
+  return jax.lax.scan(body, state, (layer_state, jnp.arange(cfg.num_layers), cache))
 
 
 # -- the linear-memory backward pass ------------------------------------------------
