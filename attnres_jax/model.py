@@ -178,7 +178,7 @@ class Transformer(nnx.Module):
     def make_layers(layer_rngs):
       return TransformerLayer(cfg, rngs=layer_rngs)
 
-    self.layers = make_layers(rngs.fork(split=cfg.num_layers))
+    self.layers = make_layers(rngs.split(cfg.num_layers))
     self.final_query = _param(jnp.zeros, (d,), ('embed',), dtype=pdt)
     self.final_gain = _param(jnp.ones, (d,), ('embed',), dtype=pdt)
     self.final_norm = RMSNorm(d, eps=cfg.norm_eps, param_dtype=pdt)
@@ -245,13 +245,18 @@ class Transformer(nnx.Module):
                collect_stats: bool = False):
     """Logits [B, T, V] in float32; with `collect_stats`, also per-sublayer statistics.
 
-    Statistics (for analysis, see `stack.SublayerStats`) are returned stacked as
-    [num_layers, 2, ...] (sublayer order: attention, MLP) plus the final read's
-    depth weights.
+    Statistics (for analysis) are returned stacked as [num_layers, 2, ...] (sublayer
+    order: attention, MLP) plus the final read's depth weights.
     """
+    return self.forward_embeddings(self.embed(tokens_BT), positions_BT,
+                                   collect_stats=collect_stats)
+
+  def forward_embeddings(self, x_BTD: Array, positions_BT: Array | None = None, *,
+                         collect_stats: bool = False):
+    """The model from token embeddings on (e.g. to differentiate wrt the inputs)."""
     if positions_BT is None:
-      positions_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
-    state = self.initial_depth_state(self.embed(tokens_BT))
+      positions_BT = jnp.broadcast_to(jnp.arange(x_BTD.shape[1]), x_BTD.shape[:2])
+    state = self.initial_depth_state(x_BTD)
     graphdef, layer_state = nnx.split(self.layers)
     state, stats = stack_lib.apply_layers(
         graphdef, layer_state, state, positions_BT, cfg=self.cfg,
