@@ -57,24 +57,97 @@ def rms_inverse(x: jax.Array, eps: float) -> jax.Array:
   return jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1) + eps)
 
 
-def depth_logits(
-    sources_SBTD: jax.Array, query_D: jax.Array, gain_D: jax.Array, *, eps: float
-) -> jax.Array:
-  """logit_s = (query * gain) . RMSNorm(source_s), float32, shape [S, B, T]."""
-  folded_query_D = (query_D.astype(jnp.float32) * gain_D.astype(jnp.float32))
-  # Two reductions over D instead of materialising the normalised keys.
-  dots_SBT = jnp.einsum(
-      'sbtd,d->sbt', sources_SBTD, folded_query_D,
-      preferred_element_type=jnp.float32,
-  )
-  return dots_SBT * rms_inverse(sources_SBTD, eps)
-
-
 def valid_mask(num_sources: int, num_valid) -> jax.Array | None:
   """Boolean [S] mask of the first `num_valid` sources (None when all are valid)."""
   if num_valid is None:
     return None
   return jnp.arange(num_sources) < num_valid
+
+
+def _folded_query(query_D, gain_D):
+  return query_D.astype(jnp.float32) * gain_D.astype(jnp.float32)
+
+
+def _source_logits(sources_SBTD, folded_query_D, eps):
+  """(dots, inverse RMS) per source, float32 [S, B, T]; logit = dot * inverse RMS.
+
+  Two reductions over D instead of materialising the normalised keys.
+  """
+  dots_SBT = jnp.einsum('sbtd,d->sbt', sources_SBTD, folded_query_D,
+                        preferred_element_type=jnp.float32)
+  return dots_SBT, rms_inverse(sources_SBTD, eps)
+
+
+def read_parts(buffer_SBTD, query_D, gain_D, *, eps, num_valid=None, partial_BTD=None,
+               partial_valid=None):
+  """The depth read over `buffer[:num_valid]` plus, optionally, one more source.
+
+  The extra `partial_BTD` (a Block's running partial sum held outside the buffer)
+  joins the same softmax when `partial_valid` (bool, may be traced) is true.
+
+  Returns (h_BTD in the buffer's dtype, statistics): the statistics are float32
+  (weights [S (+1), B, T], dots, inverse RMS) that `read_parts_backward` reuses.
+  """
+  folded_query_D = _folded_query(query_D, gain_D)
+  dots_SBT, inv_rms_SBT = _source_logits(buffer_SBTD, folded_query_D, eps)
+  logits_SBT = dots_SBT * inv_rms_SBT
+  mask_S = valid_mask(buffer_SBTD.shape[0], num_valid)
+  if mask_S is not None:
+    logits_SBT = jnp.where(mask_S[:, None, None], logits_SBT, -jnp.inf)
+  if partial_BTD is not None:
+    dots_1BT, inv_rms_1BT = _source_logits(partial_BTD[None], folded_query_D, eps)
+    partial_logit_1BT = jnp.where(partial_valid, dots_1BT * inv_rms_1BT, -jnp.inf)
+    logits_SBT = jnp.concatenate([logits_SBT, partial_logit_1BT])
+    dots_SBT = jnp.concatenate([dots_SBT, dots_1BT])
+    inv_rms_SBT = jnp.concatenate([inv_rms_SBT, inv_rms_1BT])
+  weights_SBT = jax.nn.softmax(logits_SBT, axis=0)
+  num_buffer = buffer_SBTD.shape[0]
+  h_BTD = jnp.einsum('sbt,sbtd->btd', weights_SBT[:num_buffer], buffer_SBTD,
+                     preferred_element_type=jnp.float32)
+  if partial_BTD is not None:
+    h_BTD += weights_SBT[num_buffer][..., None] * partial_BTD.astype(jnp.float32)
+  return h_BTD.astype(buffer_SBTD.dtype), (weights_SBT, dots_SBT, inv_rms_SBT)
+
+
+def read_parts_backward(buffer_SBTD, query_D, gain_D, statistics, d_h_BTD,
+                        partial_BTD=None):
+  """The VJP of `read_parts` by hand, from its saved statistics.
+
+  One fused expression per source tensor instead of autodiff's several buffer-sized
+  temporaries (the backward pass of the AttnRes stack runs this once per sublayer).
+  With u = query * gain, logit_s = inv_s (v_s . u), inv_s = (mean(v_s^2) + eps)^-1/2:
+
+    dlogit_s = w_s (dh . v_s - sum_k w_k dh . v_k)
+    dv_s     = w_s dh + dlogit_s (inv_s u - (v_s . u) inv_s^3 v_s / D)
+    du       = sum_s dlogit_s inv_s v_s        (summed over tokens)
+
+  Returns (d_buffer, d_partial or None, d_query, d_gain).
+  """
+  weights_SBT, dots_SBT, inv_rms_SBT = statistics
+  folded_query_D = _folded_query(query_D, gain_D)
+  d_h_BTD = d_h_BTD.astype(jnp.float32)
+  dim = buffer_SBTD.shape[-1]
+  num_buffer = buffer_SBTD.shape[0]
+  sources = [(buffer_SBTD, slice(0, num_buffer))]
+  if partial_BTD is not None:
+    sources.append((partial_BTD[None], slice(num_buffer, num_buffer + 1)))
+  value_grads_SBT = jnp.concatenate([
+      jnp.einsum('sbtd,btd->sbt', v, d_h_BTD, preferred_element_type=jnp.float32)
+      for v, _ in sources])
+  mean_grad_BT = jnp.sum(weights_SBT * value_grads_SBT, axis=0)
+  d_logits_SBT = weights_SBT * (value_grads_SBT - mean_grad_BT)
+  d_query_key_D = jnp.zeros_like(folded_query_D)
+  d_sources = []
+  for v, part in sources:
+    w, dl, dots, inv = (x[part][..., None] for x in (
+        weights_SBT, d_logits_SBT, dots_SBT, inv_rms_SBT))
+    v32 = v.astype(jnp.float32)
+    d_sources.append((w * d_h_BTD + dl * inv * folded_query_D
+                      - (dl * dots * inv ** 3 / dim) * v32).astype(v.dtype))
+    d_query_key_D += jnp.einsum('sbt,sbtd->d', (dl * inv)[..., 0], v32)
+  d_partial = d_sources[1][0] if partial_BTD is not None else None
+  return (d_sources[0], d_partial, d_query_key_D * gain_D.astype(jnp.float32),
+          d_query_key_D * query_D.astype(jnp.float32))
 
 
 def attn_res_read(
@@ -99,13 +172,6 @@ def attn_res_read(
     h_BTD: the weighted sum of the sources, cast back to the sources' dtype.
     weights_SBT: the float32 depth-attention weights (zero on invalid sources).
   """
-  logits_SBT = depth_logits(sources_SBTD, query_D, gain_D, eps=eps)
-  mask_S = valid_mask(sources_SBTD.shape[0], num_valid)
-  if mask_S is not None:
-    logits_SBT = jnp.where(mask_S[:, None, None], logits_SBT, -jnp.inf)
-  weights_SBT = jax.nn.softmax(logits_SBT, axis=0)
-  h_BTD = jnp.einsum(
-      'sbt,sbtd->btd', weights_SBT, sources_SBTD,
-      preferred_element_type=jnp.float32,
-  )
-  return h_BTD.astype(sources_SBTD.dtype), weights_SBT
+  h_BTD, (weights_SBT, _, _) = read_parts(sources_SBTD, query_D, gain_D, eps=eps,
+                                          num_valid=num_valid)
+  return h_BTD, weights_SBT

@@ -170,16 +170,18 @@ def _join_residuals(treedef, spec, saved, known_leaves):
   return jax.tree.unflatten(treedef, leaves)
 
 
-def _view_at_entry(buffer_SBTD, slot, partial_BTD):
-  """The buffer as sublayer writing to `slot` saw it, rebuilt from the final buffer.
+def _add_depth_grads(d_state, which, d_query_D, d_gain_D):
+  """Adds the read's query/gain gradients to row `which` of a layer's gradients."""
 
-  Slots before `slot` are complete; `slot` held the running partial sum of the block
-  (zero at a block's first sublayer); later slots were still zero.
-  """
-  slot_ids = jnp.arange(buffer_SBTD.shape[0])[:, None, None, None]
-  return jnp.where(slot_ids < slot, buffer_SBTD,
-                   jnp.where(slot_ids == slot, partial_BTD[None], 0).astype(
-                       buffer_SBTD.dtype))
+  def add(path, leaf):
+    names = {getattr(key, 'key', None) for key in path}  # leaves sit under '.value'
+    if 'depth_query' in names:
+      return leaf.at[which].add(d_query_D.astype(leaf.dtype))
+    if 'depth_gain' in names:
+      return leaf.at[which].add(d_gain_D.astype(leaf.dtype))
+    return leaf
+
+  return jax.tree_util.tree_map_with_path(add, d_state)
 
 
 def _linear_memory_stack(graphdef, cfg, layer_state, buffer_SBTD, positions_BT):
@@ -207,7 +209,7 @@ def _linear_memory_stack(graphdef, cfg, layer_state, buffer_SBTD, positions_BT):
         sublayer = 2 * k + which
         slot = depth.output_slot(sublayer, block_size)
         partial_BTD = (jax.lax.dynamic_index_in_dim(buffer_SBTD, slot, 0, False)
-                       if keeps_partial else None)
+                       if keeps_partial else None)  # Full: nothing to keep.
         h_BTD, _ = _read(graphdef, cfg, state_k, buffer_SBTD, which, sublayer)
         if recompute_sublayers:
           out_BTD = functions[which](state_k, h_BTD, positions_BT)
@@ -231,17 +233,20 @@ def _linear_memory_stack(graphdef, cfg, layer_state, buffer_SBTD, positions_BT):
     def body(d_buffer_SBTD, xs):
       state_k, k, saved_k = xs
       known = jax.tree.leaves(state_k) + [positions_BT]
-      d_state_k = jax.tree.map(jnp.zeros_like, state_k)
+      layer = nnx.merge(graphdef, state_k)
+      d_state_k = None
       for which in reversed(SUBLAYERS):
         sublayer = 2 * k + which
         slot = depth.output_slot(sublayer, block_size)
         partial_BTD, sublayer_residuals = saved_k[which]
-        if partial_BTD is None:
-          partial_BTD = jnp.zeros(final_SBTD.shape[1:], final_SBTD.dtype)
-        view_SBTD = _view_at_entry(final_SBTD, slot, partial_BTD)
-        h_BTD, read_vjp = jax.vjp(
-            lambda s, b: _read(graphdef, cfg, s, b, which, sublayer)[0],
-            state_k, view_SBTD)
+        # The sublayer read the completed slots [0, slot) of the final buffer, plus
+        # (Block) the running partial sum of its block, which lived in `slot`.
+        query_D = layer.depth_query[...][which]
+        gain_D = layer.depth_gain[...][which]
+        read_kwargs = dict(num_valid=slot, partial_BTD=partial_BTD,
+                           partial_valid=sublayer % block_size != 0)
+        h_BTD, statistics = depth.read_parts(final_SBTD, query_D, gain_D,
+                                             eps=cfg.attn_res_eps, **read_kwargs)
         if recompute_sublayers:
           _, sublayer_vjp = jax.vjp(
               lambda s, h, f=functions[which]: f(s, h, positions_BT), state_k, h_BTD)
@@ -250,10 +255,14 @@ def _linear_memory_stack(graphdef, cfg, layer_state, buffer_SBTD, positions_BT):
           sublayer_vjp = _join_residuals(treedef, spec, sublayer_residuals, known)
         d_out_BTD = jax.lax.dynamic_index_in_dim(d_buffer_SBTD, slot, 0, False)
         d_state_f, d_h_BTD = sublayer_vjp(d_out_BTD)
-        d_state_read, d_view_SBTD = read_vjp(d_h_BTD)
-        d_state_k = jax.tree.map(lambda a, b, c: a + b + c, d_state_k, d_state_f,
-                                 d_state_read)
-        d_buffer_SBTD = d_buffer_SBTD + d_view_SBTD
+        d_buffer_read, d_partial_BTD, d_query_D, d_gain_D = depth.read_parts_backward(
+            final_SBTD, query_D, gain_D, statistics, d_h_BTD, partial_BTD)
+        d_buffer_SBTD = d_buffer_SBTD + d_buffer_read
+        if d_partial_BTD is not None:
+          d_buffer_SBTD = _add_to_slot(d_buffer_SBTD, slot, d_partial_BTD)
+        d_state_f = _add_depth_grads(d_state_f, which, d_query_D, d_gain_D)
+        d_state_k = d_state_f if d_state_k is None else jax.tree.map(
+            jnp.add, d_state_k, d_state_f)
       return d_buffer_SBTD, d_state_k
 
     d_buffer_SBTD, d_layer_state = jax.lax.scan(

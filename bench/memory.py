@@ -1,0 +1,124 @@
+"""Train-step memory and time of Standard, Full and Block AttnRes across depth.
+
+For every (mode, depth) it compiles one training step (loss, gradients, AdamW update)
+and reads XLA's `memory_analysis()` of the compiled executable: temporary bytes (what
+autodiff keeps alive: activations, the AttnRes buffers), argument and output bytes. It
+then times a few steps. Ratios are to the standard model at the same depth, measured in
+the same run.
+
+  python bench/memory.py                       # the issue's grid (d=256, T=256, B=8)
+  python bench/memory.py --layers=4,8 --steps=2 --out=/tmp/memory_quick.jsonl
+  python bench/memory.py --linear_memory_backward=false   # plain autodiff, for contrast
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from absl import app, flags
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+import attnres_jax as ar
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list('layers', ['4', '8', '16', '32'], 'Transformer layers to measure.')
+flags.DEFINE_list('modes', ['standard', 'full', 'block:2', 'block:4', 'block:8'],
+                  'Residual modes; block:S is Block AttnRes with S sublayers per block.')
+flags.DEFINE_integer('d_model', 256, 'Model width.')
+flags.DEFINE_integer('seq_len', 256, 'Sequence length.')
+flags.DEFINE_integer('batch_size', 8, 'Batch size.')
+flags.DEFINE_integer('steps', 3, 'Timed steps per row (after one warm-up step).')
+flags.DEFINE_string('remat', 'none', 'Remat policy, the same for every row.')
+flags.DEFINE_bool('linear_memory_backward', True, 'AttnRes custom backward pass.')
+flags.DEFINE_string('out', 'bench/results/memory.jsonl', 'JSON output (one record per row).')
+
+
+def model_config(mode: str, num_layers: int):
+  residual, _, size = mode.partition(':')
+  return ar.model_config(
+      d_model=FLAGS.d_model, num_heads=FLAGS.d_model // 64, mlp_dim=4 * FLAGS.d_model,
+      num_layers=num_layers, residual=residual, block_size=int(size or 1),
+      remat=FLAGS.remat, linear_memory_backward=FLAGS.linear_memory_backward)
+
+
+def measure(mode: str, num_layers: int) -> dict:
+  cfg = model_config(mode, num_layers)
+  model = ar.Transformer(cfg, rngs=nnx.Rngs(0))
+  optimizer = optax.adamw(1e-3)
+  graphdef, params = nnx.split(model, nnx.Param)
+  opt_state = optimizer.init(params)
+
+  def train_step(params, opt_state, tokens_BT):
+    def loss_fn(params):
+      logits = nnx.merge(graphdef, params)(tokens_BT[:, :-1])
+      return optax.softmax_cross_entropy_with_integer_labels(
+          logits, tokens_BT[:, 1:]).mean()
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  tokens_BT = jax.random.randint(jax.random.key(0),
+                                 (FLAGS.batch_size, FLAGS.seq_len + 1), 0, 256)
+  step = jax.jit(train_step, donate_argnums=(0, 1))
+  start = time.perf_counter()
+  compiled = step.lower(params, opt_state, tokens_BT).compile()
+  compile_s = time.perf_counter() - start
+  memory = compiled.memory_analysis()
+  params, opt_state, loss = compiled(params, opt_state, tokens_BT)  # warm-up
+  loss.block_until_ready()
+  times = []
+  for _ in range(FLAGS.steps):
+    start = time.perf_counter()
+    params, opt_state, loss = compiled(params, opt_state, tokens_BT)
+    loss.block_until_ready()
+    times.append(time.perf_counter() - start)
+  return dict(
+      mode=mode, num_layers=num_layers, num_sublayers=2 * num_layers,
+      d_model=FLAGS.d_model, seq_len=FLAGS.seq_len, batch_size=FLAGS.batch_size,
+      remat=FLAGS.remat, linear_memory_backward=FLAGS.linear_memory_backward,
+      temp_bytes=memory.temp_size_in_bytes,
+      argument_bytes=memory.argument_size_in_bytes,
+      output_bytes=memory.output_size_in_bytes,
+      total_bytes=(memory.temp_size_in_bytes + memory.argument_size_in_bytes
+                   + memory.output_size_in_bytes),
+      step_s=min(times), compile_s=compile_s, loss=float(loss),
+      backend=jax.default_backend())
+
+
+def main(argv):
+  del argv
+  rows = []
+  header = (f"{'mode':>9} {'layers':>6} {'temp MiB':>9} {'total MiB':>9} "
+            f"{'step s':>7} {'temp/std':>8} {'total/std':>9} {'time/std':>8}")
+  print(header)
+  for num_layers in map(int, FLAGS.layers):
+    standard = None
+    for mode in FLAGS.modes:
+      row = measure(mode, num_layers)
+      if mode == 'standard':
+        standard = row
+      if standard is not None:
+        row['temp_ratio'] = row['temp_bytes'] / standard['temp_bytes']
+        row['total_ratio'] = row['total_bytes'] / standard['total_bytes']
+        row['time_ratio'] = row['step_s'] / standard['step_s']
+      rows.append(row)
+      mib = 2 ** 20
+      print(f"{mode:>9} {num_layers:>6} {row['temp_bytes'] / mib:>9.1f} "
+            f"{row['total_bytes'] / mib:>9.1f} {row['step_s']:>7.3f} "
+            f"{row.get('temp_ratio', float('nan')):>8.2f} "
+            f"{row.get('total_ratio', float('nan')):>9.2f} "
+            f"{row.get('time_ratio', float('nan')):>8.2f}", flush=True)
+  os.makedirs(os.path.dirname(FLAGS.out) or '.', exist_ok=True)
+  with open(FLAGS.out, 'w') as f:
+    for row in rows:
+      f.write(json.dumps(row) + '\n')
+  print(f'wrote {len(rows)} records to {FLAGS.out}')
+
+
+if __name__ == '__main__':
+  app.run(main)
