@@ -7,6 +7,7 @@ import ml_collections
 RESIDUAL_MODES = ('standard', 'full', 'block')
 REMAT_POLICIES = ('none', 'sublayer', 'layer')
 DTYPES = ('float32', 'bfloat16')
+DEPTH_READS = ('one_shot', 'two_phase')
 
 
 def model_config(**overrides) -> ml_collections.ConfigDict:
@@ -30,6 +31,10 @@ def model_config(**overrides) -> ml_collections.ConfigDict:
       # Backward pass of the AttnRes layer stack that keeps one source buffer
       # (memory linear in depth); False uses plain autodiff through the scan.
       linear_memory_backward=True,
+      # How Full/Block reads are computed: 'one_shot' (one read per sublayer) or
+      # 'two_phase' (paper Algorithm 1: a block's queries batched against the
+      # completed blocks, then merged with the partial sum by online softmax).
+      depth_read='one_shot',
   ))
   cfg.update(overrides)
   return cfg
@@ -78,6 +83,8 @@ def validate_model_config(cfg) -> None:
   for name in ('dtype', 'param_dtype'):
     if cfg.get(name) not in DTYPES:
       fail(f'{name} must be one of {DTYPES}, got {cfg.get(name)!r}.')
+  if cfg.depth_read not in DEPTH_READS:
+    fail(f'depth_read must be one of {DEPTH_READS}, got {cfg.depth_read!r}.')
   if cfg.remat not in REMAT_POLICIES:
     fail(f'remat must be one of {REMAT_POLICIES}, got {cfg.remat!r}.')
   for name in ('norm_eps', 'attn_res_eps'):

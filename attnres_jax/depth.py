@@ -175,3 +175,43 @@ def attn_res_read(
   h_BTD, (weights_SBT, _, _) = read_parts(sources_SBTD, query_D, gain_D, eps=eps,
                                           num_valid=num_valid)
   return h_BTD, weights_SBT
+
+
+# -- two-phase computation (paper, Algorithm 1) ---------------------------------------
+
+
+def block_phase1(buffer_SBTD, queries_QD, gains_QD, *, eps, num_valid):
+  """Phase 1: all Q queries of a block against its completed sources at once.
+
+  The sources `buffer[:num_valid]` are normalised once for the whole block and every
+  query carries its own gain. Returns the float32 online-softmax statistics per query:
+  max logit [Q, B, T], sum of exponentials [Q, B, T], unnormalised output [Q, B, T, D].
+  """
+  folded_QD = queries_QD.astype(jnp.float32) * gains_QD.astype(jnp.float32)
+  inv_rms_SBT = rms_inverse(buffer_SBTD, eps)
+  logits_QSBT = jnp.einsum('sbtd,qd->qsbt', buffer_SBTD, folded_QD,
+                           preferred_element_type=jnp.float32) * inv_rms_SBT
+  mask_S = valid_mask(buffer_SBTD.shape[0], num_valid)
+  if mask_S is not None:
+    logits_QSBT = jnp.where(mask_S[None, :, None, None], logits_QSBT, -jnp.inf)
+  max_QBT = jnp.max(logits_QSBT, axis=1)
+  exp_QSBT = jnp.exp(logits_QSBT - max_QBT[:, None])
+  out_QBTD = jnp.einsum('qsbt,sbtd->qbtd', exp_QSBT, buffer_SBTD,
+                        preferred_element_type=jnp.float32)
+  return max_QBT, jnp.sum(exp_QSBT, axis=1), out_QBTD
+
+
+def block_phase2(phase1_stats, partial_BTD, query_D, gain_D, *, eps, partial_valid):
+  """Phase 2: one sublayer merges its phase-1 statistics with the running partial sum
+  of its block by online softmax. Returns h in the partial sum's dtype."""
+  max_BT, sum_BT, out_BTD = phase1_stats
+  dots_1BT, inv_rms_1BT = _source_logits(partial_BTD[None], _folded_query(query_D, gain_D),
+                                         eps)
+  partial_logit_BT = jnp.where(partial_valid, (dots_1BT * inv_rms_1BT)[0], -jnp.inf)
+  new_max_BT = jnp.maximum(max_BT, partial_logit_BT)
+  old_scale_BT = jnp.exp(max_BT - new_max_BT)
+  partial_weight_BT = jnp.exp(partial_logit_BT - new_max_BT)  # 0 when not valid
+  total_BT = sum_BT * old_scale_BT + partial_weight_BT
+  h_BTD = (out_BTD * old_scale_BT[..., None]
+           + partial_weight_BT[..., None] * partial_BTD.astype(jnp.float32))
+  return (h_BTD / total_BT[..., None]).astype(partial_BTD.dtype)

@@ -16,7 +16,6 @@ reverse scan. Memory is then linear in depth. Gradients equal plain autodiff (te
 
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -37,13 +36,84 @@ def _sublayer_function(graphdef, which: int, remat: bool):
   return jax.checkpoint(apply) if remat else apply
 
 
-def _read(graphdef, cfg, layer_state, buffer_SBTD, which, sublayer):
-  """The depth read that forms the input of `sublayer` (global 0-based index)."""
-  layer = nnx.merge(graphdef, layer_state)
-  return depth.attn_res_read(
-      buffer_SBTD, layer.depth_query[...][which], layer.depth_gain[...][which],
-      eps=cfg.attn_res_eps,
-      num_valid=depth.num_valid_sources(sublayer, config_lib.effective_block_size(cfg)))
+class _DepthState:
+  """How sublayers read their inputs from, and write their outputs to, depth.
+
+  The carry is the residual stream ('standard'), or (buffer, phase-1 statistics) for
+  AttnRes, the statistics being None unless reads are two-phase.
+  """
+
+  def __init__(self, graphdef, cfg, layer_state, *, one_shot=False):
+    self.cfg = cfg
+    self.standard = cfg.residual == 'standard'
+    self.block_size = config_lib.effective_block_size(cfg)
+    self.two_phase = (not self.standard and not one_shot
+                      and cfg.depth_read == 'two_phase')
+    if self.two_phase:
+      # Phase 1 needs the queries of a whole block, which may span several layers.
+      layers = nnx.merge(graphdef, layer_state)
+      num_sublayers = config_lib.num_sublayers(cfg)
+      padding = ((0, depth.num_blocks(num_sublayers, self.block_size) * self.block_size
+                  - num_sublayers), (0, 0))
+      self.queries_LD = jnp.pad(layers.depth_query[...].reshape(num_sublayers, -1),
+                                padding)
+      self.gains_LD = jnp.pad(layers.depth_gain[...].reshape(num_sublayers, -1),
+                              padding)
+
+  def initial_carry(self, state):
+    if self.standard:
+      return state
+    phase1 = None
+    if self.two_phase:
+      _, *btd = state.shape
+      size = self.block_size
+      phase1 = (jnp.zeros((size, *btd[:-1]), jnp.float32),
+                jnp.zeros((size, *btd[:-1]), jnp.float32),
+                jnp.zeros((size, *btd), jnp.float32))
+    return state, phase1
+
+  def final_state(self, carry):
+    return carry if self.standard else carry[0]
+
+  def buffer(self, carry):
+    return carry[0]
+
+  def read(self, carry, layer, which, sublayer):
+    """Returns (h, depth weights or None, carry)."""
+    if self.standard:
+      return carry, None, carry
+    buffer_SBTD, phase1 = carry
+    query_D, gain_D = layer.depth_query[...][which], layer.depth_gain[...][which]
+    eps = self.cfg.attn_res_eps
+    if not self.two_phase:
+      h_BTD, weights_SBT = depth.attn_res_read(
+          buffer_SBTD, query_D, gain_D, eps=eps,
+          num_valid=depth.num_valid_sources(sublayer, self.block_size))
+      return h_BTD, weights_SBT, carry
+    size = self.block_size
+    position = sublayer % size
+    slot = depth.output_slot(sublayer, size)
+
+    def run_phase1():
+      first = sublayer - position
+      take = lambda x: jax.lax.dynamic_slice_in_dim(x, first, size)
+      return depth.block_phase1(buffer_SBTD, take(self.queries_LD),
+                                take(self.gains_LD), eps=eps, num_valid=slot)
+
+    phase1 = jax.lax.cond(position == 0, run_phase1, lambda: phase1)
+    mine = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, position, 0, False),
+                        phase1)
+    partial_BTD = jax.lax.dynamic_index_in_dim(buffer_SBTD, slot, 0, False)
+    h_BTD = depth.block_phase2(mine, partial_BTD, query_D, gain_D, eps=eps,
+                               partial_valid=position != 0)
+    return h_BTD, None, (buffer_SBTD, phase1)
+
+  def write(self, carry, sublayer, out_BTD):
+    if self.standard:
+      return carry + out_BTD
+    buffer_SBTD, phase1 = carry
+    slot = depth.output_slot(sublayer, self.block_size)
+    return _add_to_slot(buffer_SBTD, slot, out_BTD), phase1
 
 
 def _add_to_slot(buffer_SBTD, slot, out_BTD):
@@ -56,69 +126,76 @@ def _token_rms(x_BTD):
   return jnp.mean(1.0 / depth.rms_inverse(x_BTD, 0.0))
 
 
-def _layer_step(graphdef, cfg, layer_state, state, layer_index, positions_BT,
-                collect_stats, cache=None, cache_index=None):
+def _sublayer_stats(h_BTD, out_BTD, weights_SBT):
+  entry = {'input_rms': _token_rms(h_BTD), 'output_rms': _token_rms(out_BTD)}
+  if weights_SBT is not None:
+    entry['depth_weights'] = jnp.mean(weights_SBT, axis=(1, 2))
+    plogp = jnp.where(weights_SBT > 0, weights_SBT * jnp.log(weights_SBT), 0.0)
+    entry['depth_entropy'] = jnp.mean(-jnp.sum(plogp, axis=0))
+  return entry
+
+
+def _layer_step(graphdef, cfg, depth_state, layer_state, carry, layer_index,
+                positions_BT, *, collect_stats=False, apply_sublayer=None):
   """Both sublayers of one layer: read the input, apply f, write the output.
 
-  With a KV cache (decoding) returns (state, new cache) instead of (state, stats).
+  `apply_sublayer(which, layer_state, h, carry) -> out` replaces the plain sublayer
+  call (the linear-memory forward pass records VJP residuals through it).
+  Returns (carry, per-sublayer statistics or None).
   """
-  standard = cfg.residual == 'standard'
-  block_size = config_lib.effective_block_size(cfg)
+  layer = nnx.merge(graphdef, layer_state)
   stats = []
   for which in SUBLAYERS:
     sublayer = 2 * layer_index + which
-    if standard:
-      h_BTD = state
-    else:
-      h_BTD, weights_SBT = _read(graphdef, cfg, layer_state, state, which, sublayer)
-    if cache is not None:
-      layer = nnx.merge(graphdef, layer_state)
-      out_BTD = layer.sublayer(which, h_BTD, positions_BT, cache, cache_index)
-      if which == 0:
-        out_BTD, cache = out_BTD
-    else:
+    h_BTD, weights_SBT, carry = depth_state.read(carry, layer, which, sublayer)
+    if apply_sublayer is None:
       f = _sublayer_function(graphdef, which, cfg.remat == 'sublayer')
       out_BTD = f(layer_state, h_BTD, positions_BT)
-    if standard:
-      state = state + out_BTD
     else:
-      state = _add_to_slot(state, depth.output_slot(sublayer, block_size), out_BTD)
+      out_BTD = apply_sublayer(which, layer_state, h_BTD, carry)
+    carry = depth_state.write(carry, sublayer, out_BTD)
     if collect_stats:
-      entry = {'input_rms': _token_rms(h_BTD), 'output_rms': _token_rms(out_BTD)}
-      if not standard:
-        entry['depth_weights'] = jnp.mean(weights_SBT, axis=(1, 2))
-        plogp = jnp.where(weights_SBT > 0, weights_SBT * jnp.log(weights_SBT), 0.0)
-        entry['depth_entropy'] = jnp.mean(-jnp.sum(plogp, axis=0))
-      stats.append(entry)
-  if cache is not None:
-    return state, cache
-  if collect_stats:
-    stats = jax.tree.map(lambda *xs: jnp.stack(xs), *stats)
-  return state, (stats if collect_stats else None)
+      stats.append(_sublayer_stats(h_BTD, out_BTD, weights_SBT))
+  if not collect_stats:
+    return carry, None
+  return carry, jax.tree.map(lambda *xs: jnp.stack(xs), *stats)
+
+
+def _scan_layers(step, carry, layer_state, num_layers, extra_xs=None, unroll=False):
+  """carry, ys = step(layer_state_k, carry, k[, extra_k]) over layers: a scan, or a
+  Python loop when `unroll` (debugging, and a reference for the scan)."""
+  if unroll:
+    per_layer = []
+    for k in range(num_layers):
+      take = lambda tree: jax.tree.map(lambda x: x[k], tree)
+      args = (take(layer_state), carry, k) + (
+          (take(extra_xs),) if extra_xs is not None else ())
+      carry, ys = step(*args)
+      per_layer.append(ys)
+    return carry, jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)
+
+  def body(carry, xs):
+    state_k, k, *extra = xs
+    return step(state_k, carry, k, *extra)
+
+  xs = (layer_state, jnp.arange(num_layers)) + (
+      (extra_xs,) if extra_xs is not None else ())
+  return jax.lax.scan(body, carry, xs)
 
 
 def _plain_stack(graphdef, cfg, layer_state, state, positions_BT, collect_stats):
   """Scan (or unrolled loop) over layers with ordinary autodiff."""
-  step = functools.partial(_layer_step, graphdef, cfg,
-                           positions_BT=positions_BT, collect_stats=collect_stats)
+  depth_state = _DepthState(graphdef, cfg, layer_state, one_shot=collect_stats)
+
+  def step(state_k, carry, k):
+    return _layer_step(graphdef, cfg, depth_state, state_k, carry, k, positions_BT,
+                       collect_stats=collect_stats)
+
   if cfg.remat == 'layer':
     step = jax.checkpoint(step)
-
-  if not cfg.scan_layers:
-    per_layer = []
-    for k in range(cfg.num_layers):
-      state_k = jax.tree.map(lambda x: x[k], layer_state)
-      state, stats = step(state_k, state, k)
-      per_layer.append(stats)
-    if collect_stats:
-      return state, jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)
-    return state, None
-
-  def body(carry, xs):
-    state_k, k = xs
-    return step(state_k, carry, k)
-
-  return jax.lax.scan(body, state, (layer_state, jnp.arange(cfg.num_layers)))
+  carry, stats = _scan_layers(step, depth_state.initial_carry(state), layer_state,
+                              cfg.num_layers, unroll=not cfg.scan_layers)
+  return depth_state.final_state(carry), stats
 
 
 def apply_layers(graphdef, layer_state, state, positions_BT, *, cfg,
@@ -135,13 +212,27 @@ def apply_layers(graphdef, layer_state, state, positions_BT, *, cfg,
 def apply_layers_cached(graphdef, layer_state, state, positions_BT, cache,
                         cache_index, *, cfg):
   """Decoding: runs the layers with their KV caches; returns (final state, cache)."""
+  depth_state = _DepthState(graphdef, cfg, layer_state)
 
-  def body(carry, xs):
-    state_k, k, cache_k = xs
-    return _layer_step(graphdef, cfg, state_k, carry, k, positions_BT,
-                       collect_stats=False, cache=cache_k, cache_index=cache_index)
+  def step(state_k, carry, k, cache_k):
+    updated = {}
 
-  return jax.lax.scan(body, state, (layer_state, jnp.arange(cfg.num_layers), cache))
+    def apply_sublayer(which, layer_state, h_BTD, carry):
+      del carry
+      layer = nnx.merge(graphdef, layer_state)
+      if which == 0:
+        out_BTD, updated['cache'] = layer.sublayer(which, h_BTD, positions_BT, cache_k,
+                                                   cache_index)
+        return out_BTD
+      return layer.sublayer(which, h_BTD, positions_BT)
+
+    carry, _ = _layer_step(graphdef, cfg, depth_state, state_k, carry, k, positions_BT,
+                           apply_sublayer=apply_sublayer)
+    return carry, updated['cache']
+
+  carry, cache = _scan_layers(step, depth_state.initial_carry(state), layer_state,
+                              cfg.num_layers, extra_xs=cache)
+  return depth_state.final_state(carry), cache
 
 
 # -- the linear-memory backward pass ------------------------------------------------
@@ -201,16 +292,19 @@ def _linear_memory_stack(graphdef, cfg, layer_state, buffer_SBTD, positions_BT):
     return state
 
   def forward(layer_state, buffer_SBTD, positions_BT):
-    def body(buffer_SBTD, xs):
-      state_k, k = xs
+    depth_state = _DepthState(graphdef, cfg, layer_state)
+
+    def step(state_k, carry, k):
       known = jax.tree.leaves(state_k) + [positions_BT]
       saved = []
-      for which in SUBLAYERS:
+
+      def apply_sublayer(which, state_k, h_BTD, carry):
         sublayer = 2 * k + which
         slot = depth.output_slot(sublayer, block_size)
-        partial_BTD = (jax.lax.dynamic_index_in_dim(buffer_SBTD, slot, 0, False)
-                       if keeps_partial else None)  # Full: nothing to keep.
-        h_BTD, _ = _read(graphdef, cfg, state_k, buffer_SBTD, which, sublayer)
+        # Block: the partial sum this sublayer saw (Full: always zero, not kept).
+        partial_BTD = (jax.lax.dynamic_index_in_dim(depth_state.buffer(carry), slot,
+                                                    0, False)
+                       if keeps_partial else None)
         if recompute_sublayers:
           out_BTD = functions[which](state_k, h_BTD, positions_BT)
           residuals = []
@@ -220,11 +314,15 @@ def _linear_memory_stack(graphdef, cfg, layer_state, buffer_SBTD, positions_BT):
           treedef, spec, residuals = _split_residuals(vjp_fn, known)
           closure_layout[which] = (treedef, spec)
         saved.append((partial_BTD, residuals))
-        buffer_SBTD = _add_to_slot(buffer_SBTD, slot, out_BTD)
-      return buffer_SBTD, saved
+        return out_BTD
 
-    final_SBTD, saved = jax.lax.scan(
-        body, buffer_SBTD, (layer_state, jnp.arange(cfg.num_layers)))
+      carry, _ = _layer_step(graphdef, cfg, depth_state, state_k, carry, k,
+                             positions_BT, apply_sublayer=apply_sublayer)
+      return carry, saved
+
+    carry, saved = _scan_layers(step, depth_state.initial_carry(buffer_SBTD),
+                                layer_state, cfg.num_layers)
+    final_SBTD = depth_state.final_state(carry)
     return final_SBTD, (layer_state, final_SBTD, positions_BT, saved)
 
   def backward(residuals, d_final_SBTD):
