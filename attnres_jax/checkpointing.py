@@ -1,0 +1,150 @@
+"""Checkpoints with orbax's `CheckpointManager` (args API), and the run config.
+
+A checkpoint of step s, in `<workdir>/checkpoints/<s>/`, holds three items of one
+`ocp.args.Composite`:
+  params:      the model parameters (a pure dict, `nnx.to_pure_dict`)
+  train_state: {'step': s, 'opt_state': the optax state}
+  data:        the training data iterator state (grain's checkpoint handler, JSON,
+               one file per process)
+all after s optimizer updates and s batches. Orbax writes each step into a temporary
+directory and renames it when complete, so a run killed during a save leaves the
+earlier checkpoints usable; the unfinished temporary directory is ignored and removed
+at the next start.
+
+`<workdir>/config.json` is the full run config, written at the start of a run;
+`restore_model` rebuilds the model from it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import grain
+import jax
+import ml_collections
+import orbax.checkpoint as ocp
+from flax import nnx
+
+CONFIG_JSON = 'config.json'
+CHECKPOINTS = 'checkpoints'
+
+
+def checkpoint_dir(workdir: str) -> str:
+  return os.path.join(os.path.abspath(workdir), CHECKPOINTS)
+
+
+def save_config(workdir: str, config: ml_collections.ConfigDict) -> None:
+  """Writes `config.json` atomically (write to a temporary file, then rename)."""
+  path = os.path.join(workdir, CONFIG_JSON)
+  tmp = path + '.tmp'
+  with open(tmp, 'w', encoding='utf-8') as f:
+    f.write(config.to_json(indent=2, sort_keys=True))
+  os.replace(tmp, path)
+
+
+def load_config(workdir: str) -> ml_collections.ConfigDict:
+  with open(os.path.join(workdir, CONFIG_JSON), encoding='utf-8') as f:
+    return ml_collections.ConfigDict(json.load(f))
+
+
+class Checkpointer:
+  """Saves and restores (params, optimizer state, step, data iterator) by step."""
+
+  def __init__(self, workdir: str, *, save_every: int, keep: int | None,
+               async_save: bool = True, read_only: bool = False):
+    options = ocp.CheckpointManagerOptions(
+        save_interval_steps=0 if read_only else save_every,
+        max_to_keep=None if read_only else keep,
+        create=not read_only,
+        read_only=read_only,
+        cleanup_tmp_directories=not read_only,
+        enable_async_checkpointing=async_save,
+    )
+    self.directory = checkpoint_dir(workdir)
+    self.manager = ocp.CheckpointManager(self.directory, options=options)
+
+  def latest_step(self) -> int | None:
+    return self.manager.latest_step()
+
+  def all_steps(self) -> list[int]:
+    return list(self.manager.all_steps())
+
+  def should_save(self, step: int) -> bool:
+    return self.manager.should_save(step)
+
+  def save(self, step: int, *, params, opt_state, train_iter: grain.DatasetIterator,
+           force: bool = False) -> bool:
+    """Starts saving step `step` (asynchronously if enabled); True if it saves."""
+    return self.manager.save(
+        step,
+        args=ocp.args.Composite(
+            params=ocp.args.StandardSave(params),
+            train_state=ocp.args.StandardSave({'step': step, 'opt_state': opt_state}),
+            data=grain.checkpoint.CheckpointSave(train_iter),
+        ),
+        force=force)
+
+  def restore(self, step: int, *, abstract_params, abstract_opt_state,
+              train_iter: grain.DatasetIterator) -> tuple[Any, Any]:
+    """(params, opt_state) of `step`; also sets `train_iter` to its saved state.
+
+    The abstract trees are `jax.ShapeDtypeStruct`s with the target shardings.
+    """
+    restored = self.manager.restore(
+        step,
+        args=ocp.args.Composite(
+            params=ocp.args.StandardRestore(abstract_params),
+            train_state=ocp.args.StandardRestore(
+                {'step': 0, 'opt_state': abstract_opt_state}),
+            data=grain.checkpoint.CheckpointRestore(train_iter),
+        ))
+    if int(restored.train_state['step']) != step:
+      raise ValueError(f'Checkpoint {step} holds step {restored.train_state["step"]}.')
+    return restored.params, restored.train_state['opt_state']
+
+  def restore_params(self, step: int, abstract_params):
+    return self.manager.restore(
+        step, args=ocp.args.Composite(
+            params=ocp.args.StandardRestore(abstract_params))).params
+
+  def wait(self) -> None:
+    self.manager.wait_until_finished()
+
+  def close(self) -> None:
+    self.manager.close()
+
+
+def abstract_model(config: ml_collections.ConfigDict):
+  """(graphdef, abstract pure-dict params) of the model, without allocating it."""
+  from attnres_jax import model as model_lib  # pylint: disable=g-import-not-at-top
+  abstract = nnx.eval_shape(lambda: model_lib.Transformer(config, rngs=nnx.Rngs(0)))
+  graphdef, state = nnx.split(abstract)
+  return graphdef, nnx.to_pure_dict(state)
+
+
+def restore_model(workdir: str, step: int | None = None):
+  """(model, config, step): the model of `workdir`'s checkpoint `step` (default latest).
+
+  Rebuilds the Transformer from `<workdir>/config.json` and restores its parameters
+  only (no optimizer or data state), on the first local device.
+  """
+  config = load_config(workdir)
+  checkpointer = Checkpointer(workdir, save_every=0, keep=None, async_save=False,
+                              read_only=True)
+  try:
+    step = checkpointer.latest_step() if step is None else step
+    if step is None:
+      raise FileNotFoundError(f'No checkpoint in {checkpointer.directory}.')
+    if step not in checkpointer.all_steps():
+      raise FileNotFoundError(f'No checkpoint of step {step} in {checkpointer.directory}; '
+                              f'steps: {checkpointer.all_steps()}.')
+    graphdef, abstract = abstract_model(config.model)
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract)
+    params = checkpointer.restore_params(step, abstract)
+  finally:
+    checkpointer.close()
+  return nnx.merge(graphdef, params), config, step

