@@ -1,0 +1,87 @@
+"""Evaluates, analyses, compares and samples trained runs.
+
+  python eval.py --workdir=DIR [--step=N]
+      held-out loss / bits per byte / perplexity over the whole eval split, and the
+      analysis figures, into DIR/eval/step_N/ (eval.json, analysis.npz, *.png).
+  python eval.py --compare DIR1 DIR2 ... [--output_dir=OUT]
+      loss curves and magnitude profiles overlaid, and a markdown table of the latest
+      evaluation of each run, into OUT (default: <common parent>/compare).
+  python eval.py --workdir=DIR --prompt="ROMEO:" --max_new_tokens=200
+      [--temperature=0.8 --top_k=40 --seed=0]   samples text with the KV cache.
+"""
+
+import os
+
+from absl import app
+from absl import flags
+from absl import logging
+
+from attnres_jax import analysis
+from attnres_jax import checkpointing
+from attnres_jax import sampling
+
+_WORKDIR = flags.DEFINE_string('workdir', None, 'Run directory (config.json, checkpoints).')
+_STEP = flags.DEFINE_integer('step', None, 'Checkpoint step; default: the latest.')
+_OUTPUT_DIR = flags.DEFINE_string(
+    'output_dir', None, 'Where to write; default DIR/eval/step_N (or .../compare).')
+_COMPARE = flags.DEFINE_bool(
+    'compare', False, 'Compare the run directories given as positional arguments.')
+_BATCH_SIZE = flags.DEFINE_integer('batch_size', None,
+                                   'Eval batch size; default: the training batch size.')
+_MAX_EVAL_BATCHES = flags.DEFINE_integer(
+    'max_eval_batches', None, 'Evaluate only the first batches (default: whole split).')
+_ANALYSIS_BATCHES = flags.DEFINE_integer(
+    'analysis_batches', None, 'Batches for the depth statistics (default: all).')
+_GRAD_BATCHES = flags.DEFINE_integer(
+    'grad_batches', 16, 'Eval batches for the gradient norms (0: all).')
+_PROMPT = flags.DEFINE_string('prompt', None, 'Sample a continuation of this text.')
+_MAX_NEW_TOKENS = flags.DEFINE_integer('max_new_tokens', 200, 'Tokens (bytes) to sample.')
+_TEMPERATURE = flags.DEFINE_float('temperature', 0.8, 'Sampling temperature; 0: greedy.')
+_TOP_K = flags.DEFINE_integer('top_k', None, 'Sample from the k most likely tokens only.')
+_SEED = flags.DEFINE_integer('seed', 0, 'Sampling seed (fixed seed, fixed output).')
+
+
+def main(argv):
+  if not flags.FLAGS['verbosity'].present:
+    logging.set_verbosity(logging.WARNING)  # orbax logs every file at INFO
+  if _COMPARE.value:
+    workdirs = argv[1:]
+    if not workdirs:
+      raise app.UsageError('--compare needs run directories: eval.py --compare A B ...')
+    parent = os.path.commonpath([os.path.abspath(w) for w in workdirs])
+    if len(workdirs) == 1 or parent == os.path.abspath(workdirs[0]):
+      parent = os.path.dirname(os.path.abspath(workdirs[0]))
+    out_dir = _OUTPUT_DIR.value or os.path.join(parent, 'compare')
+    print(analysis.compare_runs(workdirs, out_dir))
+    print(f'Figures and compare.md in {out_dir}')
+    return
+  if len(argv) > 1:
+    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+  if _WORKDIR.value is None:
+    raise app.UsageError('--workdir is required (or --compare DIR1 DIR2 ...).')
+
+  if _PROMPT.value is not None:
+    model, _, step = checkpointing.restore_model(_WORKDIR.value, _STEP.value)
+    text = sampling.generate_text(
+        model, _PROMPT.value, _MAX_NEW_TOKENS.value, temperature=_TEMPERATURE.value,
+        top_k=_TOP_K.value, seed=_SEED.value)
+    print(f'[step {step}, temperature {_TEMPERATURE.value}, top_k {_TOP_K.value}, '
+          f'seed {_SEED.value}]')
+    print(_PROMPT.value + text)
+    return
+
+  record = analysis.evaluate_and_analyze(
+      _WORKDIR.value, _STEP.value, output_dir=_OUTPUT_DIR.value,
+      batch_size=_BATCH_SIZE.value, max_eval_batches=_MAX_EVAL_BATCHES.value,
+      analysis_batches=_ANALYSIS_BATCHES.value,
+      grad_batches=_GRAD_BATCHES.value or None)
+  out_dir = _OUTPUT_DIR.value or analysis.eval_dir(_WORKDIR.value, record['step'])
+  print(f'step {record["step"]}: held-out loss {record["loss"]:.4f} nats/token, '
+        f'{record["bits_per_byte"]:.4f} bits/byte, perplexity '
+        f'{record["perplexity"]:.3f} over {int(record["num_tokens"]):,} tokens '
+        f'({record["num_batches"]} batches{"" if record["whole_split"] else ", partial"})')
+  print(f'eval.json, analysis.npz and figures in {out_dir}')
+
+
+if __name__ == '__main__':
+  app.run(main)

@@ -1,0 +1,350 @@
+"""Tests of evaluation, analysis and sampling (attnres_jax/evaluate, analysis, sampling)."""
+
+import json
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from attnres_jax import analysis
+from attnres_jax import evaluate
+from attnres_jax import model_config
+from attnres_jax import sampling
+from attnres_jax import Transformer
+
+# (residual, block_size): Block S=3 with 4 sublayers has a partial last block.
+MODES = [('standard', 1), ('full', 1), ('block', 1), ('block', 3)]
+MODE_IDS = ['standard', 'full', 'block_S1', 'block_S3']
+VOCAB = 256
+
+
+@nnx.jit
+def forward(model, tokens_BT):
+  """The plain forward pass (no cache), jitted to keep the tests fast."""
+  return model(tokens_BT)
+
+
+def tiny_model(residual, block_size=2, *, num_layers=2, random_depth=False, seed=0):
+  """A tiny model; `random_depth` draws non-zero pseudo-queries and non-unit gains."""
+  cfg = model_config(d_model=32, num_heads=2, mlp_dim=64, num_layers=num_layers,
+                     residual=residual, block_size=block_size)
+  model = Transformer(cfg, rngs=nnx.Rngs(seed))
+  if random_depth:
+    keys = jax.random.split(jax.random.PRNGKey(seed + 100), 4)
+    for key, param, scale, offset in (
+        (keys[0], model.layers.depth_query, 1.0, 0.0),
+        (keys[1], model.layers.depth_gain, 0.3, 1.0),
+        (keys[2], model.final_query, 1.0, 0.0),
+        (keys[3], model.final_gain, 0.3, 1.0)):
+      shape = param[...].shape
+      param[...] = offset + scale * jax.random.normal(key, shape)
+  return model
+
+
+def random_batches(num_batches=2, batch=3, length=8, *, pad_last=True, seed=0):
+  """Batches like data.Datasets.eval_batches(): the last one padded at its end."""
+  rng = np.random.default_rng(seed)
+  batches = []
+  for b in range(num_batches):
+    window = rng.integers(1, VOCAB, (batch, length + 1)).astype(np.int32)
+    weights = np.ones((batch, length), np.float32)
+    if pad_last and b == num_batches - 1:
+      window.reshape(-1)[batch * (length + 1) // 2:] = 0  # a padded suffix
+      weights = (window[:, 1:] != 0).astype(np.float32)
+    batches.append({'inputs': window[:, :-1], 'targets': window[:, 1:],
+                    'weights': weights})
+  return batches
+
+
+def expected_sources(num_sublayers, block_size):
+  """Per sublayer, the number of sources it reads, and the final read's, from the
+  DESIGN.md rules, by simulating the blocks (independent of depth.py)."""
+  completed, partial, counts = ['emb'], None, []
+  for l in range(num_sublayers):
+    counts.append(len(completed) + (partial is not None))
+    partial = f'out{l}' if partial is None else partial + f'+out{l}'
+    if (l + 1) % block_size == 0:
+      completed.append(partial)
+      partial = None
+  final = len(completed) + (partial is not None)
+  return counts, final
+
+
+# -- metrics ------------------------------------------------------------------------
+
+
+def test_metrics_equal_direct_computation():
+  model = tiny_model('block', 3, random_depth=True)
+  batches = random_batches(3)
+  assert 0 < batches[-1]['weights'].sum() < batches[-1]['weights'].size
+
+  metrics = evaluate.evaluate(model, iter(batches))  # a one-shot iterator is enough
+
+  total_nll = total_weight = 0.0
+  for batch in batches:
+    logits = np.asarray(forward(model, jnp.asarray(batch['inputs'])), np.float64)
+    log_z = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+    target_logit = np.take_along_axis(logits, batch['targets'][..., None], -1)[..., 0]
+    total_nll += np.sum((log_z - target_logit) * batch['weights'])
+    total_weight += batch['weights'].sum()
+  loss = total_nll / total_weight
+  assert metrics['num_tokens'] == total_weight
+  assert metrics['num_batches'] == 3
+  np.testing.assert_allclose(metrics['loss'], loss, rtol=1e-5)
+  np.testing.assert_allclose(metrics['bits_per_byte'], loss / math.log(2), rtol=1e-5)
+  np.testing.assert_allclose(metrics['perplexity'], math.exp(loss), rtol=1e-5)
+
+
+def test_metrics_equal_training_loss_sums():
+  from attnres_jax import train  # pylint: disable=g-import-not-at-top
+  model = tiny_model('full')
+  batch = random_batches(1)[0]
+  graphdef, state = nnx.split(model)
+  loss_sum, weight_sum = train.loss_sums(
+      nnx.to_pure_dict(state), jax.tree.map(jnp.asarray, batch), graphdef=graphdef)
+  metrics = evaluate.evaluate(model, [batch])
+  np.testing.assert_allclose(metrics['loss'], float(loss_sum) / float(weight_sum),
+                             rtol=1e-5)
+
+
+def test_no_weighted_tokens_is_an_error():
+  batch = random_batches(1, pad_last=False)[0]
+  batch['weights'] = np.zeros_like(batch['weights'])
+  with pytest.raises(ValueError, match='weight > 0'):
+    evaluate.evaluate(tiny_model('standard'), [batch])
+
+
+# -- depth weights ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize('residual,block_size', [('full', 1), ('block', 2), ('block', 3)])
+def test_depth_weights_uniform_over_valid_sources_at_zero_queries(residual, block_size):
+  model = tiny_model(residual, block_size)  # queries are initialised to zero
+  stats = analysis.collect_statistics(model, random_batches(2))
+  size = 1 if residual == 'full' else block_size
+  counts, final_count = expected_sources(4, size)
+  weights = stats['depth_weights'].reshape(4, -1)  # sublayers in order A0, M0, A1, M1
+  assert weights.shape[1] == final_count  # every slot is read by the final read
+  for l, count in enumerate(counts):
+    np.testing.assert_allclose(weights[l, :count], 1.0 / count, rtol=1e-6)
+    np.testing.assert_array_equal(weights[l, count:], 0.0)
+  np.testing.assert_allclose(stats['final_depth_weights'], 1.0 / final_count, rtol=1e-6)
+  np.testing.assert_allclose(stats['depth_entropy'].reshape(-1), np.log(counts),
+                             atol=1e-6)
+  mask, _ = analysis.valid_source_mask(model.cfg)
+  np.testing.assert_array_equal(mask.reshape(4, -1).sum(-1), counts)
+
+
+@pytest.mark.parametrize('residual,block_size', [('full', 1), ('block', 3)])
+def test_depth_weight_rows_sum_to_one(residual, block_size):
+  model = tiny_model(residual, block_size, random_depth=True)
+  stats = analysis.collect_statistics(model, random_batches(2))
+  counts, _ = expected_sources(4, 1 if residual == 'full' else block_size)
+  weights = stats['depth_weights'].reshape(4, -1)
+  np.testing.assert_allclose(weights.sum(-1), 1.0, rtol=1e-5)
+  np.testing.assert_allclose(stats['final_depth_weights'].sum(), 1.0, rtol=1e-5)
+  for l, count in enumerate(counts):
+    np.testing.assert_array_equal(weights[l, count:], 0.0)
+    if count > 1:  # the random queries make the reads non-uniform
+      assert np.ptp(weights[l, :count]) > 1e-3
+  assert np.all(stats['depth_entropy'].reshape(-1) <= np.log(counts) + 1e-6)
+
+
+def test_statistics_skip_padded_rows():
+  batches = random_batches(2, batch=4)  # the padded suffix starts inside row 2 of 4
+  rows = list(analysis.padding_free_batches(batches))
+  assert [len(b['inputs']) for b in rows] == [4, 2]
+  assert all(np.all(b['weights'] > 0) for b in rows)
+  assert len(list(analysis.padding_free_batches(batches, max_batches=1))) == 1
+
+
+def test_sublayer_grad_norm_grouping():
+  num_layers, d = 3, 2
+  rng = np.random.default_rng(0)
+  grads = {
+      'attention': {'query': rng.normal(size=(num_layers, d, 2)),
+                    'out': rng.normal(size=(num_layers, 2, d))},
+      'attention_norm': {'scale': rng.normal(size=(num_layers, d))},
+      'mlp': {'up': rng.normal(size=(num_layers, d, 4))},
+      'mlp_norm': {'scale': rng.normal(size=(num_layers, d))},
+      'depth_query': rng.normal(size=(num_layers, 2, d)),
+      'depth_gain': rng.normal(size=(num_layers, 2, d)),
+  }
+  norms = analysis.sublayer_grad_norms(grads)
+  for k in range(num_layers):
+    attention = np.concatenate([
+        grads['attention']['query'][k].ravel(), grads['attention']['out'][k].ravel(),
+        grads['attention_norm']['scale'][k], grads['depth_query'][k, 0],
+        grads['depth_gain'][k, 0]])
+    mlp = np.concatenate([
+        grads['mlp']['up'][k].ravel(), grads['mlp_norm']['scale'][k],
+        grads['depth_query'][k, 1], grads['depth_gain'][k, 1]])
+    np.testing.assert_allclose(norms[k], [np.linalg.norm(attention),
+                                          np.linalg.norm(mlp)])
+
+
+# -- figures ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize('residual,block_size', MODES, ids=MODE_IDS)
+def test_figures_written_for_every_mode(residual, block_size, tmp_path):
+  model = tiny_model(residual, block_size, random_depth=True)
+  result = analysis.analyze(model, random_batches(2), str(tmp_path), grad_batches=2)
+  expected = {'analysis.npz', 'magnitudes.png', 'grad_norms.png'}
+  if residual != 'standard':
+    expected |= {'depth_weights.png', 'depth_entropy.png'}
+  assert {os.path.basename(f) for f in result['files']} == expected
+  assert set(os.listdir(tmp_path)) == expected
+  for name in expected - {'analysis.npz'}:
+    with open(tmp_path / name, 'rb') as f:
+      content = f.read()
+    assert content.startswith(b'\x89PNG') and len(content) > 5000, name
+  with np.load(tmp_path / 'analysis.npz') as data:
+    assert data['output_rms'].shape == data['input_rms'].shape == (2, 2)
+    grad_norm = data['grad_norm']
+    assert grad_norm.shape == (2, 2) and np.all(np.isfinite(grad_norm))
+    assert np.all(grad_norm > 0)
+    assert data['grad_tokens'] == sum(b['weights'].sum() for b in random_batches(2))
+    if residual != 'standard':
+      assert data['depth_weights'].shape == data['valid_sources'].shape
+
+
+# -- sampling -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize('residual,block_size', MODES, ids=MODE_IDS)
+def test_cached_generation_equals_full_recomputation(residual, block_size):
+  model = tiny_model(residual, block_size, random_depth=True)
+  prompt = np.array([[3, 70, 80, 90, 100], [0, 65, 66, 67, 68]], np.int32)
+  compiled_before = sampling.decode_step_cache_size()
+  tokens, logits = sampling.generate(model, prompt, 6, temperature=0.0,
+                                     return_logits=True)
+  # One compilation of the one-token step for all positions.
+  assert sampling.decode_step_cache_size() - compiled_before <= 1
+  assert tokens.shape == (2, 6) and logits.shape == (2, 6, VOCAB)
+
+  sequence = np.concatenate([prompt, tokens], axis=1)
+  filler = np.random.default_rng(0).integers(1, VOCAB, sequence.shape).astype(np.int32)
+  for i in range(tokens.shape[1]):
+    # Recompute the whole prefix that chose token i, without a cache. The prefix is
+    # padded to one length (one compilation) with random tokens after it, which a
+    # causal model ignores.
+    end = prompt.shape[1] + i
+    padded = np.concatenate([sequence[:, :end], filler[:, end:]], axis=1)
+    last_logits = np.asarray(forward(model, jnp.asarray(padded)))[:, end - 1]
+    np.testing.assert_allclose(logits[:, i], last_logits, atol=2e-4, rtol=1e-4)
+    np.testing.assert_array_equal(tokens[:, i], last_logits.argmax(-1))
+
+
+def test_sampling_is_deterministic_for_a_seed():
+  model = tiny_model('block', 3, random_depth=True)
+  prompt = sampling.encode_text('ROMEO:')
+  run = lambda seed, **kw: sampling.generate(
+      model, prompt, 12, temperature=kw.get('temperature', 1.0),
+      top_k=kw.get('top_k'), seed=seed)
+  first = run(0)
+  compiled = sampling.decode_step_cache_size()
+  np.testing.assert_array_equal(first, run(0))
+  assert first.shape == (12,) and first.dtype == np.int32
+  assert not np.array_equal(first, run(1))
+  # top_k = 1 leaves only the most likely token: the greedy output.
+  np.testing.assert_array_equal(run(5, top_k=1), run(0, temperature=0.0))
+  # Settings are traced: nothing was recompiled for them.
+  assert sampling.decode_step_cache_size() == compiled
+
+
+def test_byte_text_helpers():
+  text = 'ROMEO: Ñame'
+  tokens = sampling.encode_text(text, add_separator=True)
+  assert tokens[0] == sampling.SEPARATOR and tokens.dtype == np.int32
+  assert len(tokens) == 1 + len(text.encode('utf-8'))
+  assert sampling.decode_tokens(tokens) == text
+  assert sampling.decode_tokens([0xC3]) == '\ufffd'  # a cut multi-byte character
+
+
+# -- comparing runs -----------------------------------------------------------------
+
+
+def _fake_run(root, name, *, losses, evals):
+  """A workdir with metrics.jsonl and eval/step_N/{eval.json, analysis.npz}."""
+  workdir = root / name
+  workdir.mkdir()
+  with open(workdir / 'metrics.jsonl', 'w', encoding='utf-8') as f:
+    for step, loss in losses:
+      f.write(json.dumps({'step': step, 'train/loss': loss, 'train/learning_rate': 1e-3})
+              + '\n')
+    f.write(json.dumps({'step': losses[-1][0], 'eval/loss': 'nan'}) + '\n')
+  for step, record in evals.items():
+    out = workdir / 'eval' / f'step_{step}'
+    out.mkdir(parents=True)
+    (out / 'eval.json').write_text(json.dumps(dict(record, step=step)))
+    np.savez(out / 'analysis.npz', output_rms=np.arange(1.0, 5.0).reshape(2, 2),
+             input_rms=np.ones((2, 2)), grad_norm=np.full((2, 2), 0.5))
+  return str(workdir)
+
+
+def test_compare_runs_table_and_figures(tmp_path):
+  std = _fake_run(tmp_path, 'std', losses=[(10, 3.0), (20, 2.5)], evals={
+      9: {'residual': 'standard', 'block_size': None, 'loss': 9.0},
+      10: {'residual': 'standard', 'block_size': None, 'num_params': 12345,
+           'loss': 2.25, 'bits_per_byte': 2.25 / math.log(2),
+           'perplexity': math.exp(2.25), 'num_tokens': 1000.0, 'whole_split': True}})
+  block = _fake_run(tmp_path, 'block', losses=[(10, 2.9)], evals={
+      5: {'residual': 'block', 'block_size': 2, 'num_params': 12345, 'loss': 2.5,
+          'bits_per_byte': 3.0, 'perplexity': 12.0, 'num_tokens': 64.0,
+          'whole_split': False}})
+  untested = _fake_run(tmp_path, 'untested', losses=[(1, 5.0)], evals={})
+  out = tmp_path / 'compare'
+
+  table = analysis.compare_runs([std, block, untested], str(out))
+
+  lines = table.strip().split('\n')
+  assert lines[0] == ('| run | residual | S | step | params | held-out loss | '
+                      'bits/byte | perplexity | eval tokens |')
+  assert lines[2] == ('| std | standard | - | 10 | 12,345 | 2.2500 | 3.2461 | 9.4877 | '
+                      '1,000 |')
+  assert lines[3] == ('| block | block | 2 | 5 | 12,345 | 2.5000 | 3.0000 | 12.0000 | '
+                      '64 (partial) |')
+  assert lines[4] == '| untested | - | - | - | - | - | - | - | - |'
+  assert (out / 'compare.md').read_text() == table
+  for name in ('loss_curves.png', 'magnitudes.png'):
+    assert (out / name).stat().st_size > 5000
+  records = analysis.read_metrics(std)
+  assert math.isnan(records[-1]['eval/loss'])
+  assert analysis.latest_eval_dir(std).endswith('step_10')  # numeric, not lexical
+  assert analysis.latest_eval_dir(untested) is None
+
+
+# -- end to end: a trained workdir ----------------------------------------------------
+
+
+def test_evaluate_and_analyze_a_trained_run(tmp_path):
+  from configs import tiny  # pylint: disable=g-import-not-at-top
+  from attnres_jax import checkpointing  # pylint: disable=g-import-not-at-top
+  from attnres_jax import train  # pylint: disable=g-import-not-at-top
+  config = tiny.get_config()
+  config.data.tfds_data_dir = str(tmp_path / 'tfds')
+  config.train.update(num_steps=2, warmup_steps=1, checkpoint_every=2, max_eval_batches=1,
+                      async_checkpointing=False)
+  workdir = str(tmp_path / 'run')
+  train.train_and_evaluate(config, workdir)
+
+  record = analysis.evaluate_and_analyze(workdir, max_eval_batches=3, grad_batches=1)
+
+  out = tmp_path / 'run' / 'eval' / 'step_2'
+  assert json.loads((out / 'eval.json').read_text()) == record
+  assert record['step'] == 2 and record['num_batches'] == 3
+  assert record['whole_split'] is False and record['residual'] == 'block'
+  assert 0 < record['num_tokens'] <= 3 * 8 * config.train.seq_len
+  assert set(record['files']) <= set(os.listdir(out))
+  assert 'depth_weights.png' in record['files']
+  model, _, step = checkpointing.restore_model(workdir)
+  assert step == 2
+  text = sampling.generate_text(model, 'ROMEO:', 5, temperature=0.0)
+  assert isinstance(text, str)
+  table = analysis.compare_runs([workdir], str(tmp_path / 'compare'))
+  assert '| run | block | 2 | 2 |' in table
