@@ -27,6 +27,8 @@ import ml_collections
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from attnres_jax.config import model_config
+
 CONFIG_JSON = 'config.json'
 CHECKPOINTS = 'checkpoints'
 
@@ -45,8 +47,12 @@ def save_config(workdir: str, config: ml_collections.ConfigDict) -> None:
 
 
 def load_config(workdir: str) -> ml_collections.ConfigDict:
+  """The run's saved config; model fields added since it was saved get defaults."""
   with open(os.path.join(workdir, CONFIG_JSON), encoding='utf-8') as f:
-    return ml_collections.ConfigDict(json.load(f))
+    config = ml_collections.ConfigDict(json.load(f))
+  if 'model' in config:
+    config.model = model_config(**config.model.to_dict())
+  return config
 
 
 class Checkpointer:
