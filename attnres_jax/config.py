@@ -8,6 +8,16 @@ RESIDUAL_MODES = ('standard', 'full', 'block')
 REMAT_POLICIES = ('none', 'sublayer', 'layer')
 DTYPES = ('float32', 'bfloat16')
 DEPTH_READS = ('one_shot', 'two_phase')
+DEPTH_NORMALIZERS = ('softmax', 'sigmoid')
+DEPTH_MIXINGS = ('attention', 'scalars')
+
+
+def depth_variant_fields(cfg) -> list[str]:
+  """The ablation switches that differ from the paper's read."""
+  defaults = dict(depth_query_input=False, depth_normalizer='softmax',
+                  depth_key_norm=True, depth_mixing='attention', depth_window=0,
+                  depth_heads=1)
+  return [name for name, value in defaults.items() if cfg.get(name, value) != value]
 
 
 def model_config(**overrides) -> ml_collections.ConfigDict:
@@ -35,6 +45,14 @@ def model_config(**overrides) -> ml_collections.ConfigDict:
       # 'two_phase' (paper Algorithm 1: a block's queries batched against the
       # completed blocks, then merged with the partial sum by online softmax).
       depth_read='one_shot',
+      # Ablations of the read (paper Section 5), all off by default. They run the
+      # generic read with plain autodiff (set linear_memory_backward=False).
+      depth_query_input=False,   # query += W RMSNorm(latest source), W: d x d per read
+      depth_normalizer='softmax',  # 'softmax' | 'sigmoid'
+      depth_key_norm=True,       # False: logits from the raw sources
+      depth_mixing='attention',  # 'attention' | 'scalars' (DenseFormer-style weights)
+      depth_window=0,            # > 0: the embedding + the last W sources only
+      depth_heads=1,             # > 1: per channel-group depth weights
   ))
   cfg.update(overrides)
   return cfg
@@ -85,6 +103,26 @@ def validate_model_config(cfg) -> None:
       fail(f'{name} must be one of {DTYPES}, got {cfg.get(name)!r}.')
   if cfg.depth_read not in DEPTH_READS:
     fail(f'depth_read must be one of {DEPTH_READS}, got {cfg.depth_read!r}.')
+  if cfg.depth_normalizer not in DEPTH_NORMALIZERS:
+    fail(f'depth_normalizer must be one of {DEPTH_NORMALIZERS}, got '
+         f'{cfg.depth_normalizer!r}.')
+  if cfg.depth_mixing not in DEPTH_MIXINGS:
+    fail(f'depth_mixing must be one of {DEPTH_MIXINGS}, got {cfg.depth_mixing!r}.')
+  if not isinstance(cfg.depth_window, int) or cfg.depth_window < 0:
+    fail(f'depth_window must be an integer >= 0 (0 = no window), got '
+         f'{cfg.depth_window!r}.')
+  if (not isinstance(cfg.depth_heads, int) or cfg.depth_heads < 1
+      or cfg.d_model % cfg.depth_heads):
+    fail(f'depth_heads must be a positive divisor of d_model={cfg.d_model}, got '
+         f'{cfg.depth_heads!r}.')
+  variants = depth_variant_fields(cfg)
+  if variants and cfg.residual != 'standard':
+    if cfg.depth_read == 'two_phase':
+      fail(f'depth_read="two_phase" computes the paper\'s softmax read only; it cannot '
+           f'be combined with {variants}.')
+    if cfg.linear_memory_backward:
+      fail(f'the ablations {variants} use the generic read with plain autodiff: set '
+           'linear_memory_backward=False.')
   if cfg.remat not in REMAT_POLICIES:
     fail(f'remat must be one of {REMAT_POLICIES}, got {cfg.remat!r}.')
   for name in ('norm_eps', 'attn_res_eps'):

@@ -215,3 +215,67 @@ def block_phase2(phase1_stats, partial_BTD, query_D, gain_D, *, eps, partial_val
   h_BTD = (out_BTD * old_scale_BT[..., None]
            + partial_weight_BT[..., None] * partial_BTD.astype(jnp.float32))
   return (h_BTD / total_BT[..., None]).astype(partial_BTD.dtype)
+
+
+# -- the paper's ablations (Section 5) as variants of the same read ------------------
+
+
+def window_mask(num_sources: int, num_valid, window: int) -> jax.Array:
+  """The embedding plus the last `window` valid sources (window 0: all valid ones)."""
+  index_S = jnp.arange(num_sources)
+  mask_S = index_S < num_valid
+  if window:
+    mask_S &= (index_S == 0) | (index_S >= num_valid - window)
+  return mask_S
+
+
+def attn_res_read_variant(
+    sources_SBTD: jax.Array,
+    query: jax.Array,
+    gain_D: jax.Array,
+    *,
+    eps: float,
+    num_valid,
+    normalizer: str = 'softmax',
+    key_norm: bool = True,
+    window: int = 0,
+    num_heads: int = 1,
+    mixing_weights_S: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+  """The depth read with the paper's ablations; the defaults compute `attn_res_read`.
+
+  Args:
+    query: [D], or [B, T, D] for an input-dependent query.
+    normalizer: 'softmax' over sources, or an independent 'sigmoid' per source.
+    key_norm: False drops the key RMSNorm (logit = query . v).
+    window: > 0 reads only the embedding and the last `window` valid sources.
+    num_heads: > 1 splits the channels into groups, each with its own depth weights
+      (and its own key RMSNorm over its channels).
+    mixing_weights_S: DenseFormer-style learned scalars used directly as the weights
+      (no query, no normalisation: input independent).
+
+  Returns (h_BTD, weights_SBT), the weights averaged over heads.
+  """
+  num_sources, batch, length, dim = sources_SBTD.shape
+  mask_S = window_mask(num_sources, num_valid, window)
+  values = sources_SBTD.astype(jnp.float32).reshape(
+      num_sources, batch, length, num_heads, dim // num_heads)
+  if mixing_weights_S is not None:
+    weights_SBTH = jnp.broadcast_to(
+        jnp.where(mask_S, mixing_weights_S.astype(jnp.float32), 0.0)[:, None, None, None],
+        (num_sources, batch, length, num_heads))
+  else:
+    folded = query.astype(jnp.float32) * gain_D.astype(jnp.float32)
+    folded = jnp.broadcast_to(folded, (batch, length, dim)).reshape(
+        batch, length, num_heads, dim // num_heads)
+    logits_SBTH = jnp.sum(values * folded, axis=-1)
+    if key_norm:
+      logits_SBTH *= jax.lax.rsqrt(jnp.mean(jnp.square(values), axis=-1) + eps)
+    mask = mask_S[:, None, None, None]
+    if normalizer == 'softmax':
+      weights_SBTH = jax.nn.softmax(jnp.where(mask, logits_SBTH, -jnp.inf), axis=0)
+    else:
+      weights_SBTH = jnp.where(mask, jax.nn.sigmoid(logits_SBTH), 0.0)
+  h_BTD = jnp.einsum('sbth,sbthk->bthk', weights_SBTH, values).reshape(
+      batch, length, dim)
+  return h_BTD.astype(sources_SBTD.dtype), jnp.mean(weights_SBTH, axis=-1)

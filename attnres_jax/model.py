@@ -15,6 +15,7 @@ from flax import nnx
 
 from attnres_jax import config as config_lib
 from attnres_jax import depth
+from attnres_jax import sharding
 from attnres_jax import stack as stack_lib
 
 Array = jax.Array
@@ -88,7 +89,9 @@ class Attention(nnx.Module):
     Returns the output, and the updated cache when one is given.
     """
     x_BTD = x_BTD.astype(self.dtype)
-    project = lambda w: jnp.einsum('btd,dnh->btnh', x_BTD, w[...].astype(self.dtype))
+    project = lambda w: sharding.constrain(
+        jnp.einsum('btd,dnh->btnh', x_BTD, w[...].astype(self.dtype)),
+        ('batch', 'length', 'heads', 'head_dim'))
     q_BTNH = rotary_embedding(project(self.query), positions_BT, self.rope_theta)
     k_BTNH = rotary_embedding(project(self.key), positions_BT, self.rope_theta)
     v_BTNH = project(self.value)
@@ -107,6 +110,7 @@ class Attention(nnx.Module):
           q_BTNH, keys.astype(self.dtype), values.astype(self.dtype),
           mask=mask_BTS[:, None, :, :])
     out_BTD = jnp.einsum('btnh,nhd->btd', out_BTNH, self.out[...].astype(self.dtype))
+    out_BTD = sharding.constrain(out_BTD, sharding.HIDDEN)
     return out_BTD if cache is None else (out_BTD, cache)
 
 
@@ -124,9 +128,26 @@ class SwiGLU(nnx.Module):
 
   def __call__(self, x_BTD: Array) -> Array:
     x_BTD = x_BTD.astype(self.dtype)
-    gate_BTF = x_BTD @ self.gate[...].astype(self.dtype)
-    up_BTF = x_BTD @ self.up[...].astype(self.dtype)
-    return (jax.nn.silu(gate_BTF) * up_BTF) @ self.down[...].astype(self.dtype)
+    hidden = lambda w: sharding.constrain(x_BTD @ w[...].astype(self.dtype),
+                                          ('batch', 'length', 'mlp'))
+    out_BTD = (jax.nn.silu(hidden(self.gate)) * hidden(self.up)
+               ) @ self.down[...].astype(self.dtype)
+    return sharding.constrain(out_BTD, sharding.HIDDEN)
+
+
+def _add_ablation_params(module, cfg, lead_shape, lead_axes, prefix='depth'):
+  """Parameters of the read ablations that need them; like the queries, they take no
+  random numbers (zero projection, unit mixing weights = the standard residual sum)."""
+  pdt = _dtype(cfg.param_dtype)
+  if cfg.depth_query_input:
+    setattr(module, f'{prefix}_query_proj', _param(
+        jnp.zeros, (*lead_shape, cfg.d_model, cfg.d_model),
+        (*lead_axes, 'embed', None), dtype=pdt))
+  if cfg.depth_mixing == 'scalars':
+    slots = depth.num_slots(config_lib.num_sublayers(cfg),
+                            config_lib.effective_block_size(cfg))
+    setattr(module, f'{prefix}_mix', _param(jnp.ones, (*lead_shape, slots),
+                                            (*lead_axes, 'depth'), dtype=pdt))
 
 
 class TransformerLayer(nnx.Module):
@@ -147,6 +168,7 @@ class TransformerLayer(nnx.Module):
                               dtype=pdt)
     self.depth_gain = _param(jnp.ones, (2, cfg.d_model), ('sublayers', 'embed'),
                              dtype=pdt)
+    _add_ablation_params(self, cfg, (2,), ('sublayers',))
 
   def sublayer(self, which: int, h_BTD: Array, positions_BT: Array,
                cache: KVCache | None = None, cache_index=None):
@@ -181,6 +203,7 @@ class Transformer(nnx.Module):
     self.layers = make_layers(rngs.split(cfg.num_layers))
     self.final_query = _param(jnp.zeros, (d,), ('embed',), dtype=pdt)
     self.final_gain = _param(jnp.ones, (d,), ('embed',), dtype=pdt)
+    _add_ablation_params(self, cfg, (), (), prefix='final')
     self.final_norm = RMSNorm(d, eps=cfg.norm_eps, param_dtype=pdt)
     if not cfg.tie_embeddings:
       self.lm_head = _param(nnx.initializers.lecun_normal(), (d, cfg.vocab_size),
@@ -189,16 +212,23 @@ class Transformer(nnx.Module):
   # -- pieces shared by training, analysis and decoding ------------------------------
 
   def embed(self, tokens_BT: Array) -> Array:
-    return jnp.take(self.embedding[...], tokens_BT, axis=0).astype(_dtype(self.cfg.dtype))
+    # The lookup reads the whole table (gathered on a mesh, as FSDP does for weights).
+    table_VD = sharding.constrain(self.embedding[...], (None, None))
+    x_BTD = jnp.take(table_VD, tokens_BT, axis=0).astype(_dtype(self.cfg.dtype))
+    return sharding.constrain(x_BTD, sharding.HIDDEN)
 
   def final_hidden(self, depth_state: Array) -> Array:
     """The input of the final RMSNorm: the stream, or the final depth read."""
     if self.cfg.residual == 'standard':
       return depth_state
-    h_BTD, _ = depth.attn_res_read(
-        depth_state, self.final_query[...], self.final_gain[...],
-        eps=self.cfg.attn_res_eps)
+    h_BTD, _ = self.final_read(depth_state)
     return h_BTD
+
+  def final_read(self, buffer_SBTD: Array) -> tuple[Array, Array]:
+    """The final read over all N + 1 sources: (h, weights)."""
+    return stack_lib.read_depth(
+        self.cfg, buffer_SBTD, None, self.final_query[...], self.final_gain[...],
+        *stack_lib.ablation_params(self, 'final'))
 
   def head(self, h_BTD: Array) -> Array:
     x_BTD = self.final_norm(h_BTD)
@@ -207,8 +237,9 @@ class Transformer(nnx.Module):
       w_DV = self.embedding[...].astype(dtype).T
     else:
       w_DV = self.lm_head[...].astype(dtype)
-    return jnp.einsum('btd,dv->btv', x_BTD.astype(dtype), w_DV,
-                      preferred_element_type=jnp.float32)
+    logits_BTV = jnp.einsum('btd,dv->btv', x_BTD.astype(dtype), w_DV,
+                            preferred_element_type=jnp.float32)
+    return sharding.constrain(logits_BTV, ('batch', 'length', 'vocab'))
 
   def initial_depth_state(self, x_BTD: Array) -> Array:
     """The residual stream (standard) or the AttnRes buffer with b_0 = embedding."""
@@ -217,7 +248,7 @@ class Transformer(nnx.Module):
     slots = depth.num_slots(config_lib.num_sublayers(self.cfg),
                             config_lib.effective_block_size(self.cfg))
     buffer_SBTD = jnp.zeros((slots,) + x_BTD.shape, x_BTD.dtype)
-    return buffer_SBTD.at[0].set(x_BTD)
+    return sharding.constrain(buffer_SBTD.at[0].set(x_BTD), sharding.DEPTH_BUFFER)
 
   def init_cache(self, batch_size: int, max_length: int) -> KVCache:
     """An empty KV cache for all layers: [num_layers, B, max_length, N, H]."""
@@ -266,9 +297,7 @@ class Transformer(nnx.Module):
     if not collect_stats:
       return logits_BTV
     if self.cfg.residual != 'standard':
-      _, final_weights_SBT = depth.attn_res_read(
-          state, self.final_query[...], self.final_gain[...],
-          eps=self.cfg.attn_res_eps)
+      _, final_weights_SBT = self.final_read(state)
       stats['final_depth_weights'] = jnp.mean(final_weights_SBT, axis=(1, 2))
     stats['final_input_rms'] = jnp.mean(
         1.0 / depth.rms_inverse(h_BTD, 0.0))

@@ -23,6 +23,7 @@ from flax import nnx
 
 from attnres_jax import config as config_lib
 from attnres_jax import depth
+from attnres_jax import sharding
 
 SUBLAYERS = (0, 1)  # attention, MLP
 
@@ -34,6 +35,36 @@ def _sublayer_function(graphdef, which: int, remat: bool):
     return nnx.merge(graphdef, layer_state).sublayer(which, h_BTD, positions_BT)
 
   return jax.checkpoint(apply) if remat else apply
+
+
+def ablation_params(module, prefix, which=None):
+  """(query projection or None, mixing weights or None) of one read of `module`."""
+  params = []
+  for name in (f'{prefix}_query_proj', f'{prefix}_mix'):
+    value = getattr(module, name, None)
+    value = None if value is None else value[...]
+    params.append(value if value is None or which is None else value[which])
+  return params
+
+
+def read_depth(cfg, buffer_SBTD, num_valid, query_D, gain_D, query_proj_DD=None,
+               mixing_S=None):
+  """One depth read as configured: the paper's read, or one of its ablations."""
+  if not config_lib.depth_variant_fields(cfg):
+    return depth.attn_res_read(buffer_SBTD, query_D, gain_D, eps=cfg.attn_res_eps,
+                               num_valid=num_valid)
+  if num_valid is None:
+    num_valid = buffer_SBTD.shape[0]
+  query = query_D
+  if query_proj_DD is not None:  # input-dependent: from the most recent source
+    latest_BTD = jax.lax.dynamic_index_in_dim(buffer_SBTD, num_valid - 1, 0, False)
+    normed_BTD = latest_BTD.astype(jnp.float32) * depth.rms_inverse(
+        latest_BTD, cfg.attn_res_eps)[..., None]
+    query = query_D.astype(jnp.float32) + normed_BTD @ query_proj_DD.astype(jnp.float32)
+  return depth.attn_res_read_variant(
+      buffer_SBTD, query, gain_D, eps=cfg.attn_res_eps, num_valid=num_valid,
+      normalizer=cfg.depth_normalizer, key_norm=cfg.depth_key_norm,
+      window=cfg.depth_window, num_heads=cfg.depth_heads, mixing_weights_S=mixing_S)
 
 
 class _DepthState:
@@ -86,9 +117,9 @@ class _DepthState:
     query_D, gain_D = layer.depth_query[...][which], layer.depth_gain[...][which]
     eps = self.cfg.attn_res_eps
     if not self.two_phase:
-      h_BTD, weights_SBT = depth.attn_res_read(
-          buffer_SBTD, query_D, gain_D, eps=eps,
-          num_valid=depth.num_valid_sources(sublayer, self.block_size))
+      h_BTD, weights_SBT = read_depth(
+          self.cfg, buffer_SBTD, depth.num_valid_sources(sublayer, self.block_size),
+          query_D, gain_D, *ablation_params(layer, 'depth', which))
       return h_BTD, weights_SBT, carry
     size = self.block_size
     position = sublayer % size
@@ -110,10 +141,11 @@ class _DepthState:
 
   def write(self, carry, sublayer, out_BTD):
     if self.standard:
-      return carry + out_BTD
+      return sharding.constrain(carry + out_BTD, sharding.HIDDEN)
     buffer_SBTD, phase1 = carry
     slot = depth.output_slot(sublayer, self.block_size)
-    return _add_to_slot(buffer_SBTD, slot, out_BTD), phase1
+    return sharding.constrain(_add_to_slot(buffer_SBTD, slot, out_BTD),
+                              sharding.DEPTH_BUFFER), phase1
 
 
 def _add_to_slot(buffer_SBTD, slot, out_BTD):
@@ -361,7 +393,7 @@ def _linear_memory_stack(graphdef, cfg, layer_state, buffer_SBTD, positions_BT):
         d_state_f = _add_depth_grads(d_state_f, which, d_query_D, d_gain_D)
         d_state_k = d_state_f if d_state_k is None else jax.tree.map(
             jnp.add, d_state_k, d_state_f)
-      return d_buffer_SBTD, d_state_k
+      return sharding.constrain(d_buffer_SBTD, sharding.DEPTH_BUFFER), d_state_k
 
     d_buffer_SBTD, d_layer_state = jax.lax.scan(
         body, d_final_SBTD, (layer_state, jnp.arange(cfg.num_layers), saved),
