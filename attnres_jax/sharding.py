@@ -1,0 +1,226 @@
+"""Logical axis names -> device mesh axes, in one place.
+
+Parameters carry logical axis names in their `out_sharding` metadata (`model.py`; the
+stacked layers add a leading 'layers'); key activations are constrained with
+`constrain(x, names)`. The rules in `config.mesh.rules` map every logical name to a mesh
+axis, a tuple of mesh axes, or None (replicated). The mesh has three axes:
+
+  data    pure data parallelism: the batch is split, everything else replicated
+  fsdp    the batch is split AND the parameters and optimizer state are split along
+          their 'embed' dimension (ZeRO-3 / FSDP: each layer's weights are gathered
+          just before use)
+  tensor  tensor (Megatron) parallelism: attention heads, the MLP hidden units and the
+          vocabulary are split, activations along them too
+
+Activations use their own name for the model width, 'hidden', separate from the
+parameters' 'embed': under FSDP the batch already uses the fsdp axis, so the hidden
+state is split along batch only (or along 'tensor' too, if mapped so). The AttnRes
+depth buffers [S, B, T, D] are laid out like the hidden state, with the source axis
+'depth' never split, so every depth read is local to a device (no all-gather of the
+buffer; the small pseudo-query and gain are gathered instead).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import jax
+import ml_collections
+from absl import logging
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+AXIS_NAMES = ('data', 'fsdp', 'tensor')
+
+# logical name -> mesh axis (str), mesh axes (tuple) or None (not split).
+DEFAULT_RULES = {
+    # activations
+    'batch': ('data', 'fsdp'),
+    'length': None,
+    'hidden': None,       # model width of activations and depth sources
+    'depth': None,        # the AttnRes source axis of the depth buffers
+    # parameters (and the activations along the same dimension)
+    'embed': 'fsdp',      # model width of weights: FSDP splits parameters here
+    'heads': 'tensor',
+    'head_dim': None,
+    'mlp': 'tensor',
+    'vocab': 'tensor',
+    'layers': None,       # the stacked-layer axis (scanned over)
+    'sublayers': None,    # attention / MLP rows of the AttnRes queries and gains
+}
+
+Rules = Mapping[str, Any]
+
+# Logical axes of the key activations.
+HIDDEN = ('batch', 'length', 'hidden')                 # residual stream, sublayer I/O
+DEPTH_BUFFER = ('depth', 'batch', 'length', 'hidden')  # AttnRes sources [S, B, T, D]
+
+
+def default_mesh_config(**overrides) -> ml_collections.ConfigDict:
+  """The `mesh` config section: shape (one -1 = the remaining devices), axis names and
+  the logical-axis rules. Default: all devices data parallel."""
+  cfg = ml_collections.ConfigDict(dict(
+      shape=(-1, 1, 1),
+      axis_names=AXIS_NAMES,
+      rules=dict(DEFAULT_RULES),
+  ))
+  cfg.update(overrides)
+  return cfg
+
+
+def _as_axes(value) -> str | tuple[str, ...] | None:
+  """A rule's value as None, one axis name or a tuple of them (JSON gives lists)."""
+  if value is None or isinstance(value, str):
+    return value
+  axes = tuple(value)
+  return axes if len(axes) != 1 else axes[0]
+
+
+def rules_from_config(mesh_config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """The rules of a mesh config section (the defaults if it has none)."""
+  rules = mesh_config.get('rules')
+  if rules is None:
+    return dict(DEFAULT_RULES)
+  if isinstance(rules, ml_collections.ConfigDict):
+    rules = rules.to_dict()
+  return {name: _as_axes(value) for name, value in dict(rules).items()}
+
+
+def validate_mesh_config(mesh_config: ml_collections.ConfigDict) -> None:
+  """Raises ValueError for a malformed mesh section (before any device is touched)."""
+  shape, names = tuple(mesh_config.shape), tuple(mesh_config.axis_names)
+  if len(shape) != len(names) or list(shape).count(-1) > 1:
+    raise ValueError(f'Invalid mesh config: shape {shape} and axis_names {names} must '
+                     'have equal lengths, with at most one -1.')
+  if 'data' not in names:
+    raise ValueError(f"Invalid mesh config: axis_names {names} has no 'data' axis.")
+  for name, value in rules_from_config(mesh_config).items():
+    axes = (value,) if isinstance(value, str) else (value or ())
+    unknown = [a for a in axes if a not in names]
+    if unknown:
+      raise ValueError(f'Invalid mesh config: rule {name!r} -> {value!r} names mesh '
+                       f'axes {unknown} that are not in axis_names {names}.')
+    if len(set(axes)) != len(axes):
+      raise ValueError(f'Invalid mesh config: rule {name!r} -> {value!r} repeats an axis.')
+
+
+def make_mesh(mesh_config: ml_collections.ConfigDict,
+              devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """The device mesh of `mesh_config` over `devices` (default: all devices of all
+  processes); one -1 in the shape takes the remaining devices.
+
+  The axes are `Auto`: the compiler propagates shardings from the parameters, the
+  batch and the `constrain` calls.
+  """
+  validate_mesh_config(mesh_config)
+  shape, names = list(mesh_config.shape), tuple(mesh_config.axis_names)
+  count = len(devices) if devices is not None else jax.device_count()
+  if -1 in shape:
+    known = math.prod(s for s in shape if s != -1)
+    if known < 1 or count % known:
+      raise ValueError(f'Mesh shape {tuple(mesh_config.shape)} does not fit '
+                       f'{count} devices.')
+    shape[shape.index(-1)] = count // known
+  if math.prod(shape) != count:
+    raise ValueError(f'Mesh shape {tuple(mesh_config.shape)} does not cover the '
+                     f'{count} devices.')
+  return jax.make_mesh(tuple(shape), names, devices=devices,
+                       axis_types=(jax.sharding.AxisType.Auto,) * len(names))
+
+
+def mesh_axes(logical_name: str | None, rules: Rules) -> tuple[str, ...]:
+  """The mesh axes a logical axis name is split over (empty: not split)."""
+  if logical_name is None:
+    return ()
+  if logical_name not in rules:
+    raise KeyError(f'No sharding rule for the logical axis {logical_name!r}; rules '
+                   f'exist for {sorted(rules)} (config.mesh.rules).')
+  value = _as_axes(rules[logical_name])
+  return () if value is None else (value,) if isinstance(value, str) else value
+
+
+def logical_to_spec(logical_axes: Sequence[str | None], rules: Rules, *,
+                    mesh: Mesh | None = None, shape: Sequence[int] | None = None) -> P:
+  """The PartitionSpec of an array whose dimensions have `logical_axes` names.
+
+  Given the `mesh` and the array `shape`, a dimension that the mesh axes of its rule
+  do not divide evenly is left unsplit (e.g. 2 heads on a 4-way tensor axis), as is
+  a mesh axis that another dimension of the same array already uses.
+  """
+  used, spec = set(), []
+  for i, name in enumerate(logical_axes):
+    axes = tuple(a for a in mesh_axes(name, rules) if a not in used)
+    if mesh is not None:
+      axes = tuple(a for a in axes if mesh.shape[a] > 1)
+      if shape is not None and shape[i] % math.prod(mesh.shape[a] for a in axes):
+        axes = ()
+    used.update(axes)
+    spec.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+  while spec and spec[-1] is None:
+    spec.pop()
+  return P(*spec)
+
+
+def logical_axes_tree(abstract_state: nnx.State):
+  """The logical axis names (a tuple per leaf) of an NNX state with `out_sharding`
+  metadata, as a pure dict like `nnx.to_pure_dict(state)`."""
+  specs = nnx.get_partition_spec(abstract_state)
+  return nnx.to_pure_dict(jax.tree.map(
+      tuple, specs, is_leaf=lambda x: isinstance(x, P)))
+
+
+def param_shardings(abstract_state: nnx.State, mesh: Mesh, rules: Rules):
+  """NamedShardings of the parameters (pure dict), from their logical axis names."""
+  names = logical_axes_tree(abstract_state)
+  shapes = nnx.to_pure_dict(abstract_state)
+
+  def sharding(path, axes, leaf):
+    spec = logical_to_spec(axes, rules, mesh=mesh, shape=leaf.shape)
+    wanted = logical_to_spec(axes, rules, mesh=mesh)
+    if spec != wanted:
+      logging.warning('Parameter %s %s%s: its logical axes %s -> %s do not divide '
+                      'evenly on mesh %s; using %s.', jax.tree_util.keystr(path),
+                      leaf.dtype, leaf.shape, axes, wanted, dict(mesh.shape), spec)
+    return NamedSharding(mesh, spec)
+
+  return jax.tree_util.tree_map_with_path(
+      sharding, names, shapes, is_leaf=lambda x: isinstance(x, tuple))
+
+
+# -- activation constraints -----------------------------------------------------------
+
+_ACTIVE: contextvars.ContextVar[tuple[Mesh, Rules] | None] = contextvars.ContextVar(
+    'attnres_sharding_rules', default=None)
+
+
+@contextlib.contextmanager
+def logical_rules(mesh: Mesh, rules: Rules) -> Iterator[None]:
+  """Within this context `constrain` maps logical names with `rules` onto `mesh`.
+
+  Enter it inside the jitted function (see `train.py`), so that every trace of it
+  sees the rules whatever the caller's context.
+  """
+  token = _ACTIVE.set((mesh, dict(rules)))
+  try:
+    yield
+  finally:
+    _ACTIVE.reset(token)
+
+
+def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
+  """Constrains an activation's sharding by logical axis names; a no-op outside
+  `logical_rules` (single device, eager code, decoding)."""
+  active = _ACTIVE.get()
+  if active is None:
+    return x
+  mesh, rules = active
+  if len(logical_axes) != x.ndim:
+    raise ValueError(f'constrain: {len(logical_axes)} names {tuple(logical_axes)} for '
+                     f'an array of shape {x.shape}.')
+  spec = logical_to_spec(logical_axes, rules, mesh=mesh, shape=x.shape)
+  return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
