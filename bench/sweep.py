@@ -1,0 +1,193 @@
+"""Runs the small-scale reproduction grid (configs/sweep.py) x seeds, then reports.
+
+  python bench/sweep.py                              # every run, seeds 0,1,2
+  python bench/sweep.py --groups=modes --seeds=0     # a part of it
+  python bench/sweep.py --report_only                # tables and plots from what ran
+
+Each (run, seed) trains in its own process (`train.py`) into <root>/<run>/seed_<k>;
+a run whose `eval_final.json` exists is skipped, and an interrupted one resumes from
+its last checkpoint, so the sweep can be stopped and restarted at any time.
+`--parallel=N` runs N processes at once (on 2 cores, 1 is fastest overall).
+
+Writes <root>/results.json (one record per run), <root>/results.md (held-out bits per
+byte, mean +- std over seeds, and compute in FLOPs from `attnres_jax.flops`),
+<root>/loss_vs_compute.png and <root>/depth.png.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import subprocess
+import sys
+import time
+
+from absl import app, flags
+import matplotlib
+matplotlib.use('Agg')
+import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from attnres_jax import flops  # pylint: disable=g-import-not-at-top
+from attnres_jax import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
+from attnres_jax import train  # pylint: disable=g-import-not-at-top
+from configs import sweep as sweep_config  # pylint: disable=g-import-not-at-top
+
+GROUPS = {'modes': sweep_config.MODES, 'ablations': sweep_config.ABLATIONS,
+          'depths': sweep_config.DEPTHS}
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list('groups', list(GROUPS), 'Run groups: modes, ablations, depths.')
+flags.DEFINE_list('runs', [], 'Explicit run names (overrides --groups).')
+flags.DEFINE_list('seeds', ['0', '1', '2'], 'Seeds (model init and data order).')
+flags.DEFINE_string('root', 'runs/sweep', 'Where the run directories go.')
+flags.DEFINE_integer('parallel', 1, 'Training processes at once.')
+flags.DEFINE_bool('report_only', False, 'Only aggregate what has finished.')
+
+
+def run_dir(name: str, seed: int) -> str:
+  return os.path.join(FLAGS.root, name, f'seed_{seed}')
+
+
+def finished(name: str, seed: int) -> bool:
+  return os.path.exists(os.path.join(run_dir(name, seed), train.EVAL_FINAL_JSON))
+
+
+def train_one(name: str, seed: int) -> tuple[str, int, float, int]:
+  """Trains one (run, seed) in a subprocess; returns its wall time and exit code."""
+  workdir = run_dir(name, seed)
+  os.makedirs(workdir, exist_ok=True)
+  command = [sys.executable, os.path.join(REPO, 'train.py'),
+             f'--config={os.path.join(REPO, "configs", "sweep.py")}:{name}',
+             f'--config.train.seed={seed}', f'--workdir={workdir}']
+  start = time.time()
+  with open(os.path.join(workdir, 'train.log'), 'a', encoding='utf-8') as log:
+    code = subprocess.call(command, stdout=log, stderr=subprocess.STDOUT,
+                           env={**os.environ, 'PYTHONPATH': REPO}, cwd=REPO)
+  return name, seed, time.time() - start, code
+
+
+def selected_runs() -> list[str]:
+  if FLAGS.runs:
+    unknown = sorted(set(FLAGS.runs) - set(sweep_config.RUNS))
+    if unknown:
+      raise app.UsageError(f'unknown runs {unknown}; see configs/sweep.py')
+    return list(FLAGS.runs)
+  return [name for group in FLAGS.groups for name in GROUPS[group]]
+
+
+def summarize(name: str, seeds: list[int]) -> dict | None:
+  config = sweep_config.get_config(name)
+  results = []
+  for seed in seeds:
+    path = os.path.join(run_dir(name, seed), train.EVAL_FINAL_JSON)
+    if os.path.exists(path):
+      with open(path, encoding='utf-8') as f:
+        results.append(json.load(f))
+  if not results:
+    return None
+  bpb = np.array([r['bits_per_byte'] for r in results])
+  per_token = flops.forward_flops_per_token(config.model, config.train.seq_len)
+  return dict(
+      run=name, seeds=len(results), bits_per_byte_mean=float(bpb.mean()),
+      bits_per_byte_std=float(bpb.std(ddof=1)) if len(bpb) > 1 else 0.0,
+      bits_per_byte=bpb.tolist(),
+      train_loss_mean=float(np.mean([r['train_loss'] for r in results])),
+      run_seconds_mean=float(np.mean([r['run_seconds'] for r in results])),
+      training_flops=flops.training_flops(config),
+      depth_read_share=per_token['depth_read'] / per_token['total'],
+      num_layers=config.model.num_layers, d_model=config.model.d_model,
+      model=config.model.to_dict())
+
+
+def loss_curve(name: str, seeds: list[int], flops_per_step: float):
+  """Mean train loss over seeds against cumulative training FLOPs."""
+  curves = [metrics_lib.read_jsonl(run_dir(name, s)) for s in seeds if finished(name, s)]
+  curves = [[(r['step'], r['train/loss']) for r in c if 'train/loss' in r]
+            for c in curves]
+  curves = [c for c in curves if c]
+  if not curves:
+    return None
+  length = min(len(c) for c in curves)
+  steps = np.array([step for step, _ in curves[0][:length]])
+  losses = np.mean([[loss for _, loss in c[:length]] for c in curves], axis=0)
+  return steps * flops_per_step, losses
+
+
+def report(names: list[str], seeds: list[int]) -> None:
+  rows = [row for row in (summarize(n, seeds) for n in names) if row is not None]
+  os.makedirs(FLAGS.root, exist_ok=True)
+  with open(os.path.join(FLAGS.root, 'results.json'), 'w', encoding='utf-8') as f:
+    json.dump(rows, f, indent=1)
+  lines = ['| run | layers x d | held-out bits/byte (mean +- std) | seeds | '
+           'train FLOPs | depth-read share | s/run |',
+           '|---|---|---|---|---|---|---|']
+  for row in rows:
+    lines.append(
+        f"| {row['run']} | {row['num_layers']} x {row['d_model']} | "
+        f"{row['bits_per_byte_mean']:.4f} +- {row['bits_per_byte_std']:.4f} | "
+        f"{row['seeds']} | {row['training_flops']:.3g} | "
+        f"{100 * row['depth_read_share']:.2f}% | {row['run_seconds_mean']:.0f} |")
+  table = '\n'.join(lines)
+  with open(os.path.join(FLAGS.root, 'results.md'), 'w', encoding='utf-8') as f:
+    f.write(table + '\n')
+  print(table)
+
+  fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+  for ax, group in zip(axes, ('modes', 'ablations')):
+    for name in [n for n in GROUPS[group] if n in names]:
+      config = sweep_config.get_config(name)
+      per_step = flops.training_flops(config) / config.train.num_steps
+      curve = loss_curve(name, seeds, per_step)
+      if curve is not None:
+        ax.plot(*curve, label=name)
+    ax.set_xlabel('training FLOPs')
+    ax.set_ylabel('train loss (nats/byte), mean over seeds')
+    ax.set_title(group)
+    ax.set_ylim(top=2.6)
+    ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(os.path.join(FLAGS.root, 'loss_vs_compute.png'), dpi=120)
+  plt.close(fig)
+
+  by_name = {row['run']: row for row in rows}
+  fig, ax = plt.subplots(figsize=(5.5, 4))
+  for mode, middle in (('standard', 'standard'), ('block', 'block_s2')):
+    points = []
+    for layers, name in ((2, f'depth_l2_{mode}'), (4, middle), (8, f'depth_l8_{mode}')):
+      if name in by_name:
+        points.append((layers, by_name[name]['bits_per_byte_mean'],
+                       by_name[name]['bits_per_byte_std']))
+    if points:
+      x, y, err = zip(*points)
+      ax.errorbar(x, y, yerr=err, marker='o', capsize=3, label=mode)
+  ax.set_xscale('log', base=2)
+  ax.set_xlabel('layers (width shrinks: about constant compute)')
+  ax.set_ylabel('held-out bits/byte')
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(os.path.join(FLAGS.root, 'depth.png'), dpi=120)
+  plt.close(fig)
+
+
+def main(argv):
+  del argv
+  names = selected_runs()
+  seeds = [int(s) for s in FLAGS.seeds]
+  if not FLAGS.report_only:
+    todo = [(n, s) for n in names for s in seeds if not finished(n, s)]
+    print(f'{len(todo)} runs to train ({len(names) * len(seeds) - len(todo)} done)',
+          flush=True)
+    with concurrent.futures.ThreadPoolExecutor(FLAGS.parallel) as pool:
+      for name, seed, seconds, code in pool.map(lambda job: train_one(*job), todo):
+        status = 'ok' if code == 0 else f'FAILED (exit {code}, see train.log)'
+        print(f'{name} seed {seed}: {seconds:.0f} s {status}', flush=True)
+  report(names, seeds)
+
+
+if __name__ == '__main__':
+  app.run(main)
