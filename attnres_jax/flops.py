@@ -29,10 +29,11 @@ def depth_read_sources(model_cfg) -> int:
     return 0
   num_sublayers = config_lib.num_sublayers(model_cfg)
   size = config_lib.effective_block_size(model_cfg)
-  per_sublayer = [depth.num_valid_sources(l, size) for l in range(num_sublayers)]
+  reads = [depth.num_valid_sources(l, size) for l in range(num_sublayers)]
+  reads.append(depth.num_slots(num_sublayers, size))  # the final read
   if model_cfg.get('depth_window', 0):
-    per_sublayer = [min(n, model_cfg.depth_window + 1) for n in per_sublayer]
-  return sum(per_sublayer) + depth.num_slots(num_sublayers, size)
+    reads = [min(n, model_cfg.depth_window + 1) for n in reads]
+  return sum(reads)
 
 
 def forward_flops_per_token(model_cfg, seq_len: int) -> dict[str, float]:

@@ -8,11 +8,12 @@ def test_depth_read_sources_by_hand():
   # L = 6 sublayers. Full: sublayer l reads l + 1 sources, the final read 7.
   full = ar.model_config(num_layers=3, residual='full')
   assert flops.depth_read_sources(full) == sum(range(1, 7)) + 7
-  # Block S = 4: sublayers 0..3 read 1,2,3,4; 4,5 read 2,3; final read 3 slots.
+  # Block S = 4: block 1 (sublayers 0..3) reads b0, then b0 + partial three times;
+  # block 2 reads b0, b1, then b0, b1 + partial; the final read b0, b1, b2.
   block = ar.model_config(num_layers=3, residual='block', block_size=4)
-  assert flops.depth_read_sources(block) == (1 + 2 + 3 + 4) + (2 + 3) + 3
+  assert flops.depth_read_sources(block) == (1 + 2 + 2 + 2) + (2 + 3) + 3
   assert flops.depth_read_sources(ar.model_config(residual='standard')) == 0
-  # A window of 2 caps each read at the embedding + 2 sources.
+  # A window of 2 caps each read, the final one too, at the embedding + 2 sources.
   window = ar.model_config(num_layers=3, residual='full', depth_window=2,
                            linear_memory_backward=False)
   assert flops.depth_read_sources(window) == 1 + 2 + 3 + 3 + 3 + 3 + 3
