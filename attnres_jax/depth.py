@@ -71,10 +71,12 @@ def _folded_query(query_D, gain_D):
 def _source_logits(sources_SBTD, folded_query_D, eps):
   """(dots, inverse RMS) per source, float32 [S, B, T]; logit = dot * inverse RMS.
 
-  Two reductions over D instead of materialising the normalised keys.
+  Two reductions over D instead of materialising the normalised keys. Contractions
+  over the (small) source axis are written as multiply-and-reduce throughout: XLA
+  fuses them into one pass over the buffer, where an einsum becomes a batched matmul
+  of tiny matrices (2.2x slower for a [17, 8, 256, 256] read on CPU).
   """
-  dots_SBT = jnp.einsum('sbtd,d->sbt', sources_SBTD, folded_query_D,
-                        preferred_element_type=jnp.float32)
+  dots_SBT = jnp.sum(sources_SBTD.astype(jnp.float32) * folded_query_D, axis=-1)
   return dots_SBT, rms_inverse(sources_SBTD, eps)
 
 
@@ -102,8 +104,8 @@ def read_parts(buffer_SBTD, query_D, gain_D, *, eps, num_valid=None, partial_BTD
     inv_rms_SBT = jnp.concatenate([inv_rms_SBT, inv_rms_1BT])
   weights_SBT = jax.nn.softmax(logits_SBT, axis=0)
   num_buffer = buffer_SBTD.shape[0]
-  h_BTD = jnp.einsum('sbt,sbtd->btd', weights_SBT[:num_buffer], buffer_SBTD,
-                     preferred_element_type=jnp.float32)
+  h_BTD = jnp.sum(weights_SBT[:num_buffer, ..., None]
+                  * buffer_SBTD.astype(jnp.float32), axis=0)
   if partial_BTD is not None:
     h_BTD += weights_SBT[num_buffer][..., None] * partial_BTD.astype(jnp.float32)
   return h_BTD.astype(buffer_SBTD.dtype), (weights_SBT, dots_SBT, inv_rms_SBT)
@@ -132,8 +134,7 @@ def read_parts_backward(buffer_SBTD, query_D, gain_D, statistics, d_h_BTD,
   if partial_BTD is not None:
     sources.append((partial_BTD[None], slice(num_buffer, num_buffer + 1)))
   value_grads_SBT = jnp.concatenate([
-      jnp.einsum('sbtd,btd->sbt', v, d_h_BTD, preferred_element_type=jnp.float32)
-      for v, _ in sources])
+      jnp.sum(v.astype(jnp.float32) * d_h_BTD, axis=-1) for v, _ in sources])
   mean_grad_BT = jnp.sum(weights_SBT * value_grads_SBT, axis=0)
   d_logits_SBT = weights_SBT * (value_grads_SBT - mean_grad_BT)
   d_query_key_D = jnp.zeros_like(folded_query_D)
@@ -144,7 +145,7 @@ def read_parts_backward(buffer_SBTD, query_D, gain_D, statistics, d_h_BTD,
     v32 = v.astype(jnp.float32)
     d_sources.append((w * d_h_BTD + dl * inv * folded_query_D
                       - (dl * dots * inv ** 3 / dim) * v32).astype(v.dtype))
-    d_query_key_D += jnp.einsum('sbt,sbtd->d', (dl * inv)[..., 0], v32)
+    d_query_key_D += jnp.sum(dl * inv * v32, axis=(0, 1, 2))
   d_partial = d_sources[1][0] if partial_BTD is not None else None
   return (d_sources[0], d_partial, d_query_key_D * gain_D.astype(jnp.float32),
           d_query_key_D * query_D.astype(jnp.float32))
@@ -196,8 +197,8 @@ def block_phase1(buffer_SBTD, queries_QD, gains_QD, *, eps, num_valid):
     logits_QSBT = jnp.where(mask_S[None, :, None, None], logits_QSBT, -jnp.inf)
   max_QBT = jnp.max(logits_QSBT, axis=1)
   exp_QSBT = jnp.exp(logits_QSBT - max_QBT[:, None])
-  out_QBTD = jnp.einsum('qsbt,sbtd->qbtd', exp_QSBT, buffer_SBTD,
-                        preferred_element_type=jnp.float32)
+  out_QBTD = jnp.sum(exp_QSBT[..., None] * buffer_SBTD.astype(jnp.float32)[None],
+                     axis=1)
   return max_QBT, jnp.sum(exp_QSBT, axis=1), out_QBTD
 
 
@@ -276,6 +277,6 @@ def attn_res_read_variant(
       weights_SBTH = jax.nn.softmax(jnp.where(mask, logits_SBTH, -jnp.inf), axis=0)
     else:
       weights_SBTH = jnp.where(mask, jax.nn.sigmoid(logits_SBTH), 0.0)
-  h_BTD = jnp.einsum('sbth,sbthk->bthk', weights_SBTH, values).reshape(
+  h_BTD = jnp.sum(weights_SBTH[..., None] * values, axis=0).reshape(
       batch, length, dim)
   return h_BTD.astype(sources_SBTD.dtype), jnp.mean(weights_SBTH, axis=-1)
