@@ -2,8 +2,14 @@
 
 Config overrides on the command line, e.g.
   python train.py --config=configs/paper_small.py:block --config.train.num_steps=100
+
+Several processes (docs/scaling.md): give each the same --coordinator_address and
+--num_processes and its own --process_id, or pass --distributed where JAX finds them
+itself (Cloud TPU pod slices, SLURM, Open MPI). Every process runs the same command on
+the same --workdir.
 """
 
+import jax
 from absl import app
 from absl import flags
 from absl import logging
@@ -16,11 +22,28 @@ _CONFIG = config_flags.DEFINE_config_file(
 _WORKDIR = flags.DEFINE_string(
     'workdir', 'workdirs/default',
     'Checkpoints, metrics and config.json; a run resumes from the latest checkpoint.')
+_DISTRIBUTED = flags.DEFINE_bool(
+    'distributed', False,
+    'Call jax.distributed.initialize() and let JAX detect the cluster (TPU pod slice, '
+    'SLURM, Open MPI); implied by --coordinator_address.')
+_COORDINATOR = flags.DEFINE_string(
+    'coordinator_address', None,
+    'host:port of process 0, for a multi-process run (e.g. localhost:1234).')
+_NUM_PROCESSES = flags.DEFINE_integer('num_processes', None,
+                                      'Processes of a multi-process run.')
+_PROCESS_ID = flags.DEFINE_integer('process_id', None,
+                                   'This process, 0 .. num_processes - 1.')
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+  if _DISTRIBUTED.value or _COORDINATOR.value is not None:
+    jax.distributed.initialize(coordinator_address=_COORDINATOR.value,
+                               num_processes=_NUM_PROCESSES.value,
+                               process_id=_PROCESS_ID.value)
+  elif _NUM_PROCESSES.value is not None or _PROCESS_ID.value is not None:
+    raise app.UsageError('--num_processes and --process_id need --coordinator_address.')
   if not flags.FLAGS['verbosity'].present:
     logging.set_verbosity(logging.WARNING)  # orbax logs every file at INFO
   train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)

@@ -93,22 +93,32 @@ class Checkpointer:
         force=force)
 
   def restore(self, step: int, *, abstract_params, abstract_opt_state,
-              train_iter: grain.DatasetIterator) -> tuple[Any, Any]:
-    """(params, opt_state) of `step`; also sets `train_iter` to its saved state.
+              train_iter: grain.DatasetIterator | None) -> tuple[Any, Any]:
+    """(params, opt_state) of `step`; also sets `train_iter` (unless None) to its
+    saved state.
 
-    The abstract trees are `jax.ShapeDtypeStruct`s with the target shardings.
+    The abstract trees are `jax.ShapeDtypeStruct`s with the target shardings, which
+    may differ from those the checkpoint was saved with (another mesh, another number
+    of processes): every process reads the pieces its devices need.
     """
-    restored = self.manager.restore(
-        step,
-        args=ocp.args.Composite(
-            params=ocp.args.StandardRestore(abstract_params),
-            train_state=ocp.args.StandardRestore(
-                {'step': 0, 'opt_state': abstract_opt_state}),
-            data=grain.checkpoint.CheckpointRestore(train_iter),
-        ))
+    items = dict(
+        params=ocp.args.StandardRestore(abstract_params),
+        train_state=ocp.args.StandardRestore(
+            {'step': 0, 'opt_state': abstract_opt_state}))
+    if train_iter is not None:
+      items['data'] = grain.checkpoint.CheckpointRestore(train_iter)
+    restored = self.manager.restore(step, args=ocp.args.Composite(**items))
     if int(restored.train_state['step']) != step:
       raise ValueError(f'Checkpoint {step} holds step {restored.train_state["step"]}.')
     return restored.params, restored.train_state['opt_state']
+
+  def data_process_count(self, step: int) -> int | None:
+    """How many processes wrote the data iterator states of `step` (None: unknown)."""
+    directory = os.path.join(self.directory, str(step), 'data')
+    counts = {name.rsplit('-of-', 1)[-1].split('.')[0]
+              for name in (os.listdir(directory) if os.path.isdir(directory) else ())
+              if name.startswith('process_') and '-of-' in name}
+    return int(counts.pop()) if len(counts) == 1 else None
 
   def restore_params(self, step: int, abstract_params):
     return self.manager.restore(

@@ -2,8 +2,8 @@
 
 Parameters carry logical axis names in their `out_sharding` metadata (`model.py`; the
 stacked layers add a leading 'layers'); key activations are constrained with
-`constrain(x, names)`. The rules in `config.mesh.rules` map every logical name to a mesh
-axis, a tuple of mesh axes, or None (replicated). The mesh has three axes:
+`constrain(x, names)`. The rules in `config.mesh.rules` map every logical name to the
+tuple of mesh axes it is split over (empty: not split). The mesh has three axes:
 
   data    pure data parallelism: the batch is split, everything else replicated
   fsdp    the batch is split AND the parameters and optimizer state are split along
@@ -37,21 +37,22 @@ from jax.sharding import PartitionSpec as P
 
 AXIS_NAMES = ('data', 'fsdp', 'tensor')
 
-# logical name -> mesh axis (str), mesh axes (tuple) or None (not split).
+# logical name -> the mesh axes it is split over (empty: not split). Tuples, so that
+# one rule can be overridden on the command line: --config.mesh.rules.hidden=tensor.
 DEFAULT_RULES = {
     # activations
     'batch': ('data', 'fsdp'),
-    'length': None,
-    'hidden': None,       # model width of activations and depth sources
-    'depth': None,        # the AttnRes source axis of the depth buffers
+    'length': (),
+    'hidden': (),           # model width of activations and depth sources
+    'depth': (),            # the AttnRes source axis of the depth buffers
     # parameters (and the activations along the same dimension)
-    'embed': 'fsdp',      # model width of weights: FSDP splits parameters here
-    'heads': 'tensor',
-    'head_dim': None,
-    'mlp': 'tensor',
-    'vocab': 'tensor',
-    'layers': None,       # the stacked-layer axis (scanned over)
-    'sublayers': None,    # attention / MLP rows of the AttnRes queries and gains
+    'embed': ('fsdp',),     # model width of weights: FSDP splits parameters here
+    'heads': ('tensor',),
+    'head_dim': (),
+    'mlp': ('tensor',),
+    'vocab': ('tensor',),
+    'layers': (),           # the stacked-layer axis (scanned over)
+    'sublayers': (),        # attention / MLP rows of the AttnRes queries and gains
 }
 
 Rules = Mapping[str, Any]
@@ -73,19 +74,22 @@ def default_mesh_config(**overrides) -> ml_collections.ConfigDict:
   return cfg
 
 
-def _as_axes(value) -> str | tuple[str, ...] | None:
-  """A rule's value as None, one axis name or a tuple of them (JSON gives lists)."""
-  if value is None or isinstance(value, str):
-    return value
-  axes = tuple(value)
-  return axes if len(axes) != 1 else axes[0]
+def _as_axes(value) -> tuple[str, ...]:
+  """A rule's value (None, an axis name, or a sequence of them; JSON gives lists) as a
+  tuple of mesh axis names."""
+  if value is None:
+    return ()
+  if isinstance(value, str):
+    return (value,)
+  return tuple(value)
 
 
-def rules_from_config(mesh_config: ml_collections.ConfigDict) -> dict[str, Any]:
+def rules_from_config(mesh_config: ml_collections.ConfigDict
+                      ) -> dict[str, tuple[str, ...]]:
   """The rules of a mesh config section (the defaults if it has none)."""
   rules = mesh_config.get('rules')
   if rules is None:
-    return dict(DEFAULT_RULES)
+    rules = DEFAULT_RULES
   if isinstance(rules, ml_collections.ConfigDict):
     rules = rules.to_dict()
   return {name: _as_axes(value) for name, value in dict(rules).items()}
@@ -99,14 +103,13 @@ def validate_mesh_config(mesh_config: ml_collections.ConfigDict) -> None:
                      'have equal lengths, with at most one -1.')
   if 'data' not in names:
     raise ValueError(f"Invalid mesh config: axis_names {names} has no 'data' axis.")
-  for name, value in rules_from_config(mesh_config).items():
-    axes = (value,) if isinstance(value, str) else (value or ())
+  for name, axes in rules_from_config(mesh_config).items():
     unknown = [a for a in axes if a not in names]
     if unknown:
-      raise ValueError(f'Invalid mesh config: rule {name!r} -> {value!r} names mesh '
+      raise ValueError(f'Invalid mesh config: rule {name!r} -> {axes!r} names mesh '
                        f'axes {unknown} that are not in axis_names {names}.')
     if len(set(axes)) != len(axes):
-      raise ValueError(f'Invalid mesh config: rule {name!r} -> {value!r} repeats an axis.')
+      raise ValueError(f'Invalid mesh config: rule {name!r} -> {axes!r} repeats an axis.')
 
 
 def make_mesh(mesh_config: ml_collections.ConfigDict,
@@ -140,8 +143,7 @@ def mesh_axes(logical_name: str | None, rules: Rules) -> tuple[str, ...]:
   if logical_name not in rules:
     raise KeyError(f'No sharding rule for the logical axis {logical_name!r}; rules '
                    f'exist for {sorted(rules)} (config.mesh.rules).')
-  value = _as_axes(rules[logical_name])
-  return () if value is None else (value,) if isinstance(value, str) else value
+  return _as_axes(rules[logical_name])
 
 
 def logical_to_spec(logical_axes: Sequence[str | None], rules: Rules, *,

@@ -38,6 +38,7 @@ from attnres_jax import data as data_lib
 from attnres_jax import metrics as metrics_lib
 from attnres_jax import model as model_lib
 from attnres_jax import optim
+from attnres_jax import sharding
 
 EVAL_FINAL_JSON = 'eval_final.json'
 
@@ -190,12 +191,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
       raise ValueError(f'Config has no {section!r} section.')
   config_lib.validate_model_config(config.model)
   validate_train_config(config.train)
-  shape, names = tuple(config.mesh.shape), tuple(config.mesh.axis_names)
-  if len(shape) != len(names) or list(shape).count(-1) > 1:
-    raise ValueError(f'Invalid mesh config: shape {shape} and axis_names {names} must '
-                     'have equal lengths, with at most one -1.')
-  if 'data' not in names:
-    raise ValueError(f"Invalid mesh config: axis_names {names} has no 'data' axis.")
+  sharding.validate_mesh_config(config.mesh)
 
 
 def prepare_workdir(workdir: str, config: ml_collections.ConfigDict) -> str:
@@ -206,7 +202,7 @@ def prepare_workdir(workdir: str, config: ml_collections.ConfigDict) -> str:
   workdir = os.path.abspath(os.path.expanduser(workdir))
   try:
     os.makedirs(workdir, exist_ok=True)
-    probe = os.path.join(workdir, f'.write_test.{os.getpid()}')
+    probe = os.path.join(workdir, f'.write_test.{jax.process_index()}.{os.getpid()}')
     with open(probe, 'w', encoding='utf-8') as f:
       f.write('ok')
     os.remove(probe)
@@ -229,23 +225,95 @@ def prepare_workdir(workdir: str, config: ml_collections.ConfigDict) -> str:
   return workdir
 
 
-def make_mesh(mesh_config: ml_collections.ConfigDict) -> jax.sharding.Mesh:
-  """The device mesh; one -1 in `shape` takes the remaining devices."""
-  shape, names = list(mesh_config.shape), tuple(mesh_config.axis_names)
-  count = jax.device_count()
-  if -1 in shape:
-    known = math.prod(s for s in shape if s != -1)
-    shape[shape.index(-1)] = count // known
-  if math.prod(shape) != count:
-    raise ValueError(f'Mesh shape {tuple(mesh_config.shape)} does not cover the '
-                     f'{count} devices.')
-  return jax.make_mesh(tuple(shape), names,
-                       axis_types=(jax.sharding.AxisType.Auto,) * len(names))
+# -- the train state and the steps on a device mesh ----------------------------------
 
 
-def batch_axes(mesh: jax.sharding.Mesh) -> tuple[str, ...]:
-  """Mesh axes the batch dimension is split over (data parallel and FSDP)."""
-  return tuple(a for a in ('data', 'fsdp') if a in mesh.axis_names)
+def init_train_state(model_config: ml_collections.ConfigDict,
+                     tx: optax.GradientTransformation, seed: int) -> TrainState:
+  """A fresh train state (step 0); jit it with `out_shardings` to create it sharded."""
+  model = model_lib.Transformer(model_config, rngs=nnx.Rngs(seed))
+  params = nnx.to_pure_dict(nnx.state(model))
+  return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                    opt_state=tx.init(params))
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """Where the train state and the batches live on a device mesh.
+
+  `state` is a TrainState of NamedShardings: each parameter split as its logical axis
+  names say under `rules`, its optimizer moments likewise, scalars replicated.
+  `abstract_state` holds the matching `jax.ShapeDtypeStruct`s (restore targets).
+  """
+  mesh: jax.sharding.Mesh
+  rules: dict[str, Any]
+  state: TrainState
+  abstract_state: TrainState
+  batch: NamedSharding
+
+  @property
+  def replicated(self) -> NamedSharding:
+    return NamedSharding(self.mesh, P())
+
+  def to_global(self, batch: data_lib.Batch) -> dict[str, jax.Array]:
+    """This process's rows of a global batch -> global arrays split over the mesh."""
+    return {k: jax.make_array_from_process_local_data(self.batch, v)
+            for k, v in batch.items()}
+
+
+def make_layout(model_config: ml_collections.ConfigDict, tx: optax.GradientTransformation,
+                mesh: jax.sharding.Mesh, rules) -> Layout:
+  """The shardings of the train state (from `eval_shape`) and of the batches."""
+  rules = dict(rules)
+  abstract_model = nnx.eval_shape(
+      lambda: model_lib.Transformer(model_config, rngs=nnx.Rngs(0)))
+  params = sharding.param_shardings(nnx.state(abstract_model), mesh, rules)
+  replicated = NamedSharding(mesh, P())
+  abstract = jax.eval_shape(functools.partial(init_train_state, model_config, tx, 0))
+  opt_state = optax.tree_map_params(
+      tx, lambda _, s: s, abstract.opt_state, params,
+      transform_non_params=lambda _: replicated,
+      is_leaf=lambda x: isinstance(x, NamedSharding))
+  state = TrainState(step=replicated, params=params, opt_state=opt_state)
+  abstract = jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, state)
+  batch = NamedSharding(mesh, sharding.logical_to_spec(('batch', 'length'), rules,
+                                                       mesh=mesh))
+  return Layout(mesh=mesh, rules=rules, state=state, abstract_state=abstract,
+                batch=batch)
+
+
+def create_train_state(model_config, tx, seed: int, layout: Layout) -> TrainState:
+  """The initial train state, created directly sharded (no full copy on one device)."""
+  return jax.jit(functools.partial(init_train_state, model_config, tx, seed),
+                 out_shardings=layout.state)()
+
+
+def _under_rules(function, layout: Layout):
+  """`function` tracing with the activation constraints of `layout`."""
+
+  @functools.wraps(function)
+  def wrapped(*args, **kwargs):
+    with sharding.logical_rules(layout.mesh, layout.rules):
+      return function(*args, **kwargs)
+
+  return wrapped
+
+
+def jit_train_step(layout: Layout, *, graphdef, tx, schedule=None, grad_accum_steps=1):
+  """`train_step` jitted on the mesh: state donated, metrics replicated."""
+  step = functools.partial(train_step, graphdef=graphdef, tx=tx, schedule=schedule,
+                           grad_accum_steps=grad_accum_steps)
+  return jax.jit(_under_rules(step, layout),
+                 in_shardings=(layout.state, layout.batch),
+                 out_shardings=(layout.state, layout.replicated),
+                 donate_argnums=0)
+
+
+def jit_eval_step(layout: Layout, *, graphdef):
+  return jax.jit(_under_rules(functools.partial(eval_step, graphdef=graphdef), layout),
+                 in_shardings=(layout.state.params, layout.batch),
+                 out_shardings=layout.replicated)
 
 
 # -- evaluation -----------------------------------------------------------------------
@@ -321,8 +389,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   if datasets.vocab_size > config.model.vocab_size:
     raise ValueError(f'The tokenizer has {datasets.vocab_size} tokens but '
                      f'model.vocab_size is {config.model.vocab_size}.')
-  mesh = make_mesh(config.mesh)
-  data_shards = math.prod(mesh.shape[a] for a in batch_axes(mesh))
+  mesh = sharding.make_mesh(config.mesh)
+  rules = sharding.rules_from_config(config.mesh)
+  data_shards = math.prod(mesh.shape[a] for a in sharding.mesh_axes('batch', rules))
   if (tc.batch_size // tc.grad_accum_steps) % data_shards:
     raise ValueError(f'The microbatch of {tc.batch_size // tc.grad_accum_steps} rows '
                      f'(batch_size / grad_accum_steps) does not split over the '
@@ -330,23 +399,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
 
   tx, schedule = optim.make_optimizer(tc)
   graphdef, _ = checkpointing.abstract_model(config.model)
-
-  def init_state() -> TrainState:
-    model = model_lib.Transformer(config.model, rngs=nnx.Rngs(tc.seed))
-    params = nnx.to_pure_dict(nnx.state(model))
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                      opt_state=tx.init(params))
-
-  # Shardings: parameters and optimizer state replicated for now (the scale-out work
-  # maps their logical axis names to the mesh here), the batch split over data axes.
-  replicated = NamedSharding(mesh, P())
-  abstract_state = jax.eval_shape(init_state)
-  state_sharding = jax.tree.map(lambda _: replicated, abstract_state)
-  batch_sharding = NamedSharding(mesh, P(batch_axes(mesh)))
-
-  def to_global(batch):
-    return {k: jax.make_array_from_process_local_data(batch_sharding, v)
-            for k, v in batch.items()}
+  layout = make_layout(config.model, tx, mesh, rules)
+  to_global = layout.to_global
 
   checkpointer = checkpointing.Checkpointer(
       workdir, save_every=tc.checkpoint_every, keep=tc.keep_checkpoints,
@@ -359,27 +413,28 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   try:
     if start is None:
       start = 0
-      state = jax.jit(init_state, out_shardings=state_sharding)()
+      state = create_train_state(config.model, tx, tc.seed, layout)
     else:
       _say(f'Resuming from the checkpoint of step {start} in {checkpointer.directory}.')
-      abstract = jax.tree.map(
-          lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-          abstract_state, state_sharding)
+      saved_processes = checkpointer.data_process_count(start)
+      train_iter = datasets.train
+      if saved_processes not in (None, jax.process_count()):
+        _say(f'WARNING: the checkpoint of step {start} was written by '
+             f'{saved_processes} processes, this run has {jax.process_count()}: the '
+             'model and optimizer state are restored (resharded), but the training '
+             'data order cannot be, so the data iterators start afresh.')
+        train_iter = None
+      abstract = layout.abstract_state
       params, opt_state = checkpointer.restore(
           start, abstract_params=abstract.params, abstract_opt_state=abstract.opt_state,
-          train_iter=datasets.train)
-      state = TrainState(step=jax.device_put(jnp.int32(start), replicated),
-                         params=params, opt_state=opt_state)
+          train_iter=train_iter)
+      step_array = jax.make_array_from_callback(
+          (), layout.replicated, lambda _: np.int32(start))
+      state = TrainState(step=step_array, params=params, opt_state=opt_state)
 
-    p_train_step = jax.jit(
-        functools.partial(train_step, graphdef=graphdef, tx=tx, schedule=schedule,
-                          grad_accum_steps=tc.grad_accum_steps),
-        in_shardings=(state_sharding, batch_sharding),
-        out_shardings=(state_sharding, replicated),
-        donate_argnums=0)
-    p_eval_step = jax.jit(functools.partial(eval_step, graphdef=graphdef),
-                          in_shardings=(state_sharding.params, batch_sharding),
-                          out_shardings=replicated)
+    p_train_step = jit_train_step(layout, graphdef=graphdef, tx=tx, schedule=schedule,
+                                  grad_accum_steps=tc.grad_accum_steps)
+    p_eval_step = jit_eval_step(layout, graphdef=graphdef)
 
     num_steps = tc.num_steps
     stop = num_steps if max_steps is None else min(num_steps, max_steps)

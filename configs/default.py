@@ -8,6 +8,7 @@ import ml_collections
 
 from attnres_jax import config as model_config_lib
 from attnres_jax import data
+from attnres_jax import sharding
 from attnres_jax import train
 
 
@@ -20,7 +21,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.train = train.default_train_config(
       batch_size=16, seq_len=128, num_steps=600, learning_rate=3e-3,
       warmup_steps=60, log_every=25, eval_every=None, checkpoint_every=200)
-  # Placeholder for the scale-out work: all devices on the data axis.
-  config.mesh = ml_collections.ConfigDict(dict(
-      shape=(-1, 1, 1), axis_names=('data', 'fsdp', 'tensor')))
+  # All devices data parallel; e.g. --config.mesh.shape='(2,2,2)' for data x FSDP x
+  # tensor parallelism (the logical-axis rules are config.mesh.rules).
+  config.mesh = sharding.default_mesh_config()
   return config
