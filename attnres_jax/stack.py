@@ -48,11 +48,16 @@ def ablation_params(module, prefix, which=None):
 
 
 def read_depth(cfg, buffer_SBTD, num_valid, query_D, gain_D, query_proj_DD=None,
-               mixing_S=None):
-  """One depth read as configured: the paper's read, or one of its ablations."""
+               mixing_S=None, inv_rms_SBT=None):
+  """One depth read as configured: the paper's read, or one of its ablations.
+
+  `inv_rms_SBT`: the buffer's per-slot inverse RMS when the caller keeps it.
+  """
   if not config_lib.depth_variant_fields(cfg):
-    return depth.attn_res_read(buffer_SBTD, query_D, gain_D, eps=cfg.attn_res_eps,
-                               num_valid=num_valid)
+    h_BTD, (weights_SBT, _, _) = depth.read_parts(
+        buffer_SBTD, query_D, gain_D, eps=cfg.attn_res_eps, num_valid=num_valid,
+        inv_rms_SBT=inv_rms_SBT)
+    return h_BTD, weights_SBT
   if num_valid is None:
     num_valid = buffer_SBTD.shape[0]
   query = query_D
@@ -70,8 +75,10 @@ def read_depth(cfg, buffer_SBTD, num_valid, query_D, gain_D, query_proj_DD=None,
 class _DepthState:
   """How sublayers read their inputs from, and write their outputs to, depth.
 
-  The carry is the residual stream ('standard'), or (buffer, phase-1 statistics) for
-  AttnRes, the statistics being None unless reads are two-phase.
+  The carry is the residual stream ('standard'), or for AttnRes (buffer, the inverse
+  RMS of each slot, phase-1 statistics or None unless reads are two-phase). Keeping
+  the inverse RMS saves each read a pass over the buffer: a slot's RMS is computed
+  once per write instead of once per reader.
   """
 
   def __init__(self, graphdef, cfg, layer_state, *, one_shot=False):
@@ -101,7 +108,8 @@ class _DepthState:
       phase1 = (jnp.zeros((size, *btd[:-1]), jnp.float32),
                 jnp.zeros((size, *btd[:-1]), jnp.float32),
                 jnp.zeros((size, *btd), jnp.float32))
-    return state, phase1
+    inv_rms_SBT = depth.rms_inverse(state, self.cfg.attn_res_eps)
+    return state, inv_rms_SBT, phase1
 
   def final_state(self, carry):
     return carry if self.standard else carry[0]
@@ -113,13 +121,14 @@ class _DepthState:
     """Returns (h, depth weights or None, carry)."""
     if self.standard:
       return carry, None, carry
-    buffer_SBTD, phase1 = carry
+    buffer_SBTD, inv_rms_SBT, phase1 = carry
     query_D, gain_D = layer.depth_query[...][which], layer.depth_gain[...][which]
     eps = self.cfg.attn_res_eps
     if not self.two_phase:
       h_BTD, weights_SBT = read_depth(
           self.cfg, buffer_SBTD, depth.num_valid_sources(sublayer, self.block_size),
-          query_D, gain_D, *ablation_params(layer, 'depth', which))
+          query_D, gain_D, *ablation_params(layer, 'depth', which),
+          inv_rms_SBT=inv_rms_SBT)
       return h_BTD, weights_SBT, carry
     size = self.block_size
     position = sublayer % size
@@ -129,7 +138,8 @@ class _DepthState:
       first = sublayer - position
       take = lambda x: jax.lax.dynamic_slice_in_dim(x, first, size)
       return depth.block_phase1(buffer_SBTD, take(self.queries_LD),
-                                take(self.gains_LD), eps=eps, num_valid=slot)
+                                take(self.gains_LD), eps=eps, num_valid=slot,
+                                inv_rms_SBT=inv_rms_SBT)
 
     phase1 = jax.lax.cond(position == 0, run_phase1, lambda: phase1)
     mine = jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, position, 0, False),
@@ -137,15 +147,19 @@ class _DepthState:
     partial_BTD = jax.lax.dynamic_index_in_dim(buffer_SBTD, slot, 0, False)
     h_BTD = depth.block_phase2(mine, partial_BTD, query_D, gain_D, eps=eps,
                                partial_valid=position != 0)
-    return h_BTD, None, (buffer_SBTD, phase1)
+    return h_BTD, None, (buffer_SBTD, inv_rms_SBT, phase1)
 
   def write(self, carry, sublayer, out_BTD):
     if self.standard:
       return sharding.constrain(carry + out_BTD, sharding.HIDDEN)
-    buffer_SBTD, phase1 = carry
+    buffer_SBTD, inv_rms_SBT, phase1 = carry
     slot = depth.output_slot(sublayer, self.block_size)
-    return sharding.constrain(_add_to_slot(buffer_SBTD, slot, out_BTD),
-                              sharding.DEPTH_BUFFER), phase1
+    written_BTD = jax.lax.dynamic_index_in_dim(buffer_SBTD, slot, 0, False) + out_BTD
+    buffer_SBTD = jax.lax.dynamic_update_index_in_dim(buffer_SBTD, written_BTD, slot, 0)
+    inv_rms_SBT = jax.lax.dynamic_update_index_in_dim(
+        inv_rms_SBT, depth.rms_inverse(written_BTD, self.cfg.attn_res_eps), slot, 0)
+    return (sharding.constrain(buffer_SBTD, sharding.DEPTH_BUFFER), inv_rms_SBT,
+            phase1)
 
 
 def _add_to_slot(buffer_SBTD, slot, out_BTD):
@@ -354,11 +368,11 @@ def _linear_memory_stack(graphdef, cfg, layer_state, buffer_SBTD, positions_BT):
 
     carry, saved = _scan_layers(step, depth_state.initial_carry(buffer_SBTD),
                                 layer_state, cfg.num_layers)
-    final_SBTD = depth_state.final_state(carry)
-    return final_SBTD, (layer_state, final_SBTD, positions_BT, saved)
+    final_SBTD, final_inv_rms_SBT = carry[0], carry[1]
+    return final_SBTD, (layer_state, final_SBTD, final_inv_rms_SBT, positions_BT, saved)
 
   def backward(residuals, d_final_SBTD):
-    layer_state, final_SBTD, positions_BT, saved = residuals
+    layer_state, final_SBTD, final_inv_rms_SBT, positions_BT, saved = residuals
 
     def body(d_buffer_SBTD, xs):
       state_k, k, saved_k = xs
@@ -376,7 +390,9 @@ def _linear_memory_stack(graphdef, cfg, layer_state, buffer_SBTD, positions_BT):
         read_kwargs = dict(num_valid=slot, partial_BTD=partial_BTD,
                            partial_valid=sublayer % block_size != 0)
         h_BTD, statistics = depth.read_parts(final_SBTD, query_D, gain_D,
-                                             eps=cfg.attn_res_eps, **read_kwargs)
+                                             eps=cfg.attn_res_eps,
+                                             inv_rms_SBT=final_inv_rms_SBT,
+                                             **read_kwargs)
         if recompute_sublayers:
           _, sublayer_vjp = jax.vjp(
               lambda s, h, f=functions[which]: f(s, h, positions_BT), state_k, h_BTD)
