@@ -3,7 +3,7 @@
 Config overrides on the command line, e.g.
   python train.py --config=configs/paper_small.py:block --config.train.num_steps=100
 
-Several processes (docs/scaling.md): give each the same --coordinator_address and
+Several processes (README, "Scaling out"): give each the same --coordinator_address and
 --num_processes and its own --process_id, or pass --distributed where JAX finds them
 itself (Cloud TPU pod slices, SLURM, Open MPI). Every process runs the same command on
 the same --workdir.
