@@ -16,7 +16,6 @@ reverse scan. Memory is then linear in depth. Gradients equal plain autodiff (te
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
