@@ -11,8 +11,8 @@ Per token, forward pass (Kaplan et al. 2020 conventions, plus the depth read):
 A read of sublayer l weighs depth.num_valid_sources(l, S) sources and the final read
 N + 1, so Full costs O(L^2 d) and Block O(L N d) per token (paper, Section 3). A
 training step is 3x the forward pass (the backward pass costs twice the forward).
-The depth-read term is what separates the residual modes; at the sizes trained here
-it is well under 1% of the total.
+The depth-read term is what separates the residual modes; for the 4-layer, d = 128
+models of configs/sweep.py it is 0.9% (Block, S = 8) to 2.1% (Full) of the total.
 """
 
 from __future__ import annotations
