@@ -247,6 +247,7 @@ def attn_res_read_variant(
     window: int = 0,
     num_heads: int = 1,
     mixing_weights_S: jax.Array | None = None,
+    inv_rms_SBT: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """The depth read with the paper's ablations; the defaults compute `attn_res_read`.
 
@@ -259,29 +260,38 @@ def attn_res_read_variant(
       (and its own key RMSNorm over its channels).
     mixing_weights_S: DenseFormer-style learned scalars used directly as the weights
       (no query, no normalisation: input independent).
+    inv_rms_SBT: the sources' inverse RMS when the caller keeps it (one head only).
 
   Returns (h_BTD, weights_SBT), the weights averaged over heads.
   """
   num_sources, batch, length, dim = sources_SBTD.shape
   mask_S = window_mask(num_sources, num_valid, window)
-  values = sources_SBTD.astype(jnp.float32).reshape(
-      num_sources, batch, length, num_heads, dim // num_heads)
+  values_SBTD = sources_SBTD.astype(jnp.float32)
   if mixing_weights_S is not None:
-    weights_SBTH = jnp.broadcast_to(
-        jnp.where(mask_S, mixing_weights_S.astype(jnp.float32), 0.0)[:, None, None, None],
-        (num_sources, batch, length, num_heads))
+    weights_S = jnp.where(mask_S, mixing_weights_S.astype(jnp.float32), 0.0)
+    h_BTD = jnp.sum(weights_S[:, None, None, None] * values_SBTD, axis=0)
+    weights_SBT = jnp.broadcast_to(weights_S[:, None, None], (num_sources, batch, length))
+    return h_BTD.astype(sources_SBTD.dtype), weights_SBT
+  # With one head the channel axis stays whole: a trailing heads axis of size 1 makes
+  # XLA:CPU's reductions several times slower.
+  if num_heads == 1:
+    split = lambda x: x
+    merge = lambda x: x
   else:
-    folded = query.astype(jnp.float32) * gain_D.astype(jnp.float32)
-    folded = jnp.broadcast_to(folded, (batch, length, dim)).reshape(
-        batch, length, num_heads, dim // num_heads)
-    logits_SBTH = jnp.sum(values * folded, axis=-1)
-    if key_norm:
-      logits_SBTH *= jax.lax.rsqrt(jnp.mean(jnp.square(values), axis=-1) + eps)
-    mask = mask_S[:, None, None, None]
-    if normalizer == 'softmax':
-      weights_SBTH = jax.nn.softmax(jnp.where(mask, logits_SBTH, -jnp.inf), axis=0)
-    else:
-      weights_SBTH = jnp.where(mask, jax.nn.sigmoid(logits_SBTH), 0.0)
-  h_BTD = jnp.sum(weights_SBTH[..., None] * values, axis=0).reshape(
-      batch, length, dim)
-  return h_BTD.astype(sources_SBTD.dtype), jnp.mean(weights_SBTH, axis=-1)
+    split = lambda x: x.reshape(*x.shape[:-1], num_heads, dim // num_heads)
+    merge = lambda x: x.reshape(*x.shape[:-2], dim)
+  values = split(values_SBTD)
+  folded = split(query.astype(jnp.float32) * gain_D.astype(jnp.float32))
+  logits = jnp.sum(values * folded, axis=-1)  # [S, B, T] or [S, B, T, H]
+  if key_norm:
+    if inv_rms_SBT is None or num_heads > 1:
+      inv_rms_SBT = jax.lax.rsqrt(jnp.mean(jnp.square(values), axis=-1) + eps)
+    logits *= inv_rms_SBT
+  mask = mask_S.reshape((num_sources,) + (1,) * (logits.ndim - 1))
+  if normalizer == 'softmax':
+    weights = jax.nn.softmax(jnp.where(mask, logits, -jnp.inf), axis=0)
+  else:
+    weights = jnp.where(mask, jax.nn.sigmoid(logits), 0.0)
+  h_BTD = merge(jnp.sum(weights[..., None] * values, axis=0))
+  weights_SBT = weights if num_heads == 1 else jnp.mean(weights, axis=-1)
+  return h_BTD.astype(sources_SBTD.dtype), weights_SBT

@@ -68,7 +68,8 @@ def read_depth(cfg, buffer_SBTD, num_valid, query_D, gain_D, query_proj_DD=None,
   return depth.attn_res_read_variant(
       buffer_SBTD, query, gain_D, eps=cfg.attn_res_eps, num_valid=num_valid,
       normalizer=cfg.depth_normalizer, key_norm=cfg.depth_key_norm,
-      window=cfg.depth_window, num_heads=cfg.depth_heads, mixing_weights_S=mixing_S)
+      window=cfg.depth_window, num_heads=cfg.depth_heads, mixing_weights_S=mixing_S,
+      inv_rms_SBT=inv_rms_SBT)
 
 
 class _DepthState:

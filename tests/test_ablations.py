@@ -19,8 +19,9 @@ def sources(seed=0, count=6):
 
 
 def config(**variant):
+  variant = {'residual': 'full', **variant}
   return ar.model_config(d_model=D, num_heads=2, mlp_dim=32, num_layers=2,
-                         residual='full', linear_memory_backward=False, **variant)
+                         linear_memory_backward=False, **variant)
 
 
 QUERY = jax.random.normal(jax.random.key(7), (D,))
@@ -33,6 +34,35 @@ def test_defaults_are_the_paper_read():
   h_ref, w_ref = depth.attn_res_read(buffer, QUERY, GAIN, eps=1e-6, num_valid=4)
   np.testing.assert_allclose(h, h_ref, rtol=1e-5, atol=1e-5)  # float32 reassociation
   np.testing.assert_allclose(w, w_ref, rtol=1e-5, atol=1e-7)
+
+
+def test_kept_inverse_rms_is_the_recomputed_one():
+  buffer = sources()
+  inv_rms = depth.rms_inverse(buffer, 1e-6)
+  for variant in (dict(), dict(normalizer='sigmoid'), dict(window=2)):
+    with_kept = depth.attn_res_read_variant(buffer, QUERY, GAIN, eps=1e-6, num_valid=5,
+                                            inv_rms_SBT=inv_rms, **variant)
+    recomputed = depth.attn_res_read_variant(buffer, QUERY, GAIN, eps=1e-6,
+                                             num_valid=5, **variant)
+    np.testing.assert_allclose(with_kept[0], recomputed[0], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize('residual,block_size', [('full', 1), ('block', 3)])
+def test_variant_path_is_the_paper_model_when_it_changes_nothing(residual, block_size):
+  # A window wider than the depth keeps every source: the variant machinery (generic
+  # read, inverse RMS from the carry) must then compute the paper's model.
+  paper = config(residual=residual, block_size=block_size)
+  wide = config(residual=residual, block_size=block_size, depth_window=64)
+  x = jax.random.randint(jax.random.key(4), (2, 8), 0, 256)
+  model = ar.Transformer(paper, rngs=nnx.Rngs(0))
+  keys = jax.random.split(jax.random.key(1), 2)  # reads far from uniform
+  model.layers.depth_query[...] = jax.random.normal(keys[0], model.layers.depth_query.shape)
+  model.layers.depth_gain[...] += 0.5 * jax.random.normal(keys[1],
+                                                          model.layers.depth_gain.shape)
+  graphdef, state = nnx.split(model)
+  wide_model = nnx.merge(nnx.graphdef(ar.Transformer(wide, rngs=nnx.Rngs(0))), state)
+  # float32 reassociation between the two reads' reductions, through 4 sublayers.
+  np.testing.assert_allclose(wide_model(x), model(x), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize('num_valid', [1, 2, 4, 6])
