@@ -47,7 +47,7 @@ def model_config(**overrides) -> ml_collections.ConfigDict:
       depth_read='one_shot',
       # Ablations of the read (paper Section 5), all off by default. They run the
       # generic read with plain autodiff (set linear_memory_backward=False).
-      depth_query_input=False,   # query += W RMSNorm(latest source), W: d x d per read
+      depth_query_input=False,   # query += W RMSNorm(latest source) / sqrt(d), W: d x d
       depth_normalizer='softmax',  # 'softmax' | 'sigmoid'
       depth_key_norm=True,       # False: logits from the raw sources
       depth_mixing='attention',  # 'attention' | 'scalars' (DenseFormer-style weights)

@@ -140,7 +140,8 @@ def test_input_dependent_query_reads_the_latest_source():
   _, w = stack.read_depth(cfg, buffer, 4, QUERY, GAIN, projection)
   latest = np.asarray(buffer[3], np.float64)
   latest /= np.sqrt(np.mean(latest ** 2, axis=-1, keepdims=True) + 1e-6)
-  query_bt = np.asarray(QUERY, np.float64) + latest @ np.asarray(projection, np.float64)
+  query_bt = np.asarray(QUERY, np.float64) + latest @ np.asarray(projection,
+                                                          np.float64) / np.sqrt(D)
   v = np.asarray(buffer[:4], np.float64)
   logits = np.sum(query_bt * np.asarray(GAIN) * v, -1) / np.sqrt(
       np.mean(v ** 2, -1) + 1e-6)
