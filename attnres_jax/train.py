@@ -87,8 +87,9 @@ def default_train_config(**overrides) -> ml_collections.ConfigDict:
       grad_clip=1.0,           # global norm; 0 or None: off
       grad_accum_steps=1,      # microbatches per step (scan inside the step)
       log_every=50,
-      eval_every=None,         # steps; None: only at the end
-      max_eval_batches=None,   # None: the whole eval split
+      # Optional fields are typed placeholders so that the command line can set them.
+      eval_every=ml_collections.config_dict.placeholder(int),  # None: only at the end
+      max_eval_batches=ml_collections.config_dict.placeholder(int),  # None: whole split
       checkpoint_every=500,
       keep_checkpoints=3,      # None: keep all
       async_checkpointing=True,

@@ -453,3 +453,19 @@ def test_paper_small_presets_differ_only_in_residual():
     assert without_residual(config) == without_residual(configs['standard']), arg
   with pytest.raises(ValueError, match='standard, full or block'):
     paper_small.get_config('dense')
+
+
+def test_optional_fields_can_be_set_from_the_command_line(tmp_path):
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
+  flag_values = flags.FlagValues()
+  argv = ['train.py', f'--config={default_config.__file__}',
+          f'--config.data.tfds_data_dir={tmp_path}', '--config.data.name=lm1b',
+          '--config.train.eval_every=50', '--config.train.max_eval_batches=4']
+  config_flags.DEFINE_config_file('config', flag_values=flag_values, sys_argv=argv)
+  flag_values(argv)
+  assert flag_values.config.data.tfds_data_dir == str(tmp_path)
+  assert flag_values.config.data.name == 'lm1b'
+  assert flag_values.config.train.eval_every == 50
+  assert flag_values.config.train.max_eval_batches == 4
+  assert default_config.get_config().train.eval_every is None  # still off by default
