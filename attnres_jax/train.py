@@ -12,6 +12,7 @@ holds the state after s updates and s batches.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 import dataclasses
 import functools
 import json
@@ -372,12 +373,16 @@ class _Interval:
     self.last_time = None
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
-                       max_steps: int | None = None) -> TrainResult:
+def train_and_evaluate(
+    config: ml_collections.ConfigDict, workdir: str, *, max_steps: int | None = None,
+    on_metrics: Callable[[int, dict[str, float]], None] | None = None) -> TrainResult:
   """Trains (resuming from `workdir` if it holds checkpoints) and evaluates.
 
   `max_steps` stops this run early at that step, with a checkpoint (e.g. to split a
   run into jobs); the learning rate schedule still follows `config.train.num_steps`.
+  `on_metrics(step, record)` sees every record written to `metrics.jsonl` as it is
+  written ('train/...' every `log_every` steps, 'eval/...' at evaluations), on process
+  0 only: e.g. a live plot in a notebook.
   Raises NonFiniteLossError naming the step if a loss or gradient norm is not finite;
   the state of that step is not saved.
   """
@@ -410,6 +415,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   if start is not None and jax.process_index() == 0:
     metrics_lib.truncate_jsonl(workdir, start)  # steps after it are trained again
   writer = metrics_lib.MetricWriter(workdir, enabled=jax.process_index() == 0)
+
+  def write_metrics(step: int, record: dict[str, float]) -> None:
+    writer.write_scalars(step, record)
+    if on_metrics is not None and jax.process_index() == 0:
+      on_metrics(step, dict(record))
+
   bar = None
   try:
     if start is None:
@@ -448,7 +459,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     def run_eval(step):
       result = evaluate(p_eval_step, state.params, datasets, to_global,
                         tc.max_eval_batches)
-      writer.write_scalars(step, {f'eval/{k}': v for k, v in result.items()})
+      write_metrics(step, {f'eval/{k}': v for k, v in result.items()})
       _say(f'step {step}: held-out ({config.data.name}:{config.data.eval_split}) '
            f'loss {result["loss"]:.4f} nats/byte, {result["bits_per_byte"]:.4f} '
            f'bits/byte over {int(result["tokens"]):,} bytes '
@@ -483,7 +494,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
           step_time = interval.timed_seconds / interval.timed_steps
           record['train/step_time'] = step_time
           record['train/tokens_per_sec'] = tokens_per_step / step_time
-        writer.write_scalars(step, record)
+        write_metrics(step, record)
         bar.set_postfix(loss=f'{mean_loss:.3f}', refresh=False)
         last_train_loss = mean_loss
         interval.reset()

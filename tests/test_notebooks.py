@@ -20,7 +20,7 @@ NOTEBOOKS = REPO / 'notebooks'
 CELL_TIMEOUT_S = 300
 
 TINY = {
-    'quickstart.ipynb': dict(CONFIG='tiny', NUM_STEPS=10, CHUNK_STEPS=5, SAMPLE_LENGTH=20),
+    'quickstart.ipynb': dict(CONFIG='tiny', NUM_STEPS=10, SAMPLE_LENGTH=20),
     'analysis.ipynb': dict(CONFIG='tiny', NUM_STEPS=10, EVAL_BATCHES=2),
 }
 

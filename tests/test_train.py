@@ -64,9 +64,14 @@ def _checkpoint_entries(workdir) -> list[str]:
 
 def test_trains_on_embedded_corpus(tfds_dir, tmp_path):
   config = _config(tfds_dir)
-  result = train_lib.train_and_evaluate(config, str(tmp_path))
+  seen = []
+  result = train_lib.train_and_evaluate(
+      config, str(tmp_path), on_metrics=lambda step, record: seen.append((step, record)))
 
   records = _train_records(tmp_path)
+  # The hook saw every written record, as written (metrics.jsonl rounds nothing).
+  assert [{'step': step, **record} for step, record in seen] == list(
+      metrics_lib.read_jsonl(tmp_path))
   assert [r['step'] for r in records] == [5, 10, 15, 20, 25, 30]
   first, last = records[0]['train/loss'], records[-1]['train/loss']
   # Untrained byte model: about ln 256 = 5.55 nats; 30 small steps reach below 3.6.
