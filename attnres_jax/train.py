@@ -412,8 +412,11 @@ def train_and_evaluate(
       workdir, save_every=tc.checkpoint_every, keep=tc.keep_checkpoints,
       async_save=tc.async_checkpointing)
   start = checkpointer.latest_step()
+  last_train_loss = None  # the latest logged training loss, for the final report
   if start is not None and jax.process_index() == 0:
     metrics_lib.truncate_jsonl(workdir, start)  # steps after it are trained again
+    last_train_loss = next((r['train/loss'] for r in reversed(
+        metrics_lib.read_jsonl(workdir)) if 'train/loss' in r), None)
   writer = metrics_lib.MetricWriter(workdir, enabled=jax.process_index() == 0)
 
   def write_metrics(step: int, record: dict[str, float]) -> None:
@@ -454,7 +457,6 @@ def train_and_evaluate(
     bar = tqdm.tqdm(total=num_steps, initial=start, desc='train', unit='step',
                     dynamic_ncols=True, disable=jax.process_index() != 0)
     interval = _Interval()
-    last_train_loss = None
 
     def run_eval(step):
       result = evaluate(p_eval_step, state.params, datasets, to_global,

@@ -3,6 +3,7 @@
   python bench/sweep.py                              # every run, seeds 0,1,2
   python bench/sweep.py --groups=modes --seeds=0     # a part of it
   python bench/sweep.py --report_only                # tables and plots from what ran
+  python bench/sweep.py --set=train.num_steps=600    # any config field, for every run
 
 Each (run, seed) trains in its own process (`train.py`) into <root>/<run>/seed_<k>;
 a run whose `eval_final.json` exists is skipped, and an interrupted one resumes from
@@ -10,8 +11,9 @@ its last checkpoint, so the sweep can be stopped and restarted at any time.
 `--parallel=N` runs N processes at once (on 2 cores, 1 is fastest overall).
 
 Writes <root>/results.json (one record per run), <root>/results.md (held-out bits per
-byte, mean +- std over seeds, and compute in FLOPs from `attnres_jax.flops`),
-<root>/loss_vs_compute.png and <root>/depth.png.
+byte, mean +- std over seeds, the change against the standard residual, and compute in
+FLOPs from `attnres_jax.flops`, all from each run's saved config.json, i.e. what
+actually ran), <root>/loss_vs_compute.png and <root>/depth.png.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import numpy as np
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from attnres_jax import checkpointing  # pylint: disable=g-import-not-at-top
 from attnres_jax import flops  # pylint: disable=g-import-not-at-top
 from attnres_jax import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
 from attnres_jax import train  # pylint: disable=g-import-not-at-top
@@ -47,6 +50,8 @@ flags.DEFINE_list('seeds', ['0', '1', '2'], 'Seeds (model init and data order).'
 flags.DEFINE_string('root', 'runs/sweep', 'Where the run directories go.')
 flags.DEFINE_integer('parallel', 1, 'Training processes at once.')
 flags.DEFINE_bool('report_only', False, 'Only aggregate what has finished.')
+flags.DEFINE_multi_string('set', [], 'A config override KEY=VALUE for every run, passed '
+                          'to train.py as --config.KEY=VALUE (repeatable).')
 
 
 def run_dir(name: str, seed: int) -> str:
@@ -63,7 +68,8 @@ def train_one(name: str, seed: int) -> tuple[str, int, float, int]:
   os.makedirs(workdir, exist_ok=True)
   command = [sys.executable, os.path.join(REPO, 'train.py'),
              f'--config={os.path.join(REPO, "configs", "sweep.py")}:{name}',
-             f'--config.train.seed={seed}', f'--workdir={workdir}']
+             f'--config.train.seed={seed}', f'--workdir={workdir}',
+             *(f'--config.{override}' for override in FLAGS.set)]
   start = time.time()
   with open(os.path.join(workdir, 'train.log'), 'a', encoding='utf-8') as log:
     code = subprocess.call(command, stdout=log, stderr=subprocess.STDOUT,
@@ -81,15 +87,15 @@ def selected_runs() -> list[str]:
 
 
 def summarize(name: str, seeds: list[int]) -> dict | None:
-  config = sweep_config.get_config(name)
-  results = []
-  for seed in seeds:
-    path = os.path.join(run_dir(name, seed), train.EVAL_FINAL_JSON)
-    if os.path.exists(path):
-      with open(path, encoding='utf-8') as f:
-        results.append(json.load(f))
-  if not results:
+  done = [seed for seed in seeds if finished(name, seed)]
+  if not done:
     return None
+  results = []
+  for seed in done:
+    with open(os.path.join(run_dir(name, seed), train.EVAL_FINAL_JSON),
+              encoding='utf-8') as f:
+      results.append(json.load(f))
+  config = checkpointing.load_config(run_dir(name, done[0]))
   bpb = np.array([r['bits_per_byte'] for r in results])
   per_token = flops.forward_flops_per_token(config.model, config.train.seq_len)
   return dict(
@@ -101,7 +107,7 @@ def summarize(name: str, seeds: list[int]) -> dict | None:
       training_flops=flops.training_flops(config),
       depth_read_share=per_token['depth_read'] / per_token['total'],
       num_layers=config.model.num_layers, d_model=config.model.d_model,
-      model=config.model.to_dict())
+      num_steps=config.train.num_steps, model=config.model.to_dict())
 
 
 def loss_curve(name: str, seeds: list[int], flops_per_step: float):
@@ -118,19 +124,31 @@ def loss_curve(name: str, seeds: list[int], flops_per_step: float):
   return steps * flops_per_step, losses
 
 
+def standard_baseline(name: str) -> str:
+  """The standard-residual run of the same size as `name`."""
+  return name.rsplit('_', 1)[0] + '_standard' if name.startswith('depth_') else 'standard'
+
+
 def report(names: list[str], seeds: list[int]) -> None:
   rows = [row for row in (summarize(n, seeds) for n in names) if row is not None]
+  by_name = {row['run']: row for row in rows}
+  for row in rows:
+    baseline = by_name.get(standard_baseline(row['run']))
+    row['vs_standard'] = (row['bits_per_byte_mean'] / baseline['bits_per_byte_mean'] - 1
+                          if baseline else None)
   os.makedirs(FLAGS.root, exist_ok=True)
   with open(os.path.join(FLAGS.root, 'results.json'), 'w', encoding='utf-8') as f:
     json.dump(rows, f, indent=1)
-  lines = ['| run | layers x d | held-out bits/byte (mean +- std) | seeds | '
+  lines = ['| run | layers x d | held-out bits/byte (mean +- std) | vs standard | seeds | '
            'train FLOPs | depth-read share | s/run |',
-           '|---|---|---|---|---|---|---|']
+           '|---|---|---|---|---|---|---|---|']
   for row in rows:
+    change = ('' if row['vs_standard'] is None
+              else f"{100 * row['vs_standard']:+.2f}%")
     lines.append(
         f"| {row['run']} | {row['num_layers']} x {row['d_model']} | "
         f"{row['bits_per_byte_mean']:.4f} +- {row['bits_per_byte_std']:.4f} | "
-        f"{row['seeds']} | {row['training_flops']:.3g} | "
+        f"{change} | {row['seeds']} | {row['training_flops']:.3g} | "
         f"{100 * row['depth_read_share']:.2f}% | {row['run_seconds_mean']:.0f} |")
   table = '\n'.join(lines)
   with open(os.path.join(FLAGS.root, 'results.md'), 'w', encoding='utf-8') as f:
@@ -139,9 +157,8 @@ def report(names: list[str], seeds: list[int]) -> None:
 
   fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
   for ax, group in zip(axes, ('modes', 'ablations')):
-    for name in [n for n in GROUPS[group] if n in names]:
-      config = sweep_config.get_config(name)
-      per_step = flops.training_flops(config) / config.train.num_steps
+    for name in [n for n in GROUPS[group] if n in by_name]:
+      per_step = by_name[name]['training_flops'] / by_name[name]['num_steps']
       curve = loss_curve(name, seeds, per_step)
       if curve is not None:
         ax.plot(*curve, label=name)
@@ -154,7 +171,6 @@ def report(names: list[str], seeds: list[int]) -> None:
   fig.savefig(os.path.join(FLAGS.root, 'loss_vs_compute.png'), dpi=120)
   plt.close(fig)
 
-  by_name = {row['run']: row for row in rows}
   fig, ax = plt.subplots(figsize=(5.5, 4))
   for mode, middle in (('standard', 'standard'), ('block', 'block_s2')):
     points = []

@@ -67,3 +67,58 @@ def test_memory_benchmark_smoke(tmp_path):
   (row,) = _read_jsonl(out)
   assert row['mode'] == 'block:2' and row['num_layers'] == 1
   assert row['temp_bytes'] > 0 and row['step_s'] > 0 and math.isfinite(row['loss'])
+
+
+# Every sweep run shrunk to seconds; the data dir is the test's own.
+TINY_SWEEP = ('model.d_model=16', 'model.num_heads=2', 'model.mlp_dim=32',
+              'model.num_layers=2', 'train.seq_len=16', 'train.batch_size=4',
+              'train.num_steps=4', 'train.warmup_steps=1', 'train.log_every=2',
+              'train.checkpoint_every=2', 'train.max_eval_batches=2')
+
+
+def _sweep(root, tfds_dir, runs):
+  result = subprocess.run(
+      [sys.executable, os.path.join(ROOT, 'bench', 'sweep.py'), f'--root={root}',
+       f'--runs={runs}', '--seeds=0,1', f'--set=data.tfds_data_dir={tfds_dir}',
+       *(f'--set={override}' for override in TINY_SWEEP)],
+      check=True, cwd=ROOT, timeout=600, capture_output=True, text=True,
+      env={**os.environ, 'PYTHONPATH': ROOT + os.pathsep + os.environ.get('PYTHONPATH', '')})
+  return result.stdout
+
+
+def test_sweep_runs_resumes_and_reports(tmp_path):
+  root, tfds_dir = tmp_path / 'sweep', tmp_path / 'tfds'
+  out = _sweep(root, tfds_dir, 'standard,abl_window2')
+  assert '4 runs to train (0 done)' in out and out.count(' ok') == 4
+  # Finished runs are skipped; an interrupted one resumes from its last checkpoint.
+  os.remove(root / 'abl_window2' / 'seed_1' / 'eval_final.json')
+  out = _sweep(root, tfds_dir, 'standard,abl_window2')
+  assert '1 runs to train (3 done)' in out
+  resumed = root / 'abl_window2' / 'seed_1'
+  assert 'Resuming from the checkpoint of step 4' in (resumed / 'train.log').read_text()
+  # Evaluated again, it still reports the training loss it logged before.
+  logged = [r for r in _read_jsonl(resumed / 'metrics.jsonl') if 'train/loss' in r]
+  assert json.load(open(resumed / 'eval_final.json'))['train_loss'] == (
+      logged[-1]['train/loss'])
+
+  rows = {row['run']: row for row in json.load(open(root / 'results.json'))}
+  assert set(rows) == {'standard', 'abl_window2'}
+  for name, row in rows.items():
+    finals = [json.load(open(root / name / f'seed_{seed}' / 'eval_final.json'))
+              for seed in (0, 1)]
+    assert row['bits_per_byte'] == [f['bits_per_byte'] for f in finals]
+    assert math.isclose(row['bits_per_byte_std'],
+                        abs(finals[0]['bits_per_byte'] - finals[1]['bits_per_byte'])
+                        / math.sqrt(2), rel_tol=1e-9)
+    # Reported from what ran (the overrides), not from the unmodified grid.
+    assert (row['d_model'], row['num_layers'], row['num_steps']) == (16, 2, 4)
+    assert row['training_flops'] < 1e9
+  assert rows['abl_window2']['model']['depth_window'] == 2
+  assert math.isclose(rows['abl_window2']['vs_standard'],
+                      rows['abl_window2']['bits_per_byte_mean']
+                      / rows['standard']['bits_per_byte_mean'] - 1)
+  assert rows['standard']['depth_read_share'] == 0 < rows['abl_window2']['depth_read_share']
+  table = (root / 'results.md').read_text()
+  assert '| abl_window2 | 2 x 16 |' in table
+  assert (root / 'loss_vs_compute.png').stat().st_size > 0
+  assert (root / 'depth.png').stat().st_size > 0
