@@ -155,18 +155,29 @@ def report(names: list[str], seeds: list[int]) -> None:
     f.write(table + '\n')
   print(table)
 
-  fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
-  for ax, group in zip(axes, ('modes', 'ablations')):
-    for name in [n for n in GROUPS[group] if n in by_name]:
+  # The ablations and depths panels repeat their reference runs, dashed.
+  references = {'modes': [], 'ablations': ['standard', 'full'],
+                'depths': ['standard', 'block_s2']}
+  fig, axes = plt.subplots(1, 3, figsize=(19, 4.5))
+  for ax, group in zip(axes, GROUPS):
+    for name in [*references[group], *GROUPS[group]]:
+      if name not in by_name:
+        continue
       per_step = by_name[name]['training_flops'] / by_name[name]['num_steps']
       curve = loss_curve(name, seeds, per_step)
-      if curve is not None:
+      if curve is None:
+        continue
+      if name in references[group]:  # black and grey, leaving the colours to the group
+        ax.plot(*curve, '--', color=('k', '0.55')[references[group].index(name)],
+                label=name)
+      else:
         ax.plot(*curve, label=name)
     ax.set_xlabel('training FLOPs')
     ax.set_ylabel('train loss (nats/byte), mean over seeds')
     ax.set_title(group)
     ax.set_ylim(top=2.6)
-    ax.legend(fontsize=8)
+    if ax.lines:
+      ax.legend(fontsize=8)
   fig.tight_layout()
   fig.savefig(os.path.join(FLAGS.root, 'loss_vs_compute.png'), dpi=120)
   plt.close(fig)
@@ -184,7 +195,8 @@ def report(names: list[str], seeds: list[int]) -> None:
   ax.set_xscale('log', base=2)
   ax.set_xlabel('layers (width shrinks: about constant compute)')
   ax.set_ylabel('held-out bits/byte')
-  ax.legend()
+  if ax.lines:
+    ax.legend()
   fig.tight_layout()
   fig.savefig(os.path.join(FLAGS.root, 'depth.png'), dpi=120)
   plt.close(fig)
