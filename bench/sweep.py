@@ -183,17 +183,22 @@ def report(names: list[str], seeds: list[int]) -> None:
   plt.close(fig)
 
   fig, ax = plt.subplots(figsize=(5.5, 4))
-  for mode, middle in (('standard', 'standard'), ('block', 'block_s2')):
+  shapes = {}  # layers -> 'layers x d'
+  for mode, middle, label in (('standard', 'standard', 'standard residual'),
+                              ('block', 'block_s2', 'Block AttnRes (S=2)')):
     points = []
-    for layers, name in ((2, f'depth_l2_{mode}'), (4, middle), (8, f'depth_l8_{mode}')):
+    for name in (f'depth_l2_{mode}', middle, f'depth_l8_{mode}'):
       if name in by_name:
-        points.append((layers, by_name[name]['bits_per_byte_mean'],
-                       by_name[name]['bits_per_byte_std']))
+        row = by_name[name]
+        shapes[row['num_layers']] = f"{row['num_layers']} x {row['d_model']}"
+        points.append((row['num_layers'], row['bits_per_byte_mean'],
+                       row['bits_per_byte_std']))
     if points:
       x, y, err = zip(*points)
-      ax.errorbar(x, y, yerr=err, marker='o', capsize=3, label=mode)
+      ax.errorbar(x, y, yerr=err, marker='o', capsize=3, label=label)
   ax.set_xscale('log', base=2)
-  ax.set_xlabel('layers (width shrinks: about constant compute)')
+  ax.set_xticks(list(shapes), list(shapes.values()))
+  ax.set_xlabel('layers x width (about constant compute)')
   ax.set_ylabel('held-out bits/byte')
   if ax.lines:
     ax.legend()

@@ -4,8 +4,8 @@
   python bench/sweep.py          # runs the whole grid x seeds (resumable)
 
 Every run trains the same model size on the same tokens (budget: `BUDGET_STEPS` steps
-of 16 x 128 bytes) and differs only in the named switches. Sized so that the grid with
-3 seeds runs in about an hour on 2 CPU cores.
+of 16 x 128 bytes) and differs only in the named switches. With 3 seeds the grid took
+1 h 42 min of run time on 2 CPU cores (modes 29 min, ablations 52, depths 21).
 """
 
 import ml_collections
