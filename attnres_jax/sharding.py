@@ -64,7 +64,8 @@ DEPTH_BUFFER = ('depth', 'batch', 'length', 'hidden')  # AttnRes sources [S, B, 
 
 def default_mesh_config(**overrides) -> ml_collections.ConfigDict:
   """The `mesh` config section: shape (one -1 = the remaining devices), axis names and
-  the logical-axis rules. Default: all devices data parallel."""
+  the logical-axis rules. Default: all devices data parallel; e.g.
+  --config.mesh.shape='(2,2,2)' for data x FSDP x tensor parallelism."""
   cfg = ml_collections.ConfigDict(dict(
       shape=(-1, 1, 1),
       axis_names=AXIS_NAMES,

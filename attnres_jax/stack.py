@@ -159,8 +159,7 @@ class _DepthState:
       return sharding.constrain(carry + out_BTD, sharding.HIDDEN)
     buffer_SBTD, inv_rms_SBT, phase1 = carry
     slot = depth.output_slot(sublayer, self.block_size)
-    written_BTD = jax.lax.dynamic_index_in_dim(buffer_SBTD, slot, 0, False) + out_BTD
-    buffer_SBTD = jax.lax.dynamic_update_index_in_dim(buffer_SBTD, written_BTD, slot, 0)
+    buffer_SBTD, written_BTD = _add_to_slot(buffer_SBTD, slot, out_BTD)
     inv_rms_SBT = jax.lax.dynamic_update_index_in_dim(
         inv_rms_SBT, depth.rms_inverse(written_BTD, self.cfg.attn_res_eps), slot, 0)
     return (sharding.constrain(buffer_SBTD, sharding.DEPTH_BUFFER), inv_rms_SBT,
@@ -168,8 +167,9 @@ class _DepthState:
 
 
 def _add_to_slot(buffer_SBTD, slot, out_BTD):
+  """(the buffer with `out` added to slot `slot`, that slot's new value)."""
   updated = jax.lax.dynamic_index_in_dim(buffer_SBTD, slot, 0, keepdims=False) + out_BTD
-  return jax.lax.dynamic_update_index_in_dim(buffer_SBTD, updated, slot, 0)
+  return jax.lax.dynamic_update_index_in_dim(buffer_SBTD, updated, slot, 0), updated
 
 
 def _token_rms(x_BTD):
@@ -410,7 +410,7 @@ def _linear_memory_stack(graphdef, cfg, layer_state, buffer_SBTD, positions_BT):
             final_SBTD, query_D, gain_D, statistics, d_h_BTD, partial_BTD)
         d_buffer_SBTD = d_buffer_SBTD + d_buffer_read
         if d_partial_BTD is not None:
-          d_buffer_SBTD = _add_to_slot(d_buffer_SBTD, slot, d_partial_BTD)
+          d_buffer_SBTD, _ = _add_to_slot(d_buffer_SBTD, slot, d_partial_BTD)
         d_state_f = _add_depth_grads(d_state_f, which, d_query_D, d_gain_D)
         d_state_k = d_state_f if d_state_k is None else jax.tree.map(
             jnp.add, d_state_k, d_state_f)

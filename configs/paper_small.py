@@ -32,7 +32,5 @@ def get_config(arg: str = 'block') -> ml_collections.ConfigDict:
       batch_size=32, seq_len=256, num_steps=5000, learning_rate=2e-3,
       warmup_steps=250, schedule='cosine', log_every=50, eval_every=1000,
       checkpoint_every=1000)
-  # All devices data parallel; e.g. --config.mesh.shape='(2,2,2)' for data x FSDP x
-  # tensor parallelism (the logical-axis rules are config.mesh.rules).
   config.mesh = sharding.default_mesh_config()
   return config

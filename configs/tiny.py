@@ -20,7 +20,5 @@ def get_config() -> ml_collections.ConfigDict:
       batch_size=8, seq_len=32, num_steps=30, learning_rate=1e-2, warmup_steps=5,
       log_every=5, eval_every=None, max_eval_batches=4, checkpoint_every=10,
       keep_checkpoints=2)
-  # All devices data parallel; e.g. --config.mesh.shape='(2,2,2)' for data x FSDP x
-  # tensor parallelism (the logical-axis rules are config.mesh.rules).
   config.mesh = sharding.default_mesh_config()
   return config

@@ -8,6 +8,7 @@ import json
 import math
 import os
 
+from absl import flags
 import grain
 import jax
 import jax.numpy as jnp
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 from flax import nnx
+from ml_collections import config_flags
 
 from attnres_jax import checkpointing
 from attnres_jax import data as data_lib
@@ -461,8 +463,6 @@ def test_paper_small_presets_differ_only_in_residual():
 
 
 def test_optional_fields_can_be_set_from_the_command_line(tmp_path):
-  from absl import flags  # pylint: disable=g-import-not-at-top
-  from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
   flag_values = flags.FlagValues()
   argv = ['train.py', f'--config={default_config.__file__}',
           f'--config.data.tfds_data_dir={tmp_path}', '--config.data.name=lm1b',
