@@ -9,8 +9,8 @@
   sublayer's raw output and of the hidden state it reads.
 * Gradient norm per sublayer (paper Fig. 5): the L2 norm of the gradient of the
   held-out loss (token-weighted mean over the analysed batches) with respect to each
-  sublayer's parameters: attention = attention_norm + attention + depth_query[0] +
-  depth_gain[0] of its layer, MLP = mlp_norm + mlp + index 1.
+  sublayer's parameters: attention = attention_norm + attention + row 0 of the
+  layer's residual parameters (AttnRes query and gain), MLP = mlp_norm + mlp + row 1.
 * Entropy (nats) of each sublayer's depth weights, mean over tokens.
 * `compare_runs`: loss curves (from `metrics.jsonl`) and magnitude profiles of several
   runs overlaid, and a markdown table of their final held-out metrics.
@@ -178,9 +178,10 @@ def sublayer_grad_norms(layer_grads: Mapping[str, Any]) -> np.ndarray:
     squares = sum(
         np.sum(np.square(np.asarray(x, np.float64)).reshape(x.shape[0], -1), axis=1)
         for name in names for x in jax.tree.leaves(g[name]))
-    for name in ('depth_query', 'depth_gain'):
-      squares = squares + np.sum(np.square(np.asarray(g[name], np.float64)[:, which]),
-                                 axis=-1)
+    # The residual's parameters hold one row per sublayer: [num_layers, 2, ...].
+    for x in jax.tree.leaves(g.get('residual')):
+      row = np.asarray(x, np.float64)[:, which]
+      squares = squares + np.sum(np.square(row).reshape(row.shape[0], -1), axis=1)
     rows.append(np.sqrt(squares))
   return np.stack(rows, axis=1)
 

@@ -38,15 +38,19 @@ def model_config(**overrides) -> ml_collections.ConfigDict:
       param_dtype='float32',
       scan_layers=True,        # False: unrolled Python loop (debugging, test reference)
       remat='none',            # 'none' | 'sublayer' | 'layer'
-      # Backward pass of the AttnRes layer stack that keeps one source buffer
-      # (memory linear in depth); False uses plain autodiff through the scan.
+      # How Full/Block reads are computed: 'two_phase' (the paper's block schedule:
+      # Phase 1 reads the completed blocks once per schedule segment for all its
+      # queries, Phase 2 merges each sublayer's newer sources by online softmax) or
+      # 'one_shot' (one softmax over all sources per read: the reference).
+      depth_read='two_phase',
+      # Layers per schedule segment (Phase 1 once per segment); 0 picks one (see
+      # residual.default_segment_layers). Block: a segment covers whole blocks.
+      schedule_layers=0,
+      # Two-phase reads: a backward pass that keeps one depth buffer (memory linear
+      # in depth); False uses plain autodiff. One-shot reads always use autodiff.
       linear_memory_backward=True,
-      # How Full/Block reads are computed: 'one_shot' (one read per sublayer) or
-      # 'two_phase' (paper Algorithm 1: a block's queries batched against the
-      # completed blocks, then merged with the partial sum by online softmax).
-      depth_read='one_shot',
       # Ablations of the read (paper Section 5), all off by default. They run the
-      # generic read with plain autodiff (set linear_memory_backward=False).
+      # generic one-shot read (set depth_read='one_shot').
       depth_query_input=False,   # query += W RMSNorm(latest source) / sqrt(d), W: d x d
       depth_normalizer='softmax',  # 'softmax' | 'sigmoid'
       depth_key_norm=True,       # False: logits from the raw sources
@@ -56,6 +60,11 @@ def model_config(**overrides) -> ml_collections.ConfigDict:
   ))
   cfg.update(overrides)
   return cfg
+
+
+# Fields that choose how the same function is computed, not which function.
+EXECUTION_FIELDS = ('scan_layers', 'remat', 'linear_memory_backward', 'depth_read',
+                    'schedule_layers')
 
 
 def num_sublayers(cfg) -> int:
@@ -116,13 +125,20 @@ def validate_model_config(cfg) -> None:
     fail(f'depth_heads must be a positive divisor of d_model={cfg.d_model}, got '
          f'{cfg.depth_heads!r}.')
   variants = depth_variant_fields(cfg)
-  if variants and cfg.residual != 'standard':
-    if cfg.depth_read == 'two_phase':
-      fail(f'depth_read="two_phase" computes the paper\'s softmax read only; it cannot '
-           f'be combined with {variants}.')
-    if cfg.linear_memory_backward:
-      fail(f'the ablations {variants} use the generic read with plain autodiff: set '
-           'linear_memory_backward=False.')
+  if variants and cfg.residual != 'standard' and cfg.depth_read == 'two_phase':
+    fail(f'depth_read="two_phase" computes the paper\'s softmax read only; the '
+         f'ablations {variants} use the one-shot read: set depth_read="one_shot".')
+  layers = cfg.get('schedule_layers', 0)
+  if (not isinstance(layers, int) or isinstance(layers, bool) or layers < 0
+      or layers > cfg.num_layers):
+    fail(f'schedule_layers must be an integer in [0, num_layers={cfg.num_layers}] '
+         f'(0 = automatic), got {layers!r}.')
+  if (cfg.residual == 'block' and layers and layers < cfg.num_layers
+      and (2 * layers) % cfg.block_size):
+    fail(f'schedule_layers={layers} layers ({2 * layers} sublayers) does not cover '
+         f'whole blocks of block_size={cfg.block_size} sublayers; use a multiple of '
+         f'{cfg.block_size // 2 if cfg.block_size % 2 == 0 else cfg.block_size} '
+         'layers, num_layers, or 0.')
   if cfg.remat not in REMAT_POLICIES:
     fail(f'remat must be one of {REMAT_POLICIES}, got {cfg.remat!r}.')
   for name in ('norm_eps', 'attn_res_eps'):

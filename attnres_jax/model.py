@@ -16,6 +16,7 @@ from flax import nnx
 from attnres_jax import config as config_lib
 from attnres_jax import depth
 from attnres_jax import sharding
+from attnres_jax import residual as residual_lib
 from attnres_jax import stack as stack_lib
 
 Array = jax.Array
@@ -135,28 +136,10 @@ class SwiGLU(nnx.Module):
     return sharding.constrain(out_BTD, sharding.HIDDEN)
 
 
-def _add_ablation_params(module, cfg, lead_shape, lead_axes, prefix='depth'):
-  """Parameters of the read ablations that need them; like the queries, they take no
-  random numbers (zero projection, unit mixing weights = the standard residual sum)."""
-  pdt = _dtype(cfg.param_dtype)
-  if cfg.depth_query_input:
-    setattr(module, f'{prefix}_query_proj', _param(
-        jnp.zeros, (*lead_shape, cfg.d_model, cfg.d_model),
-        (*lead_axes, 'embed', None), dtype=pdt))
-  if cfg.depth_mixing == 'scalars':
-    slots = depth.num_slots(config_lib.num_sublayers(cfg),
-                            config_lib.effective_block_size(cfg))
-    setattr(module, f'{prefix}_mix', _param(jnp.ones, (*lead_shape, slots),
-                                            (*lead_axes, 'depth'), dtype=pdt))
-
-
 class TransformerLayer(nnx.Module):
-  """Two PreNorm sublayers (attention, MLP), each with its AttnRes query and key gain.
-
-  The pseudo-queries start at zero (uniform depth weights) and the gains at one; they
-  take no random numbers, so the shared weights are initialised identically in every
-  residual mode. In 'standard' mode they exist but are unused.
-  """
+  """Two PreNorm sublayers (attention, MLP), plus the parameters that the residual
+  uses to read their inputs (`residual`: e.g. AttnRes pseudo-queries and key gains;
+  None for the standard residual)."""
 
   def __init__(self, cfg, *, rngs: nnx.Rngs):
     pdt = _dtype(cfg.param_dtype)
@@ -164,11 +147,7 @@ class TransformerLayer(nnx.Module):
     self.attention = Attention(cfg, rngs=rngs)
     self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pdt)
     self.mlp = SwiGLU(cfg, rngs=rngs)
-    self.depth_query = _param(jnp.zeros, (2, cfg.d_model), ('sublayers', 'embed'),
-                              dtype=pdt)
-    self.depth_gain = _param(jnp.ones, (2, cfg.d_model), ('sublayers', 'embed'),
-                             dtype=pdt)
-    _add_ablation_params(self, cfg, (2,), ('sublayers',))
+    self.residual = residual_lib.make_residual(cfg).layer_params(cfg)
 
   def sublayer(self, which: int, h_BTD: Array, positions_BT: Array,
                cache: KVCache | None = None, cache_index=None):
@@ -201,9 +180,7 @@ class Transformer(nnx.Module):
       return TransformerLayer(cfg, rngs=layer_rngs)
 
     self.layers = make_layers(rngs.split(cfg.num_layers))
-    self.final_query = _param(jnp.zeros, (d,), ('embed',), dtype=pdt)
-    self.final_gain = _param(jnp.ones, (d,), ('embed',), dtype=pdt)
-    _add_ablation_params(self, cfg, (), (), prefix='final')
+    self.final_residual = residual_lib.make_residual(cfg).final_params(cfg)
     self.final_norm = RMSNorm(d, eps=cfg.norm_eps, param_dtype=pdt)
     if not cfg.tie_embeddings:
       self.lm_head = _param(nnx.initializers.lecun_normal(), (d, cfg.vocab_size),
@@ -217,18 +194,10 @@ class Transformer(nnx.Module):
     x_BTD = jnp.take(table_VD, tokens_BT, axis=0).astype(_dtype(self.cfg.dtype))
     return sharding.constrain(x_BTD, sharding.HIDDEN)
 
-  def final_hidden(self, depth_state: Array) -> Array:
-    """The input of the final RMSNorm: the stream, or the final depth read."""
-    if self.cfg.residual == 'standard':
-      return depth_state
-    h_BTD, _ = self.final_read(depth_state)
-    return h_BTD
-
-  def final_read(self, buffer_SBTD: Array) -> tuple[Array, Array]:
-    """The final read over all N + 1 sources: (h, weights)."""
-    return stack_lib.read_depth(
-        self.cfg, buffer_SBTD, None, self.final_query[...], self.final_gain[...],
-        *stack_lib.ablation_params(self, 'final'))
+  def final_read(self, carry) -> tuple[Array, Array | None]:
+    """The input of the final RMSNorm from the residual's final state, and the final
+    read's depth weights (None for the standard residual)."""
+    return residual_lib.make_residual(self.cfg).final(carry, self.final_residual)
 
   def head(self, h_BTD: Array) -> Array:
     x_BTD = self.final_norm(h_BTD)
@@ -240,15 +209,6 @@ class Transformer(nnx.Module):
     logits_BTV = jnp.einsum('btd,dv->btv', x_BTD.astype(dtype), w_DV,
                             preferred_element_type=jnp.float32)
     return sharding.constrain(logits_BTV, ('batch', 'length', 'vocab'))
-
-  def initial_depth_state(self, x_BTD: Array) -> Array:
-    """The residual stream (standard) or the AttnRes buffer with b_0 = embedding."""
-    if self.cfg.residual == 'standard':
-      return x_BTD
-    slots = depth.num_slots(config_lib.num_sublayers(self.cfg),
-                            config_lib.effective_block_size(self.cfg))
-    buffer_SBTD = jnp.zeros((slots,) + x_BTD.shape, x_BTD.dtype)
-    return sharding.constrain(buffer_SBTD.at[0].set(x_BTD), sharding.DEPTH_BUFFER)
 
   def init_cache(self, batch_size: int, max_length: int) -> KVCache:
     """An empty KV cache for all layers: [num_layers, B, max_length, N, H]."""
@@ -266,11 +226,12 @@ class Transformer(nnx.Module):
     """
     positions_BT = cache_index + jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]),
                                                   tokens_BT.shape)
-    state = self.initial_depth_state(self.embed(tokens_BT))
     graphdef, layer_state = nnx.split(self.layers)
-    state, cache = stack_lib.apply_layers_cached(
-        graphdef, layer_state, state, positions_BT, cache, cache_index, cfg=self.cfg)
-    return self.head(self.final_hidden(state)), cache
+    carry, cache = stack_lib.apply_layers_cached(
+        graphdef, layer_state, self.embed(tokens_BT), positions_BT, cache, cache_index,
+        cfg=self.cfg)
+    h_BTD, _ = self.final_read(carry)
+    return self.head(h_BTD), cache
 
   def __call__(self, tokens_BT: Array, positions_BT: Array | None = None, *,
                collect_stats: bool = False):
@@ -287,44 +248,35 @@ class Transformer(nnx.Module):
     """The model from token embeddings on (e.g. to differentiate wrt the inputs)."""
     if positions_BT is None:
       positions_BT = jnp.broadcast_to(jnp.arange(x_BTD.shape[1]), x_BTD.shape[:2])
-    state = self.initial_depth_state(x_BTD)
     graphdef, layer_state = nnx.split(self.layers)
-    state, stats = stack_lib.apply_layers(
-        graphdef, layer_state, state, positions_BT, cfg=self.cfg,
+    carry, stats = stack_lib.apply_layers(
+        graphdef, layer_state, x_BTD, positions_BT, cfg=self.cfg,
         collect_stats=collect_stats)
-    h_BTD = self.final_hidden(state)
+    h_BTD, final_weights_KBT = self.final_read(carry)
     logits_BTV = self.head(h_BTD)
     if not collect_stats:
       return logits_BTV
-    if self.cfg.residual != 'standard':
-      _, final_weights_SBT = self.final_read(state)
-      stats['final_depth_weights'] = jnp.mean(final_weights_SBT, axis=(1, 2))
-    stats['final_input_rms'] = jnp.mean(
-        1.0 / depth.rms_inverse(h_BTD, 0.0))
+    if final_weights_KBT is not None:
+      stats['final_depth_weights'] = jnp.mean(final_weights_KBT, axis=(1, 2))
+    stats['final_input_rms'] = jnp.mean(1.0 / depth.rms_inverse(h_BTD, 0.0))
     return logits_BTV, stats
 
 
 def convert_standard_to_attnres(standard_model: Transformer, attnres_cfg) -> Transformer:
   """A Full/Block model computing the standard model's function (up to RMSNorm eps).
 
-  The shared weights are copied; the AttnRes queries are set to zero and the gains to
-  one, so every read is the mean of its sources, which sum to the standard residual
-  stream, and PreNorm removes the scale (DESIGN.md, equivalence E2).
+  The shared weights are copied and the AttnRes parameters keep their initial values
+  (zero queries, unit gains), so every read is the mean of its sources, which sum to
+  the standard residual stream, and PreNorm removes the scale (`docs/method.md`, E2).
   """
-  execution_only = ('residual', 'block_size', 'scan_layers', 'remat',
-                    'linear_memory_backward')
   for name, value in standard_model.cfg.items():
-    if name not in execution_only and attnres_cfg.get(name) != value:
+    if (name not in ('residual', 'block_size') + config_lib.EXECUTION_FIELDS
+        and attnres_cfg.get(name) != value):
       raise ValueError(
           f'Cannot convert: config field {name!r} differs '
           f'({value!r} in the standard model, {attnres_cfg.get(name)!r} requested).')
-  # The parameter trees of all modes are identical, so the state loads as it is.
-  target = nnx.eval_shape(lambda: Transformer(attnres_cfg, rngs=nnx.Rngs(0)))
-  nnx.update(target, nnx.state(standard_model))
-  for query in (target.layers.depth_query, target.final_query):
-    query[...] = jnp.zeros_like(query[...])
-  for gain in (target.layers.depth_gain, target.final_gain):
-    gain[...] = jnp.ones_like(gain[...])
+  target = Transformer(attnres_cfg, rngs=nnx.Rngs(0))
+  nnx.update(target, nnx.state(standard_model, nnx.Param))
   return target
 
 

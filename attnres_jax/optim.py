@@ -1,8 +1,8 @@
 """The optimiser: AdamW with warmup + cosine / WSD / constant schedules, global-norm
 clipping and a weight-decay mask.
 
-No weight decay on norm gains (`scale`), AttnRes pseudo-queries (`depth_query`,
-`final_query`) and key-norm gains (`depth_gain`, `final_gain`); embeddings are decayed
+No weight decay on norm gains (`scale`), AttnRes pseudo-queries and key-norm gains
+(`query`, `gain` of the residual's parameters); embeddings are decayed
 only if `decay_embeddings` is set. Decaying a pseudo-query pulls the depth weights back
 to uniform and decaying a gain pulls it towards zero rather than one, neither of which
 is regularisation.
@@ -25,7 +25,11 @@ import optax
 SCHEDULES = ('cosine', 'wsd', 'constant')
 
 # Parameters (by their own name, the last key of the path) that are never decayed.
-NO_DECAY = frozenset({'scale', 'depth_query', 'depth_gain', 'final_query', 'final_gain'})
+NO_DECAY = frozenset({'scale'})
+# Within a residual's parameters (`layers/residual`, `final_residual`): the AttnRes
+# pseudo-queries, key gains and mixing scalars. Matrices there are decayed.
+RESIDUAL_MODULES = frozenset({'residual', 'final_residual'})
+RESIDUAL_NO_DECAY = frozenset({'query', 'gain', 'mix'})
 EMBEDDINGS = frozenset({'embedding'})
 
 
@@ -56,18 +60,23 @@ def learning_rate_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
   return optax.join_schedules([warm, rest], [warmup])
 
 
-def _name(path) -> str:
-  """The parameter's own name: the last dict key of its path."""
+def _names(path) -> list[str]:
+  """The dict keys of a parameter's path, its own name last."""
   keys = [getattr(k, 'key', getattr(k, 'name', None)) for k in path]
-  keys = [k for k in keys if isinstance(k, str) and k != 'value']
-  return keys[-1] if keys else ''
+  return [k for k in keys if isinstance(k, str) and k != 'value']
 
 
 def decay_mask(params, *, decay_embeddings: bool = False):
   """A pytree of bools like `params`: True where weight decay applies."""
   excluded = NO_DECAY if decay_embeddings else NO_DECAY | EMBEDDINGS
-  return jax.tree_util.tree_map_with_path(lambda path, _: _name(path) not in excluded,
-                                          params)
+
+  def decayed(path, _):
+    names = _names(path) or ['']
+    if RESIDUAL_MODULES.intersection(names[:-1]) and names[-1] in RESIDUAL_NO_DECAY:
+      return False
+    return names[-1] not in excluded
+
+  return jax.tree_util.tree_map_with_path(decayed, params)
 
 
 def make_optimizer(config: ml_collections.ConfigDict

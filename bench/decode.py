@@ -89,12 +89,12 @@ def build(variant: str, d_model: int, num_layers: int, block_size: int):
   # change of the embedding moves its logits by ~0.2 at d=512/16 layers), so the
   # two-phase and one-shot greedy tokens could part ways on float rounding alone.
   keys = jax.random.split(jax.random.key(1), 4)
-  layers = model.layers
-  layers.depth_query[...] = QUERY_SCALE * jax.random.normal(keys[0],
-                                                            layers.depth_query.shape)
-  layers.depth_gain[...] = 1 + 0.3 * jax.random.normal(keys[1], layers.depth_gain.shape)
-  model.final_query[...] = QUERY_SCALE * jax.random.normal(keys[2],
-                                                           model.final_query.shape)
+  reads = model.layers.residual
+  if reads is not None:
+    reads.query[...] = QUERY_SCALE * jax.random.normal(keys[0], reads.query.shape)
+    reads.gain[...] = 1 + 0.3 * jax.random.normal(keys[1], reads.gain.shape)
+    final = model.final_residual
+    final.query[...] = QUERY_SCALE * jax.random.normal(keys[2], final.query.shape)
   return model
 
 

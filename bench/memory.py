@@ -3,8 +3,9 @@
 For every (mode, depth) it compiles one training step (loss, gradients, AdamW update)
 and reads XLA's `memory_analysis()` of the compiled executable: temporary bytes (what
 autodiff keeps alive: activations, the AttnRes buffers), argument and output bytes. It
-then times a few steps. Ratios are to the standard model at the same depth, measured in
-the same run.
+then times the modes of one depth interleaved (a step of each in turn, per round; the
+median per mode). Ratios are to the standard model at the same depth, measured in the
+same run.
 
   python bench/memory.py                       # the issue's grid (d=256, T=256, B=8)
   python bench/memory.py --layers=4,8 --steps=2 --out=/tmp/memory_quick.jsonl
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import time
 
 from absl import app, flags
@@ -28,25 +30,32 @@ import attnres_jax as ar
 FLAGS = flags.FLAGS
 flags.DEFINE_list('layers', ['4', '8', '16', '32'], 'Transformer layers to measure.')
 flags.DEFINE_list('modes', ['standard', 'full', 'block:2', 'block:4', 'block:8'],
-                  'Residual modes; block:S is Block AttnRes with S sublayers per block.')
+                  'Residual modes; block:S is Block AttnRes with S sublayers per block, '
+                  'and a suffix @G sets the schedule segment to G layers (default: '
+                  'automatic).')
 flags.DEFINE_integer('d_model', 256, 'Model width.')
 flags.DEFINE_integer('seq_len', 256, 'Sequence length.')
 flags.DEFINE_integer('batch_size', 8, 'Batch size.')
-flags.DEFINE_integer('steps', 3, 'Timed steps per row (after one warm-up step).')
+flags.DEFINE_integer('steps', 3, 'Timed rounds (after one warm-up round); each round '
+                     'times one step of every mode in turn.')
 flags.DEFINE_string('remat', 'none', 'Remat policy, the same for every row.')
 flags.DEFINE_bool('linear_memory_backward', True, 'AttnRes custom backward pass.')
 flags.DEFINE_string('out', 'bench/results/memory.jsonl', 'JSON output (one record per row).')
 
 
 def model_config(mode: str, num_layers: int):
+  """'standard', 'full', 'block:S'; '@G' appends a schedule segment of G layers."""
+  mode, _, segment = mode.partition('@')
   residual, _, size = mode.partition(':')
   return ar.model_config(
       d_model=FLAGS.d_model, num_heads=FLAGS.d_model // 64, mlp_dim=4 * FLAGS.d_model,
       num_layers=num_layers, residual=residual, block_size=int(size or 1),
-      remat=FLAGS.remat, linear_memory_backward=FLAGS.linear_memory_backward)
+      schedule_layers=int(segment or 0), remat=FLAGS.remat,
+      linear_memory_backward=FLAGS.linear_memory_backward)
 
 
-def measure(mode: str, num_layers: int) -> dict:
+def compile_step(mode: str, num_layers: int):
+  """(compiled step, its arguments, a record of memory and compile time)."""
   cfg = model_config(mode, num_layers)
   model = ar.Transformer(cfg, rngs=nnx.Rngs(0))
   optimizer = optax.adamw(1e-3)
@@ -69,39 +78,49 @@ def measure(mode: str, num_layers: int) -> dict:
   compiled = step.lower(params, opt_state, tokens_BT).compile()
   compile_s = time.perf_counter() - start
   memory = compiled.memory_analysis()
-  params, opt_state, loss = compiled(params, opt_state, tokens_BT)  # warm-up
-  loss.block_until_ready()
-  times = []
-  for _ in range(FLAGS.steps):
-    start = time.perf_counter()
-    params, opt_state, loss = compiled(params, opt_state, tokens_BT)
-    loss.block_until_ready()
-    times.append(time.perf_counter() - start)
-  return dict(
+  record = dict(
       mode=mode, num_layers=num_layers, num_sublayers=2 * num_layers,
       d_model=FLAGS.d_model, seq_len=FLAGS.seq_len, batch_size=FLAGS.batch_size,
       remat=FLAGS.remat, linear_memory_backward=FLAGS.linear_memory_backward,
+      depth_read=cfg.depth_read, schedule_layers=ar.residual.segment_layers(cfg)
+      if cfg.residual != 'standard' else 1,
       temp_bytes=memory.temp_size_in_bytes,
       argument_bytes=memory.argument_size_in_bytes,
       output_bytes=memory.output_size_in_bytes,
       total_bytes=(memory.temp_size_in_bytes + memory.argument_size_in_bytes
                    + memory.output_size_in_bytes),
-      step_s=min(times), compile_s=compile_s, loss=float(loss),
-      backend=jax.default_backend())
+      compile_s=compile_s, backend=jax.default_backend())
+  return compiled, [params, opt_state, tokens_BT], record
+
+
+def time_interleaved(steps: dict, rounds: int) -> dict:
+  """Median step time of every row, the rows timed in turn within each round (the
+  machine's load then weighs on every row alike)."""
+  times = {key: [] for key in steps}
+  for round_index in range(rounds + 1):  # round 0 warms up
+    for key, (compiled, args, _) in steps.items():
+      start = time.perf_counter()
+      params, opt_state, loss = compiled(*args)
+      loss.block_until_ready()
+      args[:2] = params, opt_state  # donated: use the new ones
+      if round_index:
+        times[key].append(time.perf_counter() - start)
+  return {key: (statistics.median(t), float(loss)) for key, t in times.items()}
 
 
 def main(argv):
   del argv
   rows = []
   header = (f"{'mode':>9} {'layers':>6} {'temp MiB':>9} {'total MiB':>9} "
-            f"{'step s':>7} {'temp/std':>8} {'total/std':>9} {'time/std':>8}")
+            f"{'step s':>7} {'compile s':>9} {'temp/std':>8} {'total/std':>9} "
+            f"{'time/std':>8}")
   print(header)
   for num_layers in map(int, FLAGS.layers):
-    standard = None
-    for mode in FLAGS.modes:
-      row = measure(mode, num_layers)
-      if mode == 'standard':
-        standard = row
+    steps = {mode: compile_step(mode, num_layers) for mode in FLAGS.modes}
+    timed = time_interleaved(steps, FLAGS.steps)
+    standard = steps['standard'][2] if 'standard' in steps else None
+    for mode, (_, _, row) in steps.items():
+      row['step_s'], row['loss'] = timed[mode]
       if standard is not None:
         row['temp_ratio'] = row['temp_bytes'] / standard['temp_bytes']
         row['total_ratio'] = row['total_bytes'] / standard['total_bytes']
@@ -110,9 +129,11 @@ def main(argv):
       mib = 2 ** 20
       print(f"{mode:>9} {num_layers:>6} {row['temp_bytes'] / mib:>9.1f} "
             f"{row['total_bytes'] / mib:>9.1f} {row['step_s']:>7.3f} "
+            f"{row['compile_s']:>9.1f} "
             f"{row.get('temp_ratio', float('nan')):>8.2f} "
             f"{row.get('total_ratio', float('nan')):>9.2f} "
             f"{row.get('time_ratio', float('nan')):>8.2f}", flush=True)
+    del steps
   os.makedirs(os.path.dirname(FLAGS.out) or '.', exist_ok=True)
   with open(FLAGS.out, 'w') as f:
     for row in rows:

@@ -23,7 +23,7 @@ MODES = {
     'block_s8': dict(residual='block', block_size=8),
 }
 # ... the ablations of the read (paper Section 5), on Full AttnRes as in the paper ...
-_ABLATION = dict(residual='full', linear_memory_backward=False)
+_ABLATION = dict(residual='full', depth_read='one_shot')
 ABLATIONS = {
     'abl_input_query': dict(_ABLATION, depth_query_input=True),
     'abl_sigmoid': dict(_ABLATION, depth_normalizer='sigmoid'),

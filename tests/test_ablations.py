@@ -8,7 +8,7 @@ from flax import nnx
 
 import attnres_jax as ar
 from attnres_jax import depth
-from attnres_jax import stack
+from attnres_jax import residual
 
 D = 16
 
@@ -21,7 +21,7 @@ def sources(seed=0, count=6):
 def config(**variant):
   variant = {'residual': 'full', **variant}
   return ar.model_config(d_model=D, num_heads=2, mlp_dim=32, num_layers=2,
-                         linear_memory_backward=False, **variant)
+                         depth_read='one_shot', **variant)
 
 
 QUERY = jax.random.normal(jax.random.key(7), (D,))
@@ -41,7 +41,7 @@ def test_kept_inverse_rms_is_the_recomputed_one():
   inv_rms = depth.rms_inverse(buffer, 1e-6)
   for variant in (dict(), dict(normalizer='sigmoid'), dict(window=2)):
     with_kept = depth.attn_res_read_variant(buffer, QUERY, GAIN, eps=1e-6, num_valid=5,
-                                            inv_rms_SBT=inv_rms, **variant)
+                                            inv_rms_KBT=inv_rms, **variant)
     recomputed = depth.attn_res_read_variant(buffer, QUERY, GAIN, eps=1e-6,
                                              num_valid=5, **variant)
     np.testing.assert_allclose(with_kept[0], recomputed[0], rtol=1e-6, atol=1e-6)
@@ -56,9 +56,9 @@ def test_variant_path_is_the_paper_model_when_it_changes_nothing(residual, block
   x = jax.random.randint(jax.random.key(4), (2, 8), 0, 256)
   model = ar.Transformer(paper, rngs=nnx.Rngs(0))
   keys = jax.random.split(jax.random.key(1), 2)  # reads far from uniform
-  model.layers.depth_query[...] = jax.random.normal(keys[0], model.layers.depth_query.shape)
-  model.layers.depth_gain[...] += 0.5 * jax.random.normal(keys[1],
-                                                          model.layers.depth_gain.shape)
+  model.layers.residual.query[...] = jax.random.normal(keys[0], model.layers.residual.query.shape)
+  model.layers.residual.gain[...] += 0.5 * jax.random.normal(keys[1],
+                                                          model.layers.residual.gain.shape)
   graphdef, state = nnx.split(model)
   wide_model = nnx.merge(nnx.graphdef(ar.Transformer(wide, rngs=nnx.Rngs(0))), state)
   # float32 reassociation between the two reads' reductions, through 4 sublayers.
@@ -68,7 +68,7 @@ def test_variant_path_is_the_paper_model_when_it_changes_nothing(residual, block
 @pytest.mark.parametrize('num_valid', [1, 2, 4, 6])
 def test_window_never_weights_sources_outside_it(num_valid):
   cfg = config(depth_window=2)
-  h, w = stack.read_depth(cfg, sources(), num_valid, QUERY, GAIN)
+  h, w = residual.read_one_shot(cfg, sources(), num_valid, QUERY, GAIN)
   allowed = {0} | set(range(max(num_valid - 2, 0), num_valid))
   for s in range(6):
     if s in allowed:
@@ -84,8 +84,8 @@ def test_window_never_weights_sources_outside_it(num_valid):
 def test_scalar_mixing_weights_do_not_depend_on_the_input():
   cfg = config(depth_mixing='scalars')
   mixing = jnp.array([0.5, -1.0, 2.0, 3.0, 7.0, 9.0])
-  _, w1 = stack.read_depth(cfg, sources(0), 4, QUERY, GAIN, None, mixing)
-  h2, w2 = stack.read_depth(cfg, sources(1), 4, QUERY * 3, GAIN, None, mixing)
+  _, w1 = residual.read_one_shot(cfg, sources(0), 4, QUERY, GAIN, None, mixing)
+  h2, w2 = residual.read_one_shot(cfg, sources(1), 4, QUERY * 3, GAIN, None, mixing)
   np.testing.assert_array_equal(w1, w2)
   np.testing.assert_allclose(w1[:, 0, 0], [0.5, -1.0, 2.0, 3.0, 0.0, 0.0])
   expected = jnp.einsum('s,sbtd->btd', mixing[:4], sources(1)[:4])
@@ -94,8 +94,8 @@ def test_scalar_mixing_weights_do_not_depend_on_the_input():
 
 def test_scalar_mixing_model_weights_are_the_same_for_every_input():
   model = ar.Transformer(config(depth_mixing='scalars'), rngs=nnx.Rngs(0))
-  model.layers.depth_mix[...] = jax.random.normal(jax.random.key(1),
-                                                  model.layers.depth_mix[...].shape)
+  model.layers.residual.mix[...] = jax.random.normal(jax.random.key(1),
+                                                  model.layers.residual.mix[...].shape)
   x1 = jax.random.randint(jax.random.key(2), (2, 8), 0, 256)
   x2 = jax.random.randint(jax.random.key(3), (2, 8), 0, 256)
   _, stats1 = model(x1, collect_stats=True)
@@ -114,7 +114,7 @@ def numpy_logits(buffer, query, gain, key_norm):
 def test_sigmoid_weights_are_independent_per_source():
   cfg = config(depth_normalizer='sigmoid')
   buffer = sources()
-  h, w = stack.read_depth(cfg, buffer, 5, QUERY, GAIN)
+  h, w = residual.read_one_shot(cfg, buffer, 5, QUERY, GAIN)
   expected = 1 / (1 + np.exp(-numpy_logits(buffer, QUERY, GAIN, True)))
   expected[5:] = 0.0
   np.testing.assert_allclose(w, expected, rtol=1e-5, atol=1e-6)
@@ -126,7 +126,7 @@ def test_sigmoid_weights_are_independent_per_source():
 def test_no_key_norm_uses_raw_sources():
   cfg = config(depth_key_norm=False)
   buffer = sources() * 0.01  # raw logits must stay moderate for a meaningful softmax
-  _, w = stack.read_depth(cfg, buffer, 6, QUERY, GAIN)
+  _, w = residual.read_one_shot(cfg, buffer, 6, QUERY, GAIN)
   logits = numpy_logits(buffer, QUERY, GAIN, False)
   expected = np.exp(logits - logits.max(0))
   expected /= expected.sum(0)
@@ -137,7 +137,7 @@ def test_input_dependent_query_reads_the_latest_source():
   cfg = config(depth_query_input=True)
   buffer = sources()
   projection = 0.3 * jax.random.normal(jax.random.key(9), (D, D))
-  _, w = stack.read_depth(cfg, buffer, 4, QUERY, GAIN, projection)
+  _, w = residual.read_one_shot(cfg, buffer, 4, QUERY, GAIN, projection)
   latest = np.asarray(buffer[3], np.float64)
   latest /= np.sqrt(np.mean(latest ** 2, axis=-1, keepdims=True) + 1e-6)
   query_bt = np.asarray(QUERY, np.float64) + latest @ np.asarray(projection,
@@ -151,7 +151,7 @@ def test_input_dependent_query_reads_the_latest_source():
   # The weights now differ from token to token.
   assert float(jnp.std(w[1])) > 1e-3
   # A zero projection is the static query.
-  _, w_static = stack.read_depth(cfg, buffer, 4, QUERY, GAIN, jnp.zeros((D, D)))
+  _, w_static = residual.read_one_shot(cfg, buffer, 4, QUERY, GAIN, jnp.zeros((D, D)))
   _, w_paper = depth.attn_res_read(buffer, QUERY, GAIN, eps=1e-6, num_valid=4)
   np.testing.assert_allclose(w_static, w_paper, rtol=1e-5, atol=1e-7)
 
@@ -159,7 +159,7 @@ def test_input_dependent_query_reads_the_latest_source():
 def test_multihead_weights_are_per_channel_group():
   cfg = config(depth_heads=4)
   buffer = sources()
-  h, _ = stack.read_depth(cfg, buffer, 5, QUERY, GAIN)
+  h, _ = residual.read_one_shot(cfg, buffer, 5, QUERY, GAIN)
   group = D // 4
   for g in range(4):
     channels = slice(g * group, (g + 1) * group)
@@ -184,13 +184,13 @@ def test_every_variant_trains(variant, residual):
   grads = jax.jit(jax.grad(loss))(state)
   assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
   if 'depth_query_input' in variant:  # the projection learns from step 0
-    assert float(jnp.abs(grads['layers']['depth_query_proj'][...]).max()) > 0
+    assert float(jnp.abs(grads['layers']['residual']['query_proj'][...]).max()) > 0
   if 'depth_mixing' in variant:
-    assert float(jnp.abs(grads['layers']['depth_mix'][...]).max()) > 0
+    assert float(jnp.abs(grads['layers']['residual']['mix'][...]).max()) > 0
 
 
 @pytest.mark.parametrize('overrides,message', [
-    (dict(depth_window=2, linear_memory_backward=True), 'linear_memory_backward'),
+    (dict(depth_window=2, depth_read='two_phase'), 'one_shot'),
     (dict(depth_normalizer='sigmoid', depth_read='two_phase'), 'two_phase'),
     (dict(depth_heads=3), 'depth_heads'),
     (dict(depth_normalizer='relu'), 'depth_normalizer'),

@@ -33,13 +33,13 @@ def tiny_model(residual, block_size=2, *, num_layers=2, random_depth=False, seed
   cfg = model_config(d_model=32, num_heads=2, mlp_dim=64, num_layers=num_layers,
                      residual=residual, block_size=block_size)
   model = Transformer(cfg, rngs=nnx.Rngs(seed))
-  if random_depth:
+  if random_depth and model.final_residual is not None:  # standard: no parameters
     keys = jax.random.split(jax.random.PRNGKey(seed + 100), 4)
     for key, param, scale, offset in (
-        (keys[0], model.layers.depth_query, 1.0, 0.0),
-        (keys[1], model.layers.depth_gain, 0.3, 1.0),
-        (keys[2], model.final_query, 1.0, 0.0),
-        (keys[3], model.final_gain, 0.3, 1.0)):
+        (keys[0], model.layers.residual.query, 1.0, 0.0),
+        (keys[1], model.layers.residual.gain, 0.3, 1.0),
+        (keys[2], model.final_residual.query, 1.0, 0.0),
+        (keys[3], model.final_residual.gain, 0.3, 1.0)):
       shape = param[...].shape
       param[...] = offset + scale * jax.random.normal(key, shape)
   return model
@@ -171,18 +171,18 @@ def test_sublayer_grad_norm_grouping():
       'attention_norm': {'scale': rng.normal(size=(num_layers, d))},
       'mlp': {'up': rng.normal(size=(num_layers, d, 4))},
       'mlp_norm': {'scale': rng.normal(size=(num_layers, d))},
-      'depth_query': rng.normal(size=(num_layers, 2, d)),
-      'depth_gain': rng.normal(size=(num_layers, 2, d)),
+      'residual': {'query': rng.normal(size=(num_layers, 2, d)),
+                   'gain': rng.normal(size=(num_layers, 2, d))},
   }
   norms = analysis.sublayer_grad_norms(grads)
   for k in range(num_layers):
     attention = np.concatenate([
         grads['attention']['query'][k].ravel(), grads['attention']['out'][k].ravel(),
-        grads['attention_norm']['scale'][k], grads['depth_query'][k, 0],
-        grads['depth_gain'][k, 0]])
+        grads['attention_norm']['scale'][k], grads['residual']['query'][k, 0],
+        grads['residual']['gain'][k, 0]])
     mlp = np.concatenate([
         grads['mlp']['up'][k].ravel(), grads['mlp_norm']['scale'][k],
-        grads['depth_query'][k, 1], grads['depth_gain'][k, 1]])
+        grads['residual']['query'][k, 1], grads['residual']['gain'][k, 1]])
     np.testing.assert_allclose(norms[k], [np.linalg.norm(attention),
                                           np.linalg.norm(mlp)])
 

@@ -7,7 +7,6 @@ import pytest
 from flax import nnx
 
 import attnres_jax as ar
-from attnres_jax import depth
 
 TINY = dict(d_model=32, num_heads=2, mlp_dim=64, num_layers=3)
 
@@ -17,8 +16,8 @@ def random_model(residual, block_size, **overrides):
                            **overrides})
   model = ar.Transformer(cfg, rngs=nnx.Rngs(0))
   keys = jax.random.split(jax.random.key(1), 2)
-  model.layers.depth_query[...] = jax.random.normal(keys[0], (3, 2, 32))
-  model.layers.depth_gain[...] = 1 + 0.3 * jax.random.normal(keys[1], (3, 2, 32))
+  model.layers.residual.query[...] = jax.random.normal(keys[0], (3, 2, 32))
+  model.layers.residual.gain[...] = 1 + 0.3 * jax.random.normal(keys[1], (3, 2, 32))
   return model
 
 
@@ -45,12 +44,17 @@ def assert_grads_close(actual, expected):
     np.testing.assert_allclose(a / scale, b / scale, atol=5e-5, err_msg=str(path))
 
 
-@pytest.mark.parametrize('residual,block_size,remat', [
-    ('full', 1, 'none'), ('block', 2, 'none'), ('block', 3, 'none'),
-    ('block', 4, 'none'), ('block', 6, 'none'),  # S = L: a single block
-    ('block', 3, 'sublayer'), ('block', 3, 'layer'), ('full', 1, 'layer')])
-def test_linear_memory_backward_equals_plain_autodiff(residual, block_size, remat):
-  model = random_model(residual, block_size)
+@pytest.mark.parametrize('residual,block_size,schedule_layers,remat', [
+    ('full', 1, 0, 'none'), ('full', 1, 2, 'none'), ('full', 1, 3, 'none'),
+    ('block', 2, 0, 'none'), ('block', 3, 0, 'none'),
+    ('block', 4, 0, 'none'),  # 4 does not divide the 6 sublayers
+    ('block', 6, 0, 'none'),  # S = L: a single block
+    ('block', 2, 2, 'none'),  # two blocks per segment, and a shorter last segment
+    ('block', 3, 0, 'sublayer'), ('block', 3, 0, 'layer'), ('full', 1, 2, 'layer'),
+    ('full', 1, 2, 'sublayer')])
+def test_linear_memory_backward_equals_plain_autodiff(residual, block_size,
+                                                      schedule_layers, remat):
+  model = random_model(residual, block_size, schedule_layers=schedule_layers)
   plain = gradients(model, linear_memory_backward=False, remat='none')
   linear = gradients(model, linear_memory_backward=True, remat=remat)
   assert_grads_close(linear, plain)
@@ -68,37 +72,11 @@ def test_bfloat16_linear_memory_backward_is_close_to_plain():
     np.testing.assert_allclose(a / scale, b / scale, atol=3e-2, err_msg=str(path))
 
 
-@pytest.mark.parametrize('with_partial', [False, True])
-def test_read_backward_by_hand_equals_autodiff(with_partial):
-  keys = jax.random.split(jax.random.key(3), 6)
-  scales = jnp.geomspace(1e-3, 1e3, 5)[:, None, None, None]
-  buffer = scales * jax.random.normal(keys[0], (5, 2, 3, 16))
-  partial = 10 * jax.random.normal(keys[1], (2, 3, 16)) if with_partial else None
-  query = jax.random.normal(keys[2], (16,))
-  gain = 1 + 0.3 * jax.random.normal(keys[3], (16,))
-  d_h = jax.random.normal(keys[4], (2, 3, 16))
-  kwargs = dict(eps=1e-6, num_valid=3, partial_BTD=partial, partial_valid=True)
-
-  def read(buffer, partial, query, gain):
-    return depth.read_parts(buffer, query, gain, **{**kwargs, 'partial_BTD': partial})[0]
-
-  _, vjp = jax.vjp(read, buffer, partial, query, gain)
-  expected = vjp(d_h)
-  _, statistics = depth.read_parts(buffer, query, gain, **kwargs)
-  actual = depth.read_parts_backward(buffer, query, gain, statistics, d_h, partial)
-  for a, b in zip(actual, expected):
-    if b is None:
-      assert a is None
-      continue
-    # float32; sources span 1e-3..1e3, so compare relative to each tensor's largest.
-    np.testing.assert_allclose(a, b, atol=1e-5 * float(jnp.abs(b).max()), rtol=1e-5)
-  np.testing.assert_array_equal(actual[0][3:], 0.0)  # unread slots get no gradient
-
-
 def compiled_temp_bytes(residual, block_size, num_layers, linear):
+  # A fixed schedule segment (2 layers), so that only the depth changes.
   cfg = ar.model_config(d_model=32, num_heads=2, mlp_dim=64, num_layers=num_layers,
                         residual=residual, block_size=block_size,
-                        linear_memory_backward=linear)
+                        linear_memory_backward=linear, schedule_layers=2)
   model = ar.Transformer(cfg, rngs=nnx.Rngs(0))
   graphdef, state = nnx.split(model)
   x = jnp.zeros((4, 64), jnp.int32)
@@ -107,13 +85,14 @@ def compiled_temp_bytes(residual, block_size, num_layers, linear):
 
 
 def test_full_attnres_memory_grows_linearly_in_depth():
-  """Doubling the depth at most doubles the extra memory over the standard model
+  """Quadrupling the depth at most quadruples the extra memory over the standard model
   with the custom backward pass, while plain autodiff grows quadratically."""
   standard = {layers: compiled_temp_bytes('standard', 1, layers, False)
-              for layers in (8, 16)}
+              for layers in (8, 32)}
   extra = {(linear, layers): compiled_temp_bytes('full', 1, layers, linear)
-           - standard[layers] for linear in (True, False) for layers in (8, 16)}
-  # Linear: extra(2L) / extra(L) ~ 2. Quadratic: ~ 4 at large L.
-  assert extra[True, 16] / extra[True, 8] < 2.3, extra
-  assert extra[False, 16] / extra[False, 8] > 3.0, extra
-  assert extra[True, 16] < 0.5 * extra[False, 16], extra
+           - standard[layers] for linear in (True, False) for layers in (8, 32)}
+  # Linear: extra(4L) / extra(L) ~ 4 (measured 3.4). Quadratic: -> 16 at large L
+  # (measured 7.3: the linear terms still weigh at 8 layers).
+  assert extra[True, 32] / extra[True, 8] < 4.6, extra
+  assert extra[False, 32] / extra[False, 8] > 6.0, extra
+  assert extra[True, 32] < 0.5 * extra[False, 32], extra

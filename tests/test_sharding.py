@@ -74,7 +74,9 @@ def _buffer_collectives(hlo_text: str, num_slots: int) -> list[str]:
     match = pattern.search(line)
     if match:
       dims = [int(d) for d in match.group(2).split(',')]
-      if len(dims) == 4 and num_slots in dims and LENGTH in dims:
+      # [slots, batch (maybe a shard), length, width (maybe a shard)]; not the
+      # [queries, slots, batch, length] logits of Phase 1.
+      if len(dims) == 4 and dims[0] == num_slots and dims[2] == LENGTH:
         found.append(line.strip()[:200])
   return found
 
@@ -167,7 +169,7 @@ def run_checks(residual: str) -> dict:
         buffer_collectives=result['buffer_collectives'])
   if residual != 'standard':
     # The hidden width split over 'tensor' too: the depth read then sums its dot
-    # products over devices ([S, B, T] all-reduce) but still moves no buffer.
+    # products over devices ([Q, K, B, T] all-reduce) but still moves no buffer.
     tensor_rules = dict(rules, hidden=('tensor',))
     result = step_on((2, 2, 2), tensor_rules)
     out['hidden_on_tensor'] = dict(

@@ -28,7 +28,15 @@ from configs import default as default_config
 from configs import paper_small
 from configs import tiny
 
-NO_DECAY_NAMES = {'scale', 'depth_query', 'depth_gain', 'final_query', 'final_gain'}
+
+
+def _decayed(name: str) -> bool:
+  """The decay rule, restated: norm gains, embeddings (by default) and the AttnRes
+  queries and gains (the residual's parameters) are not decayed."""
+  *parents, own = name.split('/')
+  if own in ('scale', 'embedding'):
+    return False
+  return not ({'residual', 'final_residual'} & set(parents) and own in ('query', 'gain'))
 
 
 @pytest.fixture(scope='module')
@@ -326,8 +334,9 @@ def test_weight_decay_mask_excludes_exactly_norms_queries_gains(decay_embeddings
   _, _, params = _params()
   mask = _leaf_names(optim.decay_mask(params, decay_embeddings=decay_embeddings))
   not_decayed = {path for path, decayed in mask.items() if not decayed}
-  expected = {'final_norm/scale', 'final_query', 'final_gain', 'layers/depth_query',
-              'layers/depth_gain', 'layers/attention_norm/scale', 'layers/mlp_norm/scale'}
+  expected = {'final_norm/scale', 'final_residual/query', 'final_residual/gain',
+              'layers/residual/query', 'layers/residual/gain',
+              'layers/attention_norm/scale', 'layers/mlp_norm/scale'}
   if not decay_embeddings:
     expected.add('embedding')
   assert not_decayed == expected
@@ -384,8 +393,7 @@ def test_train_step_matches_direct_adamw_computation():
   expected = {}
   for name, p in _leaf_names(params).items():
     g = grads[name] * scale
-    decay = wd * np.asarray(p) if name.split('/')[-1] not in NO_DECAY_NAMES | {
-        'embedding'} else 0.0
+    decay = wd * np.asarray(p) if _decayed(name) else 0.0
     expected[name] = np.asarray(p) - lr * (g / (np.abs(g) + eps) + decay)
 
   assert float(metrics['loss']) == pytest.approx(float(loss), rel=1e-6)

@@ -31,13 +31,13 @@ def test_phases_equal_the_one_shot_read(block_size, dtype):
   buffer = spread_sources(keys[0], 5, (2, 3, 16)).astype(dtype)
   queries = jax.random.normal(keys[1], (block_size, 16))
   gains = 1 + 0.3 * jax.random.normal(keys[2], (block_size, 16))
-  phase1 = depth.block_phase1(buffer, queries, gains, eps=1e-6, num_valid=completed)
+  phase1 = depth.phase1(buffer, queries, gains, eps=1e-6, num_valid=completed)
   partial = jnp.zeros((2, 3, 16), dtype)
   outputs = spread_sources(keys[3], block_size, (2, 3, 16), 1e-2, 1e4).astype(dtype)
   for i in range(block_size):
     mine = jax.tree.map(lambda x: x[i], phase1)
-    h = depth.block_phase2(mine, partial, queries[i], gains[i], eps=1e-6,
-                           partial_valid=i > 0)
+    h = depth.phase2(mine, partial[None], jnp.array([i > 0]), queries[i], gains[i],
+                     eps=1e-6)
     sources = buffer[:completed]
     if i > 0:
       sources = jnp.concatenate([sources, partial[None]])
@@ -52,14 +52,33 @@ def test_phases_equal_the_one_shot_read(block_size, dtype):
     partial = partial + outputs[i]
 
 
-def model(block_size, depth_read, spread=True, **overrides):
+def test_phase2_merges_several_local_sources():
+  """Full's schedule: each sublayer merges the segment's earlier outputs (J local
+  slots, the first `valid` of them) with phase 1 over the sources before it."""
+  keys = jax.random.split(jax.random.key(9), 4)
+  sources = spread_sources(keys[0], 7, (2, 3, 16))
+  queries = jax.random.normal(keys[1], (4, 16))
+  gains = 1 + 0.3 * jax.random.normal(keys[2], (4, 16))
+  before = 3  # the completed sources when the segment starts
+  phase1 = depth.phase1(sources, queries, gains, eps=1e-6, num_valid=before)
+  local = sources[before:]
+  for q in range(4):
+    mine = jax.tree.map(lambda x: x[q], phase1)
+    h = depth.phase2(mine, local, jnp.arange(4) < q, queries[q], gains[q], eps=1e-6)
+    h_ref, _ = depth.attn_res_read(sources, queries[q], gains[q], eps=1e-6,
+                                   num_valid=before + q)
+    np.testing.assert_allclose(h, h_ref, rtol=1e-6,
+                               atol=1e-6 * float(jnp.abs(sources).max()))
+
+
+def model(block_size=2, depth_read='two_phase', spread=True, **overrides):
   cfg = ar.model_config(**{**TINY, 'residual': 'block', 'block_size': block_size,
                            'depth_read': depth_read, **overrides})
   m = ar.Transformer(cfg, rngs=nnx.Rngs(0))
   keys = jax.random.split(jax.random.key(1), 3)
-  m.layers.depth_query[...] = jax.random.normal(keys[0], m.layers.depth_query[...].shape)
-  m.layers.depth_gain[...] = 1 + 0.3 * jax.random.normal(keys[1],
-                                                         m.layers.depth_gain[...].shape)
+  reads = m.layers.residual
+  reads.query[...] = jax.random.normal(keys[0], reads.query.shape)
+  reads.gain[...] = 1 + 0.3 * jax.random.normal(keys[1], reads.gain.shape)
   # Embeddings 1e3 times larger than usual: sources 1e6 apart in magnitude across
   # depth once the sublayers (outputs O(1)) are added.
   if spread:
@@ -67,30 +86,44 @@ def model(block_size, depth_read, spread=True, **overrides):
   return m
 
 
-@pytest.mark.parametrize('block_size,linear_memory_backward',
-                         [(s, True) for s in BLOCK_SIZES] + [(3, False)])
-def test_two_phase_training_forward_and_gradients(block_size, linear_memory_backward):
+# The block schedule's grid: Block sizes dividing the 6 sublayers and not (4), a single
+# block (6), and Full with schedule segments of 1, 2 and 3 (= all) layers.
+SCHEDULES = ([dict(residual='block', block_size=s) for s in BLOCK_SIZES]
+             + [dict(residual='full', schedule_layers=g) for g in (1, 2, 3)]
+             + [dict(residual='block', block_size=2, schedule_layers=3)])
+
+
+def schedule_id(schedule):
+  return '-'.join(f'{k}={v}' for k, v in schedule.items())
+
+
+@pytest.mark.parametrize('schedule', SCHEDULES, ids=schedule_id)
+def test_block_schedule_equals_the_one_shot_read(schedule):
   x = jax.random.randint(jax.random.key(2), (2, 10), 0, 256)
-
-  def logits_and_grads(depth_read, spread):
-    m = model(block_size, depth_read, spread,
-              linear_memory_backward=linear_memory_backward)
-    graphdef, state = nnx.split(m)
-    loss = lambda s: jnp.mean(nnx.merge(graphdef, s)(x) ** 2)
-    return jax.jit(lambda s: (nnx.merge(graphdef, s)(x), jax.grad(loss)(s)))(state)
-
-  # Forward with sources 1e6 apart: float32, summation order only (see above), through
-  # 6 sublayers and the head; the large (tied) logits are compared to their scale.
-  logits, _ = logits_and_grads('two_phase', spread=True)
-  logits_ref, _ = logits_and_grads('one_shot', spread=True)
+  logits = model(depth_read='two_phase', **schedule)(x)
+  logits_ref = model(depth_read='one_shot', **schedule)(x)
+  # Sources 1e6 apart: float32, summation order only (see above), through 6
+  # sublayers and the head; the large (tied) logits are compared to their scale.
   np.testing.assert_allclose(logits, logits_ref, rtol=2e-5,
                              atol=1e-6 * float(jnp.abs(logits_ref).max()))
+
+
+@pytest.mark.parametrize('schedule', [SCHEDULES[i] for i in (0, 2, 3, 6)],
+                         ids=schedule_id)
+def test_block_schedule_gradients_equal_the_one_shot_read(schedule):
+  """With the linear-memory backward (tests/test_memory.py checks it against plain
+  autodiff of the same schedule for every remat policy)."""
+  x = jax.random.randint(jax.random.key(2), (2, 10), 0, 256)
+
+  def grads(depth_read):
+    m = model(depth_read=depth_read, spread=False, **schedule)
+    graphdef, state = nnx.split(m)
+    return jax.jit(jax.grad(lambda s: jnp.mean(nnx.merge(graphdef, s)(x) ** 2)))(state)
+
   # Gradients at the usual scale (with 1e3 embeddings, mean(logits^2) is so badly
   # conditioned that float32 rounding of the forward pass shows up at 1e-3).
-  _, grads = logits_and_grads('two_phase', spread=False)
-  _, grads_ref = logits_and_grads('one_shot', spread=False)
-  for (path, g), g_ref in zip(jax.tree_util.tree_leaves_with_path(grads),
-                              jax.tree.leaves(grads_ref)):
+  for (path, g), g_ref in zip(jax.tree_util.tree_leaves_with_path(grads('two_phase')),
+                              jax.tree.leaves(grads('one_shot'))):
     scale = float(jnp.abs(g_ref).max()) + 1e-30
     np.testing.assert_allclose(g / scale, g_ref / scale, atol=5e-5, err_msg=str(path))
 
@@ -106,7 +139,7 @@ def test_two_phase_bfloat16_model_matches_one_shot():
 
 @pytest.mark.parametrize('block_size', [1, 3, NUM_SUBLAYERS])
 def test_cached_two_phase_decoding_equals_recomputation(block_size):
-  m = model(block_size, 'two_phase')
+  m = model(block_size)
   x = jax.random.randint(jax.random.key(4), (2, 12), 0, 256)
   full = m(x)
   cache = m.init_cache(2, 12)
