@@ -147,7 +147,7 @@ def build_datasets(
   batch_size = global_batch_size // process_count
   builder, train_source, eval_source = _data_sources(data_config)
   tokenizer = make_tokenizer(data_config, workdir=workdir, process_index=process_index,
-                             _prepared=(builder, train_source))
+                             opened=(builder, train_source))
 
   docs = _documents(train_source, data_config.feature, tokenizer, seed=seed,
                     process_index=process_index, process_count=process_count)
@@ -214,12 +214,13 @@ def tokenizer_cache_path(config: ml_collections.ConfigDict, dataset_dir: str) ->
 
 def make_tokenizer(data_config: ml_collections.ConfigDict, *, workdir: str | None = None,
                    process_index: int | None = None,
-                   _prepared=None) -> tokenizer_lib.Tokenizer:
+                   opened=None) -> tokenizer_lib.Tokenizer:
   """The tokenizer of `data_config` (see the module docstring for the search order).
 
   With `workdir`, a SentencePiece model is copied to `<workdir>/tokenizer.model` (by
   process 0) if it is not there yet; if it is, it is the one used, whatever the
-  config says about where to find or how to train one.
+  config says about where to find or how to train one. `opened`: the dataset's
+  (builder, train source), if the caller has them already.
   """
   _check_tokenizer_config(data_config)
   if data_config.tokenizer == 'bytes':
@@ -232,7 +233,7 @@ def make_tokenizer(data_config: ml_collections.ConfigDict, *, workdir: str | Non
   if path:
     tokenizer = tokenizer_lib.SentencePieceTokenizer.load(path)
   else:
-    builder, train_source = _prepared or _data_sources(data_config)[:2]
+    builder, train_source = opened or _data_sources(data_config)[:2]
     path = tokenizer_cache_path(data_config, os.fspath(builder.data_path))
     if epath.Path(path).exists():  # also on gs://
       tokenizer = tokenizer_lib.SentencePieceTokenizer.load(path)
