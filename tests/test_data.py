@@ -264,10 +264,11 @@ def test_catalog_dataset_trains(tmp_path, dataset, tokenizer_name):
     assert own_model.read_bytes() == pathlib.Path(cached).read_bytes()
 
 
-def test_catalog_dataset_must_be_prepared(tmp_path):
+@pytest.mark.parametrize('name', ['lm1b', 'c4/en'])
+def test_catalog_dataset_must_be_prepared(tmp_path, name):
   cfg = data.default_config()
-  cfg.update(name='lm1b', tfds_data_dir=str(tmp_path))
-  with pytest.raises(FileNotFoundError, match='tfds build lm1b'):
+  cfg.update(name=name, tfds_data_dir=str(tmp_path))
+  with pytest.raises(FileNotFoundError, match=f'tfds build {name} '):
     _build(cfg)
 
 
