@@ -18,6 +18,7 @@ from __future__ import annotations
 import io
 import os
 import time
+import uuid
 from collections.abc import Iterable, Iterator
 from typing import Protocol
 
@@ -103,12 +104,13 @@ class SentencePieceTokenizer:
     return cls(path.read_bytes())
 
   def save(self, path: str | os.PathLike) -> None:
-    """Writes the model to `path` (atomically: a temporary file, then a rename)."""
+    """Writes the model to `path` atomically (a uniquely named temporary file, then a
+    rename), so hosts that write the same model to a shared disk do not collide."""
     path = epath.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f'.{path.name}.tmp.{os.getpid()}'
+    tmp = path.parent / f'.{path.name}.tmp.{uuid.uuid4().hex}'
     tmp.write_bytes(self.model_proto)
-    tmp.rename(path)
+    tmp.replace(path)
 
   def encode(self, text: str | bytes) -> np.ndarray:
     text = text.decode('utf-8') if isinstance(text, bytes) else text
