@@ -18,6 +18,7 @@ from absl import logging
 
 from attnres_jax import analysis
 from attnres_jax import checkpointing
+from attnres_jax import data
 from attnres_jax import sampling
 
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Run directory (config.json, checkpoints).')
@@ -35,7 +36,7 @@ _ANALYSIS_BATCHES = flags.DEFINE_integer(
 _GRAD_BATCHES = flags.DEFINE_integer(
     'grad_batches', 16, 'Eval batches for the gradient norms (0: all).')
 _PROMPT = flags.DEFINE_string('prompt', None, 'Sample a continuation of this text.')
-_MAX_NEW_TOKENS = flags.DEFINE_integer('max_new_tokens', 200, 'Tokens (bytes) to sample.')
+_MAX_NEW_TOKENS = flags.DEFINE_integer('max_new_tokens', 200, 'Tokens to sample.')
 _TEMPERATURE = flags.DEFINE_float('temperature', 0.8, 'Sampling temperature; 0: greedy.')
 _TOP_K = flags.DEFINE_integer('top_k', None, 'Sample from the k most likely tokens only.')
 _SEED = flags.DEFINE_integer('seed', 0, 'Sampling seed (fixed seed, fixed output).')
@@ -61,10 +62,12 @@ def main(argv):
     raise app.UsageError('--workdir is required (or --compare DIR1 DIR2 ...).')
 
   if _PROMPT.value is not None:
-    model, _, step = checkpointing.restore_model(_WORKDIR.value, _STEP.value)
+    model, config, step = checkpointing.restore_model(_WORKDIR.value, _STEP.value)
+    # The run's own tokenizer: bytes, or <workdir>/tokenizer.model.
+    tokenizer = data.make_tokenizer(config.data, workdir=_WORKDIR.value)
     text = sampling.generate_text(
         model, _PROMPT.value, _MAX_NEW_TOKENS.value, temperature=_TEMPERATURE.value,
-        top_k=_TOP_K.value, seed=_SEED.value)
+        top_k=_TOP_K.value, seed=_SEED.value, tokenizer=tokenizer)
     print(f'[step {step}, temperature {_TEMPERATURE.value}, top_k {_TOP_K.value}, '
           f'seed {_SEED.value}]')
     print(_PROMPT.value + text)

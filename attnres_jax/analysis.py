@@ -555,7 +555,7 @@ def evaluate_and_analyze(workdir: str, step: int | None = None, *,
   tc = config.train
   datasets = data_lib.build_datasets(
       config.data, seq_len=tc.seq_len, global_batch_size=batch_size or tc.batch_size,
-      seed=tc.seed, process_index=0, process_count=1)
+      seed=tc.seed, process_index=0, process_count=1, workdir=workdir)
 
   def eval_batches():
     for i, batch in enumerate(datasets.eval_batches()):

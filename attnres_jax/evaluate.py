@@ -1,9 +1,16 @@
 """Held-out metrics over a whole evaluation split: loss, bits per byte, perplexity.
 
-Every metric is token weighted: the summed negative log-likelihood of all targets with
-weight > 0 (padding and document separators have weight 0), divided by the summed
-weights, accumulated over every batch the iterator yields (not a sample). With byte
-tokens one token is one byte, so bits per byte = loss / ln 2.
+Sums over every batch the iterator yields (not a sample): the negative log-likelihood
+of all targets with weight > 0 (padding and document starts have weight 0), the
+weights (tokens) and the UTF-8 bytes of text those targets cover (batch['bytes'];
+without it, one byte per weighted token, as for the byte tokenizer). Then
+
+  loss           = NLL / tokens              nats per token
+  perplexity     = exp(loss)                 per token
+  bits_per_byte  = NLL / bytes / ln 2        bits per byte of the evaluated text
+
+Bits per byte compare across tokenizers; loss and perplexity only within one. With
+byte tokens, bytes == tokens and bits_per_byte = loss / ln 2.
 """
 
 from __future__ import annotations
@@ -67,37 +74,43 @@ def eval_step(model: nnx.Module, batch: Batch) -> tuple[jax.Array, jax.Array]:
                     jnp.asarray(batch['targets']), jnp.asarray(batch['weights']))
 
 
-def metrics_from_sums(total_nll: float, total_weight: float, *,
-                      bytes_per_token: float = 1.0) -> dict[str, float]:
-  """loss (nats per token), bits_per_byte and perplexity from summed NLL and weights."""
+def metrics_from_sums(total_nll: float, total_weight: float,
+                      total_bytes: float | None = None) -> dict[str, float]:
+  """loss (nats per token), bits_per_byte and perplexity (per token) from the summed
+  NLL, weights (tokens) and text bytes (default: one byte per token)."""
   if total_weight <= 0:
     raise ValueError('The evaluation batches have no target with weight > 0.')
+  total_bytes = total_weight if total_bytes is None else total_bytes
+  if total_bytes <= 0:
+    raise ValueError('The evaluated targets cover no text bytes.')
   loss = total_nll / total_weight
   return {
       'loss': loss,
-      'bits_per_byte': loss / math.log(2) / bytes_per_token,
+      'bits_per_byte': total_nll / total_bytes / math.log(2),
       'perplexity': math.exp(loss) if loss < 700 else math.inf,
   }
 
 
-def evaluate(model: nnx.Module, batches: Iterable[Batch], *,
-             bytes_per_token: float = 1.0) -> dict[str, float]:
-  """Token-weighted held-out metrics over every batch of `batches`.
+def evaluate(model: nnx.Module, batches: Iterable[Batch]) -> dict[str, float]:
+  """Held-out metrics over every batch of `batches` (see the module docstring).
 
-  Returns loss (mean NLL in nats per weighted token), bits_per_byte, perplexity,
-  num_tokens (summed weights) and num_batches. The per-batch sums stay on device
-  until the end and are added in float64 on the host.
+  Returns loss (nats per token), bits_per_byte, perplexity (per token), num_tokens
+  (summed weights), num_bytes (summed text bytes) and num_batches. The per-batch sums
+  stay on device until the end and are added in float64 on the host.
   """
   graph, state = split_model(model)
-  sums = []
+  sums, num_bytes = [], 0
   for batch in batches:
     sums.append(_eval_step(graph, state, jnp.asarray(batch['inputs']),
                            jnp.asarray(batch['targets']),
                            jnp.asarray(batch['weights'])))
+    # Without per-token byte counts, every weighted target is one byte.
+    counts = batch['bytes'] if 'bytes' in batch else batch['weights']
+    num_bytes += float(np.sum(counts, dtype=np.float64))
   if not sums:
     raise ValueError('No evaluation batches.')
   nll, weight = (np.asarray(jax.device_get(x), np.float64) for x in zip(*sums))
   total_nll, total_weight = float(nll.sum()), float(weight.sum())
-  metrics = metrics_from_sums(total_nll, total_weight, bytes_per_token=bytes_per_token)
-  metrics.update(num_tokens=total_weight, num_batches=len(sums))
+  metrics = metrics_from_sums(total_nll, total_weight, num_bytes)
+  metrics.update(num_tokens=total_weight, num_bytes=num_bytes, num_batches=len(sums))
   return metrics

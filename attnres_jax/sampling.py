@@ -16,23 +16,28 @@ import numpy as np
 from flax import nnx
 
 from attnres_jax import evaluate as evaluate_lib
+from attnres_jax import tokenizer as tokenizer_lib
 
 SEPARATOR = 0  # the document-start byte of the data pipeline (data.SEPARATOR)
 CACHE_ROUNDING = 64  # the KV cache length is a multiple of this
+_BYTES = tokenizer_lib.ByteTokenizer()
 
 
-def encode_text(text: str, *, add_separator: bool = False) -> np.ndarray:
-  """UTF-8 bytes as int32 tokens; with `add_separator`, after a document start (0)."""
-  tokens = list(text.encode('utf-8'))
+def encode_text(text: str, *, add_separator: bool = False,
+                tokenizer: tokenizer_lib.Tokenizer | None = None) -> np.ndarray:
+  """int32 tokens of `text` (default tokenizer: UTF-8 bytes); with `add_separator`,
+  after a document start (the tokenizer's BOS id; 0 for bytes)."""
+  tokenizer = tokenizer or _BYTES
+  tokens = tokenizer.encode(text).astype(np.int32)
   if add_separator:
-    tokens = [SEPARATOR] + tokens
-  return np.asarray(tokens, np.int32)
+    tokens = np.concatenate([np.asarray([tokenizer.bos_id], np.int32), tokens])
+  return tokens
 
 
-def decode_tokens(tokens) -> str:
-  """Byte tokens back to text (invalid UTF-8 is replaced, separators dropped)."""
-  data = bytes(int(t) for t in np.asarray(tokens).reshape(-1) if int(t) != SEPARATOR)
-  return data.decode('utf-8', errors='replace')
+def decode_tokens(tokens, tokenizer: tokenizer_lib.Tokenizer | None = None) -> str:
+  """Tokens back to text (default: bytes, invalid UTF-8 replaced); document starts
+  and ids outside the tokenizer's vocabulary (a padded model vocab) are dropped."""
+  return (tokenizer or _BYTES).decode(tokens)
 
 
 def _choose(logits_BV, key, temperature, top_k):
@@ -126,9 +131,13 @@ def _unbatch(x, single):
 
 def generate_text(model: nnx.Module, prompt: str, max_new_tokens: int, *,
                   temperature: float = 1.0, top_k: int | None = None, seed: int = 0,
-                  add_separator: bool = False) -> str:
-  """The prompt's continuation as text (byte tokens). An empty prompt starts a document."""
-  tokens = encode_text(prompt, add_separator=add_separator or not prompt)
+                  add_separator: bool = False,
+                  tokenizer: tokenizer_lib.Tokenizer | None = None) -> str:
+  """The prompt's continuation as text, `max_new_tokens` tokens long (default
+  tokenizer: bytes; a run's own is `data.make_tokenizer(config.data, workdir=...)`).
+  An empty prompt starts a document."""
+  tokens = encode_text(prompt, add_separator=add_separator or not prompt,
+                       tokenizer=tokenizer)
   new_tokens = generate(model, tokens, max_new_tokens, temperature=temperature,
                         top_k=top_k, seed=seed)
-  return decode_tokens(new_tokens)
+  return decode_tokens(new_tokens, tokenizer)

@@ -36,6 +36,7 @@ from jax.sharding import PartitionSpec as P
 from attnres_jax import checkpointing
 from attnres_jax import config as config_lib
 from attnres_jax import data as data_lib
+from attnres_jax import evaluate as evaluate_lib
 from attnres_jax import metrics as metrics_lib
 from attnres_jax import model as model_lib
 from attnres_jax import optim
@@ -323,7 +324,7 @@ def jit_eval_step(layout: Layout, *, graphdef):
 
 def evaluate(eval_fn, params, datasets: data_lib.Datasets, to_global,
              max_batches: int | None = None) -> dict[str, float]:
-  """Held-out loss (nats per token) and bits per byte over the eval split."""
+  """Held-out loss (nats per token), bits per byte and perplexity over the eval split."""
   sums = []
   for i, batch in enumerate(datasets.eval_batches()):
     if max_batches is not None and i >= max_batches:
@@ -332,9 +333,10 @@ def evaluate(eval_fn, params, datasets: data_lib.Datasets, to_global,
   sums = jax.device_get(sums)
   loss_sum = sum(float(s['loss_sum']) for s in sums)
   weight_sum = sum(float(s['weight_sum']) for s in sums)
-  loss = loss_sum / max(weight_sum, 1.0)
-  return {'loss': loss, 'bits_per_byte': metrics_lib.bits_per_byte(loss),
-          'tokens': weight_sum, 'batches': float(len(sums))}
+  # Tokenizer-aware: bits per byte of the text these batches cover (data.Datasets).
+  num_bytes = datasets.eval_bytes(len(sums))
+  return dict(evaluate_lib.metrics_from_sums(loss_sum, weight_sum, num_bytes),
+              tokens=weight_sum, bytes=float(num_bytes), batches=float(len(sums)))
 
 
 # -- the host loop --------------------------------------------------------------------
@@ -391,7 +393,8 @@ def train_and_evaluate(
   tc = config.train
   workdir = prepare_workdir(workdir, config)
   datasets = data_lib.build_datasets(
-      config.data, seq_len=tc.seq_len, global_batch_size=tc.batch_size, seed=tc.seed)
+      config.data, seq_len=tc.seq_len, global_batch_size=tc.batch_size, seed=tc.seed,
+      workdir=workdir)  # a SentencePiece tokenizer is copied into (or read from) it
   if datasets.vocab_size > config.model.vocab_size:
     raise ValueError(f'The tokenizer has {datasets.vocab_size} tokens but '
                      f'model.vocab_size is {config.model.vocab_size}.')
@@ -463,9 +466,9 @@ def train_and_evaluate(
                         tc.max_eval_batches)
       write_metrics(step, {f'eval/{k}': v for k, v in result.items()})
       _say(f'step {step}: held-out ({config.data.name}:{config.data.eval_split}) '
-           f'loss {result["loss"]:.4f} nats/byte, {result["bits_per_byte"]:.4f} '
-           f'bits/byte over {int(result["tokens"]):,} bytes '
-           f'({int(result["batches"])} batches)', bar)
+           f'loss {result["loss"]:.4f} nats/token, {result["bits_per_byte"]:.4f} '
+           f'bits/byte over {int(result["tokens"]):,} tokens, '
+           f'{int(result["bytes"]):,} bytes ({int(result["batches"])} batches)', bar)
       interval.pause()
       return result
 
@@ -487,11 +490,12 @@ def train_and_evaluate(
       if step % tc.log_every == 0 or step == stop:
         mean_loss = float(np.mean(interval.losses))
         record = {
-            'train/loss': mean_loss,
-            'train/bits_per_byte': metrics_lib.bits_per_byte(mean_loss),
+            'train/loss': mean_loss,  # nats per token
             'train/learning_rate': learning_rate,  # used by this step
             'train/grad_norm': float(np.mean(interval.grad_norms)),
         }
+        if datasets.tokenizer.name == 'bytes':  # else bytes per token vary: eval only
+          record['train/bits_per_byte'] = metrics_lib.bits_per_byte(mean_loss)
         if interval.timed_steps:
           step_time = interval.timed_seconds / interval.timed_steps
           record['train/step_time'] = step_time
@@ -530,8 +534,7 @@ def train_and_evaluate(
     bar.close()
     seconds = time.perf_counter() - run_start
     _say(f'Trained steps {start}..{stop} of {num_steps} in {seconds:.1f} s'
-         + (f'; last train loss {last_train_loss:.4f} nats/byte '
-            f'({metrics_lib.bits_per_byte(last_train_loss):.4f} bits/byte)'
+         + (f'; last train loss {last_train_loss:.4f} nats/token'
             if last_train_loss is not None else '')
          + (f'; held-out {eval_result["bits_per_byte"]:.4f} bits/byte'
             if stop == num_steps else '') + '.')

