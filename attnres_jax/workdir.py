@@ -45,9 +45,15 @@ HARMLESS_FIELDS = frozenset({
     'train.async_checkpointing',
     'data.tfds_data_dir',         # where the prepared dataset lives, not which one
     'model.remat',                # memory for compute; the same math
-    'mesh.shape',                 # checkpoints restore resharded onto any mesh
-    'mesh.rules',
+    'mesh',                       # checkpoints restore resharded onto any mesh
 })
+
+
+def is_harmless(field: str) -> bool:
+  """Whether `field` ('train.log_every', 'mesh.rules.batch') is in HARMLESS_FIELDS,
+  itself or through its section."""
+  parts = field.split('.')
+  return any('.'.join(parts[:i]) in HARMLESS_FIELDS for i in range(1, len(parts) + 1))
 
 
 class WorkdirLockedError(RuntimeError):
