@@ -72,8 +72,13 @@ def main(argv):
     raise app.UsageError('--num_processes and --process_id need --coordinator_address.')
   if not flags.FLAGS['verbosity'].present:
     logging.set_verbosity(logging.WARNING)  # orbax logs every file at INFO
-  train.train_and_evaluate(_CONFIG.value, _WORKDIR.value,
-                           allow_config_change=_ALLOW_CONFIG_CHANGE.value)
+  try:
+    train.train_and_evaluate(_CONFIG.value, _WORKDIR.value,
+                             allow_config_change=_ALLOW_CONFIG_CHANGE.value)
+  except train.RUN_ERRORS as e:  # says all; the traceback only at --verbosity=0
+    logging.info('Stopped by', exc_info=True)
+    print(f'FATAL: {e}', file=sys.stderr)
+    sys.exit(1)
 
 
 if __name__ == '__main__':

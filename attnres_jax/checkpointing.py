@@ -49,6 +49,17 @@ class CheckpointRestoreError(RuntimeError):
   """No checkpoint of a workdir restores."""
 
 
+def root_cause(error: BaseException) -> str:
+  """'Type: first line' of the innermost exception of `error`'s chain (TensorStore's
+  outer messages run to pages and name no file)."""
+  seen = set()
+  while (error.__cause__ or error.__context__) is not None and id(error) not in seen:
+    seen.add(id(error))
+    error = error.__cause__ or error.__context__
+  lines = str(error).strip().splitlines()
+  return f'{type(error).__name__}: {lines[0][:300] if lines else ""}'
+
+
 def _cause(error: BaseException) -> str:
   """The root cause of a save error, e.g. '[Errno 28] No space left on device'."""
   seen, chain = set(), []
@@ -251,7 +262,13 @@ def restore_model(workdir: str, step: int | None = None):
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     abstract = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract)
-    params = checkpointer.restore_params(step, abstract)
+    try:
+      params = checkpointer.restore_params(step, abstract)
+    except Exception as e:  # pylint: disable=broad-except
+      others = [s for s in checkpointer.all_steps() if s != step]
+      raise CheckpointRestoreError(
+          f'The checkpoint of step {step} in {checkpointer.directory} does not restore '
+          f'({root_cause(e)}); other steps: {others}.') from e
   finally:
     checkpointer.close()
   return nnx.merge(graphdef, params), config, step

@@ -53,6 +53,11 @@ class NonFiniteLossError(FloatingPointError):
   """Training produced a non-finite loss or gradient norm."""
 
 
+# Errors whose message says everything a user needs (train.py prints them alone).
+RUN_ERRORS = (NonFiniteLossError, checkpointing.CheckpointSaveError,
+              checkpointing.CheckpointRestoreError, workdir_lib.WorkdirLockedError)
+
+
 @flax.struct.dataclass
 class TrainState:
   """Everything a train step updates: step count, parameters, optimizer state.
@@ -575,17 +580,6 @@ def _build_datasets(config: ml_collections.ConfigDict) -> data_lib.Datasets:
   return datasets
 
 
-def _describe_error(e: BaseException) -> str:
-  """'Type: first line of the message' of the root cause (TensorStore's outer
-  messages run to pages and name no file)."""
-  seen = set()
-  while (e.__cause__ or e.__context__) is not None and id(e) not in seen:
-    seen.add(id(e))
-    e = e.__cause__ or e.__context__
-  lines = str(e).strip().splitlines()
-  return f'{type(e).__name__}: {lines[0][:300] if lines else ""}'
-
-
 def _on_all_processes(ok: bool) -> bool:
   """True if `ok` holds on every process."""
   if jax.process_count() == 1:
@@ -622,8 +616,8 @@ def _restore_newest(checkpointer: checkpointing.Checkpointer, layout: Layout,
     except Exception as e:  # pylint: disable=broad-except
       error = e
     if not _on_all_processes(error is None):
-      failures.append((step, _describe_error(error) if error else 'failed on another '
-                       'process'))
+      why = checkpointing.root_cause(error) if error else 'failed on another process'
+      failures.append((step, why))
       _say(f'WARNING: the checkpoint of step {step} in {checkpointer.directory} does '
            f'not restore ({failures[-1][1]}); trying the previous one.')
       continue

@@ -275,6 +275,10 @@ def test_no_restorable_checkpoint_is_a_clear_error(uninterrupted, tmp_path):
                            f'  step {N}: .*Nothing was moved'):
     train_lib.train_and_evaluate(config, workdir)
   assert _checkpoint_entries(workdir) == [str(N), str(2 * N)]
+  with pytest.raises(checkpointing.CheckpointRestoreError,
+                     match=f'The checkpoint of step {N} in .* does not restore '
+                           f'\\(ValueError: .*\\); other steps: \\[{2 * N}\\]'):
+    checkpointing.restore_model(workdir, step=N)  # eval.py's way in
 
 
 @pytest.mark.parametrize('field, value', [
