@@ -7,9 +7,11 @@ writes; the other processes get a writer that does nothing.
 A run that resumes from step s (0: from scratch) re-logs every step after s, so the
 writer of that segment first drops them: `metrics.jsonl` keeps the records of steps
 <= s, and TensorBoard gets a new event file that starts with a purge of steps > s
-(tensorboardX's `purge_step`, TensorBoard's SessionLog.START). `read_tensorboard`
-reads the scalars back as TensorBoard shows them. The training loop flushes both
-before each checkpoint, so no step up to a checkpoint is lost by a crash.
+(tensorboardX's `purge_step`, TensorBoard's SessionLog.START). `metrics.jsonl` is
+flushed at every record; TensorBoard's writer queues events in a thread and flushes
+them every two minutes, so a killed run can lose its last ones: the new segment
+re-writes the records of steps <= s that TensorBoard lacks from `metrics.jsonl`.
+`read_tensorboard` reads the scalars back as TensorBoard shows them.
 """
 
 from __future__ import annotations
@@ -47,12 +49,19 @@ class MetricWriter:
     if enabled:
       truncate_jsonl(workdir, resume_step)
       logdir = os.path.join(workdir, TENSORBOARD)
+      shown = read_tensorboard(workdir)
       # One event file per segment; the number keeps files of one second (same name
       # prefix) unique and in order, as TensorBoard reads them in name order.
       segment = len(glob.glob(os.path.join(logdir, 'events.out.tfevents.*')))
       self._tb = tensorboardX.SummaryWriter(
           logdir, purge_step=resume_step + 1, filename_suffix=f'.{segment:04d}')
       self._jsonl = open(self.jsonl_path, 'a', encoding='utf-8')
+      shown = {(tag, step) for tag, values in shown.items() for step, _ in values
+               if step <= resume_step}
+      for record in read_jsonl(workdir):  # steps <= resume_step, after the truncation
+        for tag, value in record.items():
+          if tag != 'step' and (tag, record['step']) not in shown:
+            self._tb.add_scalar(tag, float(value), record['step'])
 
   def write_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
     if not self.enabled:

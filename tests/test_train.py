@@ -182,8 +182,16 @@ def test_resume_equals_uninterrupted_bitwise(uninterrupted, tmp_path):
   config = uninterrupted[0]
   stopped = train_lib.train_and_evaluate(config, str(tmp_path), max_steps=N)
   assert stopped.step == N and _checkpoint_entries(tmp_path) == [str(N)]
+  # As if killed before TensorBoard's writer flushed its last steps: a truncated file.
+  (event_file,) = glob.glob(str(tmp_path / 'tensorboard' / 'events.*'))
+  os.truncate(event_file, os.path.getsize(event_file) // 2)
+  assert _tensorboard_steps(tmp_path)[-1] < N
   result = train_lib.train_and_evaluate(config, str(tmp_path))
   _assert_same_run(uninterrupted, str(tmp_path), result)
+  # The lost steps are re-written from metrics.jsonl, each step once.
+  for tag, values in metrics_lib.read_tensorboard(str(tmp_path)).items():
+    records = [r for r in metrics_lib.read_jsonl(tmp_path) if tag in r]
+    assert values == [(r['step'], pytest.approx(r[tag])) for r in records], tag
 
 
 def test_run_killed_during_save_resumes_from_previous_checkpoint(
