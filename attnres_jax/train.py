@@ -332,6 +332,9 @@ def prepare_workdir(workdir: str, config: ml_collections.ConfigDict,
     if changes and jax.process_index() == 0:
       steps = [int(n) for n in os.listdir(ckpt_dir) if n.isdigit()]
       workdir_lib.record_config_change(workdir, max(steps), changes, saved)
+  if jax.process_count() > 1:  # every process has read the old config.json
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    multihost_utils.sync_global_devices('config.json compared')
   if jax.process_index() == 0:
     checkpointing.save_config(workdir, config)
   return set(changes)
@@ -766,7 +769,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, *, changed: set[str]
         process(*pending)  # never save or evaluate an unchecked state
         pending = None
       if save:
-        writer.flush()  # every step up to a checkpoint is on disk before it exists
+        writer.flush()  # on resume, metrics.jsonl fills in what TensorBoard lost
         checkpointer.save(step, params=state.params, opt_state=state.opt_state,
                           train_iter=datasets.train, force=True)
         interval.pause()
