@@ -277,8 +277,11 @@ def lock_workdir(workdir: str, purpose: str) -> workdir_lib.WorkdirLock | None:
   return lock
 
 
-# Fields whose change makes a saved data iterator state meaningless for this run.
-_DATA_FIELDS = ('train.seq_len', 'train.batch_size', 'train.seed')
+def _changes_training_data(field: str) -> bool:
+  """Whether a change of `field` makes a saved training data iterator state
+  meaningless (another pipeline, batch or order)."""
+  return field in ('train.seq_len', 'train.batch_size', 'train.seed') or (
+      field.startswith('data.') and field not in ('data.tfds_data_dir', 'data.eval_split'))
 
 
 def _default_config() -> dict[str, Any]:
@@ -664,9 +667,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, *, changed: set[str]
   writer = None
   bar = None
   try:
-    data_changed = sorted(f for f in changed
-                          if f.startswith('data.') and f != 'data.tfds_data_dir'
-                          or f in _DATA_FIELDS)
+    data_changed = sorted(filter(_changes_training_data, changed))
     if data_changed:
       _say(f'WARNING: the data pipeline changed ({", ".join(data_changed)}): the '
            'training data iterator starts afresh instead of where the checkpoint left it.')
@@ -675,13 +676,13 @@ def _train(config: ml_collections.ConfigDict, workdir: str, *, changed: set[str]
     if restored is None:
       start = 0
       state = create_train_state(config.model, tx, tc.seed, layout)
-      _check_disk_space(workdir, layout.abstract_state)
     else:
       start, params, opt_state = restored
       _say(f'Resuming from the checkpoint of step {start} in {checkpointer.directory}.')
       step_array = jax.make_array_from_callback(
           (), layout.replicated, lambda _: np.int32(start))
       state = TrainState(step=step_array, params=params, opt_state=opt_state)
+    _check_disk_space(workdir, layout.abstract_state)
     # Records of steps after `start` (or all, from scratch) are of a lost segment.
     writer = metrics_lib.MetricWriter(workdir, enabled=jax.process_index() == 0,
                                       resume_step=start)
