@@ -213,14 +213,19 @@ def explain_config_overrides(argv: Sequence[str], default: str) -> str | None:
   the config file of `--config=path[:arg]` (else `default`) itself.
   """
   path = default
-  for arg in argv:
+  for i, arg in enumerate(argv):
     if arg.startswith('--config='):
       path = arg.split('=', 1)[1]
+    elif arg == '--config' and i + 1 < len(argv):
+      path = argv[i + 1]
   path, _, arg = path.partition(':')
-  spec = importlib.util.spec_from_file_location('_config_file', path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  config = module.get_config(arg) if arg else module.get_config()
+  try:
+    spec = importlib.util.spec_from_file_location('_config_file', path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config(arg) if arg else module.get_config()
+  except Exception:  # pylint: disable=broad-except
+    return None  # the config file's own error is the one to show
   for flag in argv:
     if not flag.startswith('--config.'):
       continue
