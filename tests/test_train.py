@@ -258,15 +258,29 @@ def test_corrupt_latest_checkpoint_falls_back_to_previous(uninterrupted, tmp_pat
   workdir = _copy_run(uninterrupted, tmp_path)
   _corrupt(workdir, 2 * N, how)
 
-  result = train_lib.train_and_evaluate(config, workdir)  # from N, as if 2N never was
+  # max_steps=N: restore only (the resumed run is checked to the end below).
+  result = train_lib.train_and_evaluate(config, workdir, max_steps=N)
 
   out = capsys.readouterr().out
   assert f'checkpoint of step {2 * N} in {checkpointing.checkpoint_dir(workdir)} does ' \
-         'not restore' in out
+         'not restore (' in out
   assert f'Resuming from the checkpoint of step {N}' in out
   moved = os.path.join(workdir, checkpointing.CORRUPT, str(2 * N))
   assert f'Moved the unreadable checkpoint of step {2 * N} to {moved}' in out
   assert os.path.isdir(moved)  # kept for inspection, not deleted
+  assert _checkpoint_entries(workdir) == [str(N)]
+  assert result.step == N
+  model, _, _ = checkpointing.restore_model(workdir, step=N)
+  _assert_trees_equal(result.state.params, nnx.to_pure_dict(nnx.state(model)))
+  assert max(r['step'] for r in metrics_lib.read_jsonl(workdir)) == N
+
+
+def test_run_resumed_past_a_corrupt_checkpoint_equals_uninterrupted(uninterrupted,
+                                                                    tmp_path):
+  config = uninterrupted[0]
+  workdir = _copy_run(uninterrupted, tmp_path)
+  _corrupt(workdir, 2 * N, 'truncated_chunk')
+  result = train_lib.train_and_evaluate(config, workdir)  # from N, as if 2N never was
   assert _checkpoint_entries(workdir) == [str(N), str(2 * N)]  # 2N saved afresh
   _assert_same_run(uninterrupted, workdir, result)
   assert _tensorboard_steps(workdir) == list(range(1, 2 * N + 1))
