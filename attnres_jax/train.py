@@ -55,7 +55,8 @@ class NonFiniteLossError(FloatingPointError):
 
 # Errors whose message says everything a user needs (train.py prints them alone).
 RUN_ERRORS = (NonFiniteLossError, checkpointing.CheckpointSaveError,
-              checkpointing.CheckpointRestoreError, workdir_lib.WorkdirLockedError)
+              checkpointing.CheckpointRestoreError, workdir_lib.WorkdirLockedError,
+              workdir_lib.RunConfigError)
 
 
 @flax.struct.dataclass
@@ -324,14 +325,14 @@ def prepare_workdir(workdir: str, config: ml_collections.ConfigDict,
     model = sorted(f for f in changes
                    if f.startswith('model.') and not workdir_lib.is_harmless(f))
     if model:
-      raise ValueError(
+      raise workdir_lib.RunConfigError(
           f'Workdir {workdir!r} holds checkpoints of a different model (fields '
           f'{[f.split(".", 1)[1] for f in model]} differ); use another workdir.')
     refused = {f: v for f, v in changes.items()
                if not workdir_lib.is_harmless(f) and f not in allowed}
     if refused:
       lines = ''.join(f'\n  {f}: {old!r} -> {new!r}' for f, (old, new) in refused.items())
-      raise ValueError(
+      raise workdir_lib.RunConfigError(
           f'Workdir {workdir!r} holds checkpoints of a run with another config; '
           f'resuming it with these changes would make a different run:{lines}\n'
           f'Use another workdir, or accept the changes explicitly with '

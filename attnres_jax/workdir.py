@@ -60,6 +60,10 @@ class WorkdirLockedError(RuntimeError):
   """Another process holds the workdir."""
 
 
+class RunConfigError(ValueError):
+  """A resumed run's config differs from its checkpoints' in a run-defining field."""
+
+
 def _now() -> str:
   return datetime.datetime.now().astimezone().isoformat(timespec='seconds')
 
