@@ -8,6 +8,9 @@
       evaluation of each run, into OUT (default: <common parent>/compare).
   python eval.py --workdir=DIR --prompt="ROMEO:" --max_new_tokens=200
       [--temperature=0.8 --top_k=40 --seed=0]   samples text with the KV cache.
+
+Writing into a workdir (the default output) takes its lock, so it waits for no one:
+while a training run holds the workdir, write elsewhere with --output_dir.
 """
 
 import os
@@ -20,6 +23,7 @@ from attnres_jax import analysis
 from attnres_jax import checkpointing
 from attnres_jax import data
 from attnres_jax import sampling
+from attnres_jax import workdir as workdir_lib
 
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Run directory (config.json, checkpoints).')
 _STEP = flags.DEFINE_integer('step', None, 'Checkpoint step; default: the latest.')
@@ -42,13 +46,49 @@ _TOP_K = flags.DEFINE_integer('top_k', None, 'Sample from the k most likely toke
 _SEED = flags.DEFINE_integer('seed', 0, 'Sampling seed (fixed seed, fixed output).')
 
 
+def _check_flags() -> None:
+  for flag, minimum in ((_BATCH_SIZE, 1), (_MAX_EVAL_BATCHES, 1), (_ANALYSIS_BATCHES, 1),
+                        (_GRAD_BATCHES, 0), (_MAX_NEW_TOKENS, 1), (_TOP_K, 1)):
+    if flag.value is not None and flag.value < minimum:
+      raise app.UsageError(f'--{flag.name} must be >= {minimum} (or unset), got '
+                           f'{flag.value}.')
+  if _TEMPERATURE.value < 0:
+    raise app.UsageError(f'--temperature must be >= 0, got {_TEMPERATURE.value}.')
+
+
+def _writable_dir(path: str) -> None:
+  """Creates `path` and checks that a file can be written there (before any work)."""
+  try:
+    os.makedirs(path, exist_ok=True)
+    probe = os.path.join(path, f'.write_test.{os.getpid()}')
+    with open(probe, 'w', encoding='utf-8') as f:
+      f.write('ok')
+    os.remove(probe)
+  except OSError as e:
+    raise app.UsageError(f'Cannot write the evaluation to {path}: {e}. Pass '
+                         '--output_dir=<a writable directory>.') from e
+
+
+def _inside(path: str, directory: str) -> bool:
+  path, directory = os.path.realpath(path), os.path.realpath(directory)
+  return os.path.commonpath([path, directory]) == directory
+
+
 def main(argv):
   if not flags.FLAGS['verbosity'].present:
     logging.set_verbosity(logging.WARNING)  # orbax logs every file at INFO
+  _check_flags()
   if _COMPARE.value:
     workdirs = argv[1:]
     if not workdirs:
       raise app.UsageError('--compare needs run directories: eval.py --compare A B ...')
+    not_runs = [w for w in workdirs if not any(
+        os.path.exists(os.path.join(w, name))
+        for name in (checkpointing.CONFIG_JSON, 'metrics.jsonl'))]
+    if not_runs:
+      raise app.UsageError(
+          f'Not run directories (no config.json or metrics.jsonl): '
+          f'{", ".join(map(repr, not_runs))}.')
     parent = os.path.commonpath([os.path.abspath(w) for w in workdirs])
     if len(workdirs) == 1 or parent == os.path.abspath(workdirs[0]):
       parent = os.path.dirname(os.path.abspath(workdirs[0]))
@@ -60,6 +100,8 @@ def main(argv):
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
   if _WORKDIR.value is None:
     raise app.UsageError('--workdir is required (or --compare DIR1 DIR2 ...).')
+  if not os.path.isfile(os.path.join(_WORKDIR.value, checkpointing.CONFIG_JSON)):
+    raise app.UsageError(f'{_WORKDIR.value} is not a run directory (no config.json).')
 
   if _PROMPT.value is not None:
     model, config, step = checkpointing.restore_model(_WORKDIR.value, _STEP.value)
@@ -73,12 +115,36 @@ def main(argv):
     print(_PROMPT.value + text)
     return
 
-  record = analysis.evaluate_and_analyze(
-      _WORKDIR.value, _STEP.value, output_dir=_OUTPUT_DIR.value,
-      batch_size=_BATCH_SIZE.value, max_eval_batches=_MAX_EVAL_BATCHES.value,
-      analysis_batches=_ANALYSIS_BATCHES.value,
-      grad_batches=_GRAD_BATCHES.value or None)
-  out_dir = _OUTPUT_DIR.value or analysis.eval_dir(_WORKDIR.value, record['step'])
+  workdir, step = _WORKDIR.value, _STEP.value
+  if step is None:
+    checkpointer = checkpointing.Checkpointer(workdir, save_every=0, keep=None,
+                                              async_save=False, read_only=True)
+    step = checkpointer.latest_step()
+    checkpointer.close()
+    if step is None:
+      raise app.UsageError(f'No checkpoint in {checkpointing.checkpoint_dir(workdir)}.')
+  out_dir = _OUTPUT_DIR.value or analysis.eval_dir(workdir, step)
+  lock = None
+  if _inside(out_dir, workdir):
+    try:
+      lock = workdir_lib.WorkdirLock(os.path.abspath(workdir), 'eval.py')
+    except workdir_lib.WorkdirLockedError as e:
+      raise app.UsageError(f'{e} To evaluate now, write elsewhere: --output_dir=DIR.')
+    except OSError as e:
+      raise app.UsageError(f'Cannot write into the workdir {workdir}: {e}. Pass '
+                           '--output_dir=<a writable directory>.') from e
+    for message in lock.messages:
+      print(f'WARNING: {message}')
+  try:
+    _writable_dir(out_dir)
+    record = analysis.evaluate_and_analyze(
+        workdir, step, output_dir=out_dir,
+        batch_size=_BATCH_SIZE.value, max_eval_batches=_MAX_EVAL_BATCHES.value,
+        analysis_batches=_ANALYSIS_BATCHES.value,
+        grad_batches=_GRAD_BATCHES.value or None)
+  finally:
+    if lock is not None:
+      lock.release()
   print(f'step {record["step"]}: held-out loss {record["loss"]:.4f} nats/token, '
         f'{record["bits_per_byte"]:.4f} bits/byte, perplexity '
         f'{record["perplexity"]:.3f} over {int(record["num_tokens"]):,} tokens '

