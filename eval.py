@@ -59,11 +59,7 @@ def _check_flags() -> None:
 def _writable_dir(path: str) -> None:
   """Creates `path` and checks that a file can be written there (before any work)."""
   try:
-    os.makedirs(path, exist_ok=True)
-    probe = os.path.join(path, f'.write_test.{os.getpid()}')
-    with open(probe, 'w', encoding='utf-8') as f:
-      f.write('ok')
-    os.remove(probe)
+    workdir_lib.make_writable_dir(path)
   except OSError as e:
     raise app.UsageError(f'Cannot write the evaluation to {path}: {e}. Pass '
                          '--output_dir=<a writable directory>.') from e

@@ -250,16 +250,10 @@ def explain_config_overrides(argv: Sequence[str], default: str) -> str | None:
 
 def make_workdir(workdir: str) -> str:
   """Creates `workdir` and checks that it is writable; returns its absolute path."""
-  workdir = os.path.abspath(os.path.expanduser(workdir))
   try:
-    os.makedirs(workdir, exist_ok=True)
-    probe = os.path.join(workdir, f'.write_test.{jax.process_index()}.{os.getpid()}')
-    with open(probe, 'w', encoding='utf-8') as f:
-      f.write('ok')
-    os.remove(probe)
+    return workdir_lib.make_writable_dir(workdir)
   except OSError as e:
     raise OSError(f'Workdir {workdir!r} is not writable: {e}') from e
-  return workdir
 
 
 def lock_workdir(workdir: str, purpose: str) -> workdir_lib.WorkdirLock | None:

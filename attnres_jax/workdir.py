@@ -49,6 +49,18 @@ HARMLESS_FIELDS = frozenset({
 })
 
 
+def make_writable_dir(path: str) -> str:
+  """Creates `path` and writes a probe file there (so an unwritable directory fails
+  before any work); returns its absolute path. Raises OSError."""
+  path = os.path.abspath(os.path.expanduser(path))
+  os.makedirs(path, exist_ok=True)
+  probe = os.path.join(path, f'.write_test.{socket.gethostname()}.{os.getpid()}')
+  with open(probe, 'w', encoding='utf-8') as f:
+    f.write('ok')
+  os.remove(probe)
+  return path
+
+
 def is_harmless(field: str) -> bool:
   """Whether `field` ('train.log_every', 'mesh.rules.batch') is in HARMLESS_FIELDS,
   itself or through its section."""
