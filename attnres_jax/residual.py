@@ -7,7 +7,7 @@ consecutive layers and calls, in this order:
     carry = residual.init(x_BTD)                          # once, from the embedding
     for each segment:                                     # a scan over segments
       inner, per_layer = residual.begin_segment(carry, params_GL, segment)
-      for each layer j of the segment, sublayer which:    # a scan over layers
+      for each layer j of the segment, sublayer which:    # unrolled (G is small)
         h, weights = residual.read(inner, params, per_layer_j, j, which)
         inner = residual.write(inner, params, per_layer_j, j, which, f(h))
       carry = residual.end_segment(carry, inner, segment)
@@ -23,6 +23,7 @@ the stack or the layers branches on the kind.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from typing import Any
 
@@ -40,7 +41,7 @@ def _param(init, shape, axes, dtype) -> nnx.Param:
   return nnx.Param(init(shape, dtype), out_sharding=axes, eager_sharding=False)
 
 
-class Residual:
+class Residual(abc.ABC):
   """The interface; see the module docstring for the call order."""
 
   segment_layers: int
@@ -52,23 +53,27 @@ class Residual:
   def final_params(self, cfg) -> nnx.Module | None:
     return None
 
+  @abc.abstractmethod
   def init(self, x_BTD):
-    raise NotImplementedError  # every residual defines its state
+    """The carry before the first layer, from the token embedding."""
 
   def begin_segment(self, carry, params, segment):
     return carry, None
 
+  @abc.abstractmethod
   def read(self, inner, params, per_layer, layer_in_segment, which):
-    raise NotImplementedError
+    """(the input of sublayer `which` of the layer, its depth weights or None)."""
 
+  @abc.abstractmethod
   def write(self, inner, params, per_layer, layer_in_segment, which, out_BTD):
-    raise NotImplementedError
+    """The inner carry after the sublayer's output `out_BTD` is written."""
 
   def end_segment(self, carry, inner, segment):
     return inner
 
+  @abc.abstractmethod
   def final(self, carry, params):
-    raise NotImplementedError
+    """(the input of the final norm, the final read's depth weights or None)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,7 +255,7 @@ class AttnResResidual(Residual):
     reads. The model's first sublayer reads the embedding alone, whatever its query:
     it takes it as is, so that its query's gradient is exactly zero (through the
     online softmax it would be two float32 terms that cancel only to a few ulps)."""
-    index, num_valid = self.local_index(layer_in_segment, which)
+    _, num_valid = self.local_index(layer_in_segment, which)
     valid_J = jnp.arange(local_JBTD.shape[0]) < num_valid
     h_BTD = depth.phase2(phase1_stats, local_JBTD, valid_J, query_D, gain_D,
                          eps=self.cfg.attn_res_eps, local_inv_rms_JBT=local_inv_rms_JBT)
@@ -272,13 +277,13 @@ class AttnResResidual(Residual):
     queries_QD, gains_QD = self.segment_queries(params, num_layers)
     stats = depth.phase1(buffer_KBTD, queries_QD, gains_QD, eps=self.cfg.attn_res_eps,
                          num_valid=first, inv_rms_KBT=inv_rms_KBT)
-    # Per layer: [G, 2, ...], the scan over the segment's layers slices one layer.
+    # Per layer: [G, 2, ...]; the stack hands each layer its row.
     per_layer = jax.tree.map(lambda x: x.reshape(num_layers, 2, *x.shape[1:]), stats)
     return inner, per_layer
 
   def read(self, inner, params, per_layer, layer_in_segment, which):
     buffer_KBTD, inv_rms_KBT, first, local_JBTD, local_inv_rms_JBT = inner
-    index, num_local_valid = self.local_index(layer_in_segment, which)
+    _, num_local_valid = self.local_index(layer_in_segment, which)
     query_D, gain_D = params.query[...][which], params.gain[...][which]
     if self.two_phase:
       mine = jax.tree.map(lambda x: x[which], per_layer)

@@ -1,11 +1,11 @@
 """Running the stacked Transformer layers through a residual (`residual.py`).
 
 The layers run in schedule segments of `residual.segment_layers` layers: a scan over
-segments, and inside each a scan over its layers (a last, shorter segment runs after
-the scan when the segment length does not divide the depth). Standard residuals have a
-single segment; AttnRes starts each with Phase 1 of the block schedule. Nothing here
-depends on which residual runs. `scan_layers=False` unrolls both loops in Python (a
-debugging path and the reference for the scans).
+segments whose body runs the segment's few layers unrolled (a last, shorter segment
+runs after the scan when the segment length does not divide the depth). The standard
+residual's segments are single layers; AttnRes starts each with Phase 1 of the block
+schedule. Nothing here depends on which residual runs. `scan_layers=False` makes the
+scan a Python loop too (a debugging path and the reference for the scan).
 """
 
 from __future__ import annotations
