@@ -6,7 +6,7 @@
 in `model.residual`, so their runs compare the residual alone (same data order, same
 initial shared weights). Block uses S = 2 sublayers per block: N = 8 blocks over the 16
 sublayers, about the paper's N. Sized for an accelerator: on 2 CPU cores one step takes
-a few seconds (DESIGN.md section 4).
+a few seconds.
 """
 
 import ml_collections

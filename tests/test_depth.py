@@ -97,8 +97,8 @@ class AttnResReadTest(chex.TestCase):
 
 
 def sources_by_rule(sublayer, block_size, num_sublayers):
-  """DESIGN.md's source list of one sublayer, as names: 'b0' = embedding, 'bn' = block
-  n complete, 'pn:i' = partial sum of the first i outputs of block n."""
+  """The source list of one sublayer (docs/method.md), as names: 'b0' = embedding,
+  'bn' = block n complete, 'pn:i' = partial sum of the first i outputs of block n."""
   del num_sublayers
   block = sublayer // block_size + 1  # 1-based block containing the sublayer
   position = sublayer % block_size + 1  # 1-based position within the block

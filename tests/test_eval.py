@@ -64,7 +64,7 @@ def random_batches(num_batches=2, batch=3, length=8, *, pad_last=True, seed=0):
 
 def expected_sources(num_sublayers, block_size):
   """Per sublayer, the number of sources it reads, and the final read's, from the
-  DESIGN.md rules, by simulating the blocks (independent of depth.py)."""
+  rules of docs/method.md, by simulating the blocks (independent of depth.py)."""
   completed, partial, counts = ['emb'], None, []
   for l in range(num_sublayers):
     counts.append(len(completed) + (partial is not None))

@@ -1,4 +1,4 @@
-"""The Transformer in every residual mode, against a literal reading of DESIGN.md."""
+"""The Transformer in every residual mode, against a literal reading of docs/method.md."""
 
 import chex
 import jax
