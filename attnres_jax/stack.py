@@ -32,16 +32,15 @@ def sublayer_function(graphdef, which: int, remat: bool):
   return jax.checkpoint(apply) if remat else apply
 
 
-def scan_or_loop(step, carry, xs, *, unroll: bool = False, reverse: bool = False):
+def scan_or_loop(step, carry, xs, *, unroll: bool = False):
   """`jax.lax.scan(step, carry, xs)`, or the same as a Python loop when `unroll`."""
   if not unroll:
-    return jax.lax.scan(step, carry, xs, reverse=reverse)
-  length = jax.tree.leaves(xs)[0].shape[0]
-  order = range(length - 1, -1, -1) if reverse else range(length)
-  ys = {}
-  for k in order:
-    carry, ys[k] = step(carry, jax.tree.map(lambda x: x[k], xs))
-  return carry, jax.tree.map(lambda *y: jnp.stack(y), *(ys[k] for k in range(length)))
+    return jax.lax.scan(step, carry, xs)
+  ys = []
+  for k in range(jax.tree.leaves(xs)[0].shape[0]):
+    carry, y = step(carry, jax.tree.map(lambda x: x[k], xs))
+    ys.append(y)
+  return carry, jax.tree.map(lambda *y: jnp.stack(y), *ys)
 
 
 def _token_rms(x_BTD):
