@@ -66,10 +66,7 @@ def make_stack(residual):
 
       def phase1(buffer_KBTD, layer_states):
         params = stack_lib.stacked_residual_params(graphdef, layer_states)
-        queries_QD, gains_QD = residual.segment_queries(params, num_layers)
-        stats = depth.phase1(buffer_KBTD, queries_QD, gains_QD, eps=eps,
-                             num_valid=first)
-        return jax.tree.map(lambda x: x.reshape(num_layers, 2, *x.shape[1:]), stats)
+        return residual.phase1(buffer_KBTD, params, first)
 
       stats, phase1_vjp = jax.vjp(phase1, buffer_KBTD, layer_states)
       # The segment's slots: final values, and the cotangent they got after it ended.

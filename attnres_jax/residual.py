@@ -274,12 +274,16 @@ class AttnResResidual(Residual):
              sharding.constrain(local_JBTD, sharding.DEPTH_BUFFER), local_inv_rms_JBT)
     if not self.two_phase:
       return inner, None
+    return inner, self.phase1(buffer_KBTD, params, first, inv_rms_KBT)
+
+  def phase1(self, buffer_KBTD, params, first, inv_rms_KBT=None):
+    """Phase 1 of a segment (its layers' stacked `params`) against the slots before
+    `first`: statistics per layer and sublayer, [G, 2, ...]."""
+    num_layers = params.query.shape[0]
     queries_QD, gains_QD = self.segment_queries(params, num_layers)
     stats = depth.phase1(buffer_KBTD, queries_QD, gains_QD, eps=self.cfg.attn_res_eps,
                          num_valid=first, inv_rms_KBT=inv_rms_KBT)
-    # Per layer: [G, 2, ...]; the stack hands each layer its row.
-    per_layer = jax.tree.map(lambda x: x.reshape(num_layers, 2, *x.shape[1:]), stats)
-    return inner, per_layer
+    return jax.tree.map(lambda x: x.reshape(num_layers, 2, *x.shape[1:]), stats)
 
   def read(self, inner, params, per_layer, layer_in_segment, which):
     buffer_KBTD, inv_rms_KBT, first, local_JBTD, local_inv_rms_JBT = inner
