@@ -28,14 +28,6 @@ from tensorboardX.proto import event_pb2
 
 JSONL = 'metrics.jsonl'
 TENSORBOARD = 'tensorboard'
-LN2 = math.log(2.0)
-
-
-def bits_per_byte(loss_nats_per_token: float, bytes_per_token: float = 1.0) -> float:
-  """Bits per byte from a mean loss in nats per token (1 byte per token for bytes)."""
-  return loss_nats_per_token / LN2 / bytes_per_token
-
-
 class MetricWriter:
   """Writes scalars to TensorBoard (`<workdir>/tensorboard`) and `<workdir>/metrics.jsonl`."""
 

@@ -8,6 +8,7 @@ sources) and how each sublayer's input is read from it. See `depth.py` for the r
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -234,31 +235,38 @@ class Transformer(nnx.Module):
     return self.head(h_BTD), cache
 
   def __call__(self, tokens_BT: Array, positions_BT: Array | None = None, *,
-               collect_stats: bool = False):
+               collect_stats: bool = False, stats_weights_BT: Array | None = None):
     """Logits [B, T, V] in float32; with `collect_stats`, also per-sublayer statistics.
 
-    Statistics (for analysis) are returned stacked as [num_layers, 2, ...] (sublayer
-    order: attention, MLP) plus the final read's depth weights.
+    Statistics (for analysis) are means over tokens, weighted by `stats_weights_BT`
+    (default: every token alike), returned stacked as [num_layers, 2, ...] (sublayer
+    order: attention, MLP) plus the final read's depth weights and input RMS.
     """
     return self.forward_embeddings(self.embed(tokens_BT), positions_BT,
-                                   collect_stats=collect_stats)
+                                   collect_stats=collect_stats,
+                                   stats_weights_BT=stats_weights_BT)
 
   def forward_embeddings(self, x_BTD: Array, positions_BT: Array | None = None, *,
-                         collect_stats: bool = False):
+                         collect_stats: bool = False,
+                         stats_weights_BT: Array | None = None):
     """The model from token embeddings on (e.g. to differentiate wrt the inputs)."""
     if positions_BT is None:
       positions_BT = jnp.broadcast_to(jnp.arange(x_BTD.shape[1]), x_BTD.shape[:2])
+    if collect_stats and stats_weights_BT is None:
+      stats_weights_BT = jnp.ones(x_BTD.shape[:2], jnp.float32)
     graphdef, layer_state = nnx.split(self.layers)
     carry, stats = stack_lib.apply_layers(
         graphdef, layer_state, x_BTD, positions_BT, cfg=self.cfg,
-        collect_stats=collect_stats)
+        collect_stats=collect_stats, stats_weights_BT=stats_weights_BT)
     h_BTD, final_weights_KBT = self.final_read(carry)
     logits_BTV = self.head(h_BTD)
     if not collect_stats:
       return logits_BTV
+    mean = functools.partial(stack_lib.token_mean,
+                             token_weights_BT=stats_weights_BT.astype(jnp.float32))
     if final_weights_KBT is not None:
-      stats['final_depth_weights'] = jnp.mean(final_weights_KBT, axis=(1, 2))
-    stats['final_input_rms'] = jnp.mean(1.0 / depth.rms_inverse(h_BTD, 0.0))
+      stats['final_depth_weights'] = jax.vmap(mean)(final_weights_KBT)
+    stats['final_input_rms'] = mean(1.0 / depth.rms_inverse(h_BTD, 0.0))
     return logits_BTV, stats
 
 

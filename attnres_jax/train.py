@@ -114,15 +114,6 @@ def default_train_config(**overrides) -> ml_collections.ConfigDict:
 # -- pure functions -------------------------------------------------------------------
 
 
-def loss_sums(params, batch, *, graphdef) -> tuple[jax.Array, jax.Array]:
-  """(sum of weighted token cross-entropies in nats, sum of weights) of a batch."""
-  logits_BTV = nnx.merge(graphdef, params)(batch['inputs'])
-  losses_BT = optax.softmax_cross_entropy_with_integer_labels(
-      logits_BTV.astype(jnp.float32), batch['targets'])
-  weights_BT = batch['weights'].astype(jnp.float32)
-  return jnp.sum(losses_BT * weights_BT), jnp.sum(weights_BT)
-
-
 def train_step(state: TrainState, batch, *, graphdef, tx: optax.GradientTransformation,
                schedule: optax.Schedule | None = None, grad_accum_steps: int = 1
                ) -> tuple[TrainState, dict[str, jax.Array]]:
@@ -136,7 +127,7 @@ def train_step(state: TrainState, batch, *, graphdef, tx: optax.GradientTransfor
   activations are live at a time. The update is the same as for the whole batch, up to
   float summation order.
   """
-  grad_fn = jax.value_and_grad(functools.partial(loss_sums, graphdef=graphdef),
+  grad_fn = jax.value_and_grad(functools.partial(evaluate_lib.loss_sums, graphdef=graphdef),
                                has_aux=True)
   if grad_accum_steps == 1:
     (loss_sum, weight_sum), grad_sums = grad_fn(state.params, batch)
@@ -161,11 +152,6 @@ def train_step(state: TrainState, batch, *, graphdef, tx: optax.GradientTransfor
   if schedule is not None:
     metrics['learning_rate'] = schedule(state.step)
   return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
-
-
-def eval_step(params, batch, *, graphdef) -> dict[str, jax.Array]:
-  loss_sum, weight_sum = loss_sums(params, batch, graphdef=graphdef)
-  return {'loss_sum': loss_sum, 'weight_sum': weight_sum}
 
 
 # -- checks that run before anything compiles ----------------------------------------
@@ -467,30 +453,13 @@ def jit_train_step(layout: Layout, *, graphdef, tx, schedule=None, grad_accum_st
                  donate_argnums=0)
 
 
-def jit_eval_step(layout: Layout, *, graphdef):
-  return jax.jit(_under_rules(functools.partial(eval_step, graphdef=graphdef), layout),
+def jit_eval_step(layout: Layout, *, graphdef, collect_stats: bool = False):
+  """`evaluate.eval_sums` jitted on the mesh: sums replicated."""
+  step = functools.partial(evaluate_lib.eval_sums, graphdef=graphdef,
+                           collect_stats=collect_stats)
+  return jax.jit(_under_rules(step, layout),
                  in_shardings=(layout.state.params, layout.batch),
                  out_shardings=layout.replicated)
-
-
-# -- evaluation -----------------------------------------------------------------------
-
-
-def evaluate(eval_fn, params, datasets: data_lib.Datasets, to_global,
-             max_batches: int | None = None) -> dict[str, float]:
-  """Held-out loss (nats per token), bits per byte and perplexity over the eval split."""
-  sums = []
-  for i, batch in enumerate(datasets.eval_batches()):
-    if max_batches is not None and i >= max_batches:
-      break
-    sums.append(eval_fn(params, to_global(batch)))  # dispatched; read below
-  sums = jax.device_get(sums)
-  loss_sum = sum(float(s['loss_sum']) for s in sums)
-  weight_sum = sum(float(s['weight_sum']) for s in sums)
-  # Tokenizer-aware: bits per byte of the text these batches cover (data.Datasets).
-  num_bytes = datasets.eval_bytes(len(sums))
-  return dict(evaluate_lib.metrics_from_sums(loss_sum, weight_sum, num_bytes),
-              tokens=weight_sum, bytes=float(num_bytes), batches=float(len(sums)))
 
 
 # -- the host loop --------------------------------------------------------------------
@@ -713,14 +682,14 @@ def _train(config: ml_collections.ConfigDict, workdir: str, *, changed: set[str]
     interval = _Interval()
 
     def run_eval(step, log=True):
-      result = evaluate(p_eval_step, state.params, datasets, to_global,
-                        tc.max_eval_batches)
+      result = evaluate_lib.evaluate(p_eval_step, state.params, datasets.eval_batches(),
+                                     to_device=to_global, max_batches=tc.max_eval_batches)
       if log:
         write_metrics(step, {f'eval/{k}': v for k, v in result.items()})
       _say(f'step {step}: held-out ({config.data.name}:{config.data.eval_split}) '
            f'loss {result["loss"]:.4f} nats/token, {result["bits_per_byte"]:.4f} '
-           f'bits/byte over {int(result["tokens"]):,} tokens, '
-           f'{int(result["bytes"]):,} bytes ({int(result["batches"])} batches)', bar)
+           f'bits/byte over {int(result["num_tokens"]):,} tokens, '
+           f'{int(result["num_bytes"]):,} bytes ({result["num_batches"]} batches)', bar)
       interval.pause()
       return result
 
@@ -749,7 +718,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, *, changed: set[str]
             'train/grad_norm': float(np.mean(interval.grad_norms)),
         }
         if datasets.tokenizer.name == 'bytes':  # else bytes per token vary: eval only
-          record['train/bits_per_byte'] = metrics_lib.bits_per_byte(mean_loss)
+          record['train/bits_per_byte'] = evaluate_lib.bits_per_byte(mean_loss, 1.0)
         if interval.timed_steps:
           step_time = interval.timed_seconds / interval.timed_steps
           record['train/step_time'] = step_time

@@ -251,15 +251,15 @@ def test_catalog_dataset_trains(tmp_path, dataset, tokenizer_name):
   final = json.loads((workdir / train.EVAL_FINAL_JSON).read_text())
   assert final['dataset'] == name and final['split'] == eval_split
   assert final['bits_per_byte'] == pytest.approx(result.eval['bits_per_byte'])
-  assert 0 < final['tokens'] and 0 < final['bytes']
+  assert 0 < final['num_tokens'] and 0 < final['num_bytes']
   assert final['bits_per_byte'] == pytest.approx(
-      final['loss'] * final['tokens'] / final['bytes'] / math.log(2))
+      final['loss'] * final['num_tokens'] / final['num_bytes'] / math.log(2))
   own_model = workdir / tokenizer.WORKDIR_MODEL
   if tokenizer_name == 'bytes':
-    assert final['bytes'] == final['tokens']
+    assert final['num_bytes'] == final['num_tokens']
     assert not own_model.exists()
   else:
-    assert final['bytes'] > final['tokens']  # a piece covers several bytes
+    assert final['num_bytes'] > final['num_tokens']  # a piece covers several bytes
     cached = data.tokenizer_cache_path(config.data, os.fspath(builder.data_path))
     assert own_model.read_bytes() == pathlib.Path(cached).read_bytes()
 

@@ -16,6 +16,7 @@ from attnres_jax import analysis
 from attnres_jax import evaluate
 from attnres_jax import model_config
 from attnres_jax import sampling
+from attnres_jax import statistics
 from attnres_jax import Transformer
 
 # (residual, block_size): Block S=3 with 4 sublayers has a partial last block.
@@ -84,7 +85,7 @@ def test_metrics_equal_direct_computation():
   batches = random_batches(3)
   assert 0 < batches[-1]['weights'].sum() < batches[-1]['weights'].size
 
-  metrics = evaluate.evaluate(model, iter(batches))  # a one-shot iterator is enough
+  metrics = evaluate.evaluate_model(model, iter(batches))  # a one-shot iterator is enough
 
   total_nll = total_weight = 0.0
   for batch in batches:
@@ -101,23 +102,47 @@ def test_metrics_equal_direct_computation():
   np.testing.assert_allclose(metrics['perplexity'], math.exp(loss), rtol=1e-5)
 
 
-def test_metrics_equal_training_loss_sums():
-  from attnres_jax import train  # pylint: disable=g-import-not-at-top
-  model = tiny_model('full')
-  batch = random_batches(1)[0]
-  graphdef, state = nnx.split(model)
-  loss_sum, weight_sum = train.loss_sums(
-      nnx.to_pure_dict(state), jax.tree.map(jnp.asarray, batch), graphdef=graphdef)
-  metrics = evaluate.evaluate(model, [batch])
-  np.testing.assert_allclose(metrics['loss'], float(loss_sum) / float(weight_sum),
-                             rtol=1e-5)
+def depth_statistics(model, batches):
+  return evaluate.evaluate_model(model, batches, collect_stats=True)['stats']
+
+
+@pytest.mark.parametrize('residual,block_size', MODES, ids=MODE_IDS)
+def test_statistics_pass_gives_the_same_metrics(residual, block_size):
+  """One pass gives the metrics and the statistics: collecting them (one-shot reads)
+  leaves the metrics of the plain (two-phase) pass unchanged."""
+  model = tiny_model(residual, block_size, random_depth=True)
+  batches = random_batches(2)
+  plain = evaluate.evaluate_model(model, batches)
+  with_stats = evaluate.evaluate_model(model, batches, collect_stats=True)
+  assert set(with_stats.pop('stats')) >= {'input_rms', 'output_rms', 'num_tokens'}
+  assert with_stats.keys() == plain.keys()
+  for key in ('num_tokens', 'num_bytes', 'num_batches'):
+    assert with_stats[key] == plain[key]
+  # The one-shot and two-phase reads differ only in float32 summation order.
+  np.testing.assert_allclose(with_stats['loss'], plain['loss'], rtol=1e-5)
+
+
+@pytest.mark.parametrize('residual,block_size', [('standard', 1), ('block', 3)])
+def test_statistics_are_means_over_weighted_tokens(residual, block_size):
+  """Padding (weight 0) does not count: the statistics of a batch whose last rows are
+  padding equal those of its unpadded rows alone, and differ from an unweighted mean
+  (the positive control)."""
+  model = tiny_model(residual, block_size, random_depth=True)
+  full = random_batches(1, batch=4, pad_last=False)[0]
+  padded = dict(full, weights=full['weights'] * np.array([[1], [1], [0], [0]], np.float32))
+  kept = {k: v[:2] for k, v in full.items()}
+  got, want, unweighted = (depth_statistics(model, [b]) for b in (padded, kept, full))
+  for name in want:
+    # Weighted sums over a batch twice as large: float32 summation order only.
+    np.testing.assert_allclose(got[name], want[name], rtol=1e-5, err_msg=name)
+  assert not np.allclose(got['output_rms'], unweighted['output_rms'], rtol=1e-5)
 
 
 def test_no_weighted_tokens_is_an_error():
   batch = random_batches(1, pad_last=False)[0]
   batch['weights'] = np.zeros_like(batch['weights'])
   with pytest.raises(ValueError, match='weight > 0'):
-    evaluate.evaluate(tiny_model('standard'), [batch])
+    evaluate.evaluate_model(tiny_model('standard'), [batch])
 
 
 # -- depth weights ------------------------------------------------------------------
@@ -126,7 +151,7 @@ def test_no_weighted_tokens_is_an_error():
 @pytest.mark.parametrize('residual,block_size', [('full', 1), ('block', 2), ('block', 3)])
 def test_depth_weights_uniform_over_valid_sources_at_zero_queries(residual, block_size):
   model = tiny_model(residual, block_size)  # queries are initialised to zero
-  stats = analysis.collect_statistics(model, random_batches(2))
+  stats = depth_statistics(model, random_batches(2))
   size = 1 if residual == 'full' else block_size
   counts, final_count = expected_sources(4, size)
   weights = stats['depth_weights'].reshape(4, -1)  # sublayers in order A0, M0, A1, M1
@@ -137,14 +162,14 @@ def test_depth_weights_uniform_over_valid_sources_at_zero_queries(residual, bloc
   np.testing.assert_allclose(stats['final_depth_weights'], 1.0 / final_count, rtol=1e-6)
   np.testing.assert_allclose(stats['depth_entropy'].reshape(-1), np.log(counts),
                              atol=1e-6)
-  mask, _ = analysis.valid_source_mask(model.cfg)
+  mask, _ = statistics.valid_source_mask(model.cfg)
   np.testing.assert_array_equal(mask.reshape(4, -1).sum(-1), counts)
 
 
 @pytest.mark.parametrize('residual,block_size', [('full', 1), ('block', 3)])
 def test_depth_weight_rows_sum_to_one(residual, block_size):
   model = tiny_model(residual, block_size, random_depth=True)
-  stats = analysis.collect_statistics(model, random_batches(2))
+  stats = depth_statistics(model, random_batches(2))
   counts, _ = expected_sources(4, 1 if residual == 'full' else block_size)
   weights = stats['depth_weights'].reshape(4, -1)
   np.testing.assert_allclose(weights.sum(-1), 1.0, rtol=1e-5)
@@ -154,14 +179,6 @@ def test_depth_weight_rows_sum_to_one(residual, block_size):
     if count > 1:  # the random queries make the reads non-uniform
       assert np.ptp(weights[l, :count]) > 1e-3
   assert np.all(stats['depth_entropy'].reshape(-1) <= np.log(counts) + 1e-6)
-
-
-def test_statistics_skip_padded_rows():
-  batches = random_batches(2, batch=4)  # the padded suffix starts inside row 2 of 4
-  rows = list(analysis.padding_free_batches(batches))
-  assert [len(b['inputs']) for b in rows] == [4, 2]
-  assert all(np.all(b['weights'] > 0) for b in rows)
-  assert len(list(analysis.padding_free_batches(batches, max_batches=1))) == 1
 
 
 def test_sublayer_grad_norm_grouping():
@@ -176,7 +193,7 @@ def test_sublayer_grad_norm_grouping():
       'residual': {'query': rng.normal(size=(num_layers, 2, d)),
                    'gain': rng.normal(size=(num_layers, 2, d))},
   }
-  norms = analysis.sublayer_grad_norms(grads)
+  norms = statistics.sublayer_grad_norms(grads)
   for k in range(num_layers):
     attention = np.concatenate([
         grads['attention']['query'][k].ravel(), grads['attention']['out'][k].ravel(),

@@ -113,8 +113,8 @@ def test_trains_on_embedded_corpus(tfds_dir, tmp_path):
   assert final['loss'] == evals[0]['eval/loss'] == result.eval['loss']
   assert final['bits_per_byte'] == pytest.approx(final['loss'] / math.log(2))
   assert final['loss'] < first - 1.5
-  assert final['batches'] == config.train.max_eval_batches
-  assert final['tokens'] > 0.9 * final['batches'] * 8 * 32  # weights: document bytes
+  assert final['num_batches'] == config.train.max_eval_batches
+  assert final['num_tokens'] > 0.9 * final['num_batches'] * 8 * 32  # weights: document bytes
   assert os.listdir(tmp_path / 'tensorboard')
   assert _checkpoint_entries(tmp_path) == ['20', '30']  # every 10, keep 2
   # restore_model rebuilds the model from config.json and the last checkpoint.
@@ -152,7 +152,7 @@ def test_trains_on_mock_catalog_dataset_with_restore(tmp_path):
   records = _train_records(workdir)
   assert [r['step'] for r in records] == [2, 4, 6, 8, 10, 12]
   assert records[-1]['train/loss'] < records[0]['train/loss'] - 0.5
-  assert math.isfinite(result.eval['loss']) and result.eval['tokens'] > 0
+  assert math.isfinite(result.eval['loss']) and result.eval['num_tokens'] > 0
   assert _checkpoint_entries(workdir) == ['12', '6']
 
 
