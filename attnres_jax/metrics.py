@@ -23,7 +23,9 @@ import os
 import struct
 from collections.abc import Mapping
 
+import jax
 import tensorboardX
+from absl import logging
 from tensorboardX.proto import event_pb2
 
 JSONL = 'metrics.jsonl'
@@ -140,3 +142,10 @@ def read_tensorboard(workdir: str) -> dict[str, list[tuple[int, float]]]:
         if value.HasField('simple_value'):
           scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
   return scalars
+
+
+def say(message: str, bar=None) -> None:
+  """Logs `message` and prints it on process 0 (above a tqdm progress bar, if any)."""
+  logging.info(message)
+  if jax.process_index() == 0:
+    (bar.write if bar is not None else print)(message)

@@ -44,14 +44,15 @@ class RMSNorm(nnx.Module):
 
   def __call__(self, x: Array) -> Array:
     normed = x.astype(jnp.float32) * depth.rms_inverse(x, self.eps)[..., None]
-    return (normed * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+    scale = depth.lead(self.scale[...].astype(jnp.float32), x.ndim)
+    return (normed * scale).astype(x.dtype)
 
 
 def rotary_embedding(x_BTNH: Array, positions_BT: Array, theta: float) -> Array:
   """Rotary position embedding (rotate-half form), computed in float32."""
   head_dim = x_BTNH.shape[-1]
   frequencies = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
-  angles_BTH = positions_BT[..., None].astype(jnp.float32) * frequencies
+  angles_BTH = positions_BT[..., None].astype(jnp.float32) * frequencies[None, None]
   sin, cos = jnp.sin(angles_BTH)[:, :, None, :], jnp.cos(angles_BTH)[:, :, None, :]
   x1, x2 = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)
   rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
@@ -166,7 +167,7 @@ class Transformer(nnx.Module):
   """The language model. `residual` in the config picks the residual mode."""
 
   def __init__(self, cfg, *, rngs: nnx.Rngs):
-    config_lib.validate_model_config(cfg)
+    cfg = config_lib.ModelConfig.from_config(cfg)  # validates
     self.cfg = cfg
     pdt = _dtype(cfg.param_dtype)
     d = cfg.d_model
@@ -277,12 +278,14 @@ def convert_standard_to_attnres(standard_model: Transformer, attnres_cfg) -> Tra
   (zero queries, unit gains), so every read is the mean of its sources, which sum to
   the standard residual stream, and PreNorm removes the scale (`docs/method.md`, E2).
   """
-  for name, value in standard_model.cfg.items():
+  attnres_cfg = config_lib.ModelConfig.from_config(attnres_cfg)
+  for name, value in standard_model.cfg.to_dict().items():
+    requested = getattr(attnres_cfg, name)
     if (name not in ('residual', 'block_size') + config_lib.EXECUTION_FIELDS
-        and attnres_cfg.get(name) != value):
+        and requested != value):
       raise ValueError(
           f'Cannot convert: config field {name!r} differs '
-          f'({value!r} in the standard model, {attnres_cfg.get(name)!r} requested).')
+          f'({value!r} in the standard model, {requested!r} requested).')
   target = Transformer(attnres_cfg, rngs=nnx.Rngs(0))
   nnx.update(target, nnx.state(standard_model, nnx.Param))
   return target

@@ -77,8 +77,8 @@ def mode_name(cfg) -> str:
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _grad_sums(graph, params, batch):
-  return jax.grad(lambda p: evaluate_lib.loss_sums(p, batch, graphdef=graph.graphdef),
+def _grad_sums(graphdef, params, batch):
+  return jax.grad(lambda p: evaluate_lib.loss_sums(p, batch, graphdef=graphdef),
                   has_aux=True)(params)
 
 
@@ -105,13 +105,13 @@ def gradient_norms(model: nnx.Module, batches: Iterable[Batch], *,
 
   The loss is the token-weighted mean NLL over the first `max_batches` batches.
   """
-  graph, params = evaluate_lib.split_model(model)
+  graphdef, params = nnx.split(model)
   total, weight, count = None, None, 0
   for batch in batches:
     if max_batches is not None and count >= max_batches:
       break
     batch = {k: jnp.asarray(batch[k]) for k in ('inputs', 'targets', 'weights')}
-    grads, w = _grad_sums(graph, params, batch)
+    grads, w = _grad_sums(graphdef, params, batch)
     grads = nnx.to_pure_dict(grads)['layers']
     total = grads if total is None else jax.tree.map(jnp.add, total, grads)
     weight = w if weight is None else weight + w

@@ -1,51 +1,38 @@
 """Tests of evaluation, analysis and sampling (attnres_jax/evaluate, analysis, sampling)."""
 
+import functools
 import json
 import math
 import os
 import subprocess
 import sys
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from absl.testing import parameterized
 from flax import nnx
 
 from attnres_jax import analysis
 from attnres_jax import evaluate
-from attnres_jax import model_config
 from attnres_jax import sampling
 from attnres_jax import statistics
-from attnres_jax import Transformer
 
-# (residual, block_size): Block S=3 with 4 sublayers has a partial last block.
-MODES = [('standard', 1), ('full', 1), ('block', 1), ('block', 3)]
-MODE_IDS = ['standard', 'full', 'block_S1', 'block_S3']
+from conftest import tiny_model
+
+# (residual, block_size): Block S=4 with 6 sublayers has a partial last block.
+MODES = [('standard', 1), ('full', 1), ('block', 1), ('block', 4)]
+MODE_IDS = ['standard', 'full', 'block_S1', 'block_S4']
 VOCAB = 256
+NUM_LAYERS = 3  # conftest.TINY_MODEL
 
 
 @nnx.jit
 def forward(model, tokens_BT):
   """The plain forward pass (no cache), jitted to keep the tests fast."""
   return model(tokens_BT)
-
-
-def tiny_model(residual, block_size=2, *, num_layers=2, random_depth=False, seed=0):
-  """A tiny model; `random_depth` draws non-zero pseudo-queries and non-unit gains."""
-  cfg = model_config(d_model=32, num_heads=2, mlp_dim=64, num_layers=num_layers,
-                     residual=residual, block_size=block_size)
-  model = Transformer(cfg, rngs=nnx.Rngs(seed))
-  if random_depth and model.final_residual is not None:  # standard: no parameters
-    keys = jax.random.split(jax.random.PRNGKey(seed + 100), 4)
-    for key, param, scale, offset in (
-        (keys[0], model.layers.residual.query, 1.0, 0.0),
-        (keys[1], model.layers.residual.gain, 0.3, 1.0),
-        (keys[2], model.final_residual.query, 1.0, 0.0),
-        (keys[3], model.final_residual.gain, 0.3, 1.0)):
-      shape = param[...].shape
-      param[...] = offset + scale * jax.random.normal(key, shape)
-  return model
 
 
 def random_batches(num_batches=2, batch=3, length=8, *, pad_last=True, seed=0):
@@ -138,6 +125,24 @@ def test_statistics_are_means_over_weighted_tokens(residual, block_size):
   assert not np.allclose(got['output_rms'], unweighted['output_rms'], rtol=1e-5)
 
 
+class EvalSumsJitTest(chex.TestCase):
+  """The sums of one batch are the same function jitted (training, eval.py) or not."""
+
+  @chex.variants(with_jit=True, without_jit=True)
+  @parameterized.parameters(*MODES)
+  def test_eval_sums(self, residual, block_size):
+    model = tiny_model(residual, block_size, random_depth=True)
+    graphdef, params = nnx.split(model)
+    batch = jax.tree.map(jnp.asarray, random_batches(1)[0])
+    sums = self.variant(functools.partial(evaluate.eval_sums, graphdef=graphdef,
+                                          collect_stats=True))(params, batch)
+    reference = jax.jit(functools.partial(evaluate.eval_sums, graphdef=graphdef,
+                                          collect_stats=True))(params, batch)
+    # Eager and jitted XLA programs may fuse (and so round) differently: float32 ulps.
+    chex.assert_trees_all_close(sums, reference, rtol=1e-5, atol=1e-6)
+    assert float(sums['tokens']) == float(np.sum(random_batches(1)[0]['weights']))
+
+
 def test_no_weighted_tokens_is_an_error():
   batch = random_batches(1, pad_last=False)[0]
   batch['weights'] = np.zeros_like(batch['weights'])
@@ -148,13 +153,13 @@ def test_no_weighted_tokens_is_an_error():
 # -- depth weights ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize('residual,block_size', [('full', 1), ('block', 2), ('block', 3)])
+@pytest.mark.parametrize('residual,block_size', [('full', 1), ('block', 2), ('block', 4)])
 def test_depth_weights_uniform_over_valid_sources_at_zero_queries(residual, block_size):
   model = tiny_model(residual, block_size)  # queries are initialised to zero
   stats = depth_statistics(model, random_batches(2))
   size = 1 if residual == 'full' else block_size
-  counts, final_count = expected_sources(4, size)
-  weights = stats['depth_weights'].reshape(4, -1)  # sublayers in order A0, M0, A1, M1
+  counts, final_count = expected_sources(2 * NUM_LAYERS, size)
+  weights = stats['depth_weights'].reshape(2 * NUM_LAYERS, -1)  # A0, M0, A1, ...
   assert weights.shape[1] == final_count  # every slot is read by the final read
   for l, count in enumerate(counts):
     np.testing.assert_allclose(weights[l, :count], 1.0 / count, rtol=1e-6)
@@ -163,15 +168,15 @@ def test_depth_weights_uniform_over_valid_sources_at_zero_queries(residual, bloc
   np.testing.assert_allclose(stats['depth_entropy'].reshape(-1), np.log(counts),
                              atol=1e-6)
   mask, _ = statistics.valid_source_mask(model.cfg)
-  np.testing.assert_array_equal(mask.reshape(4, -1).sum(-1), counts)
+  np.testing.assert_array_equal(mask.reshape(2 * NUM_LAYERS, -1).sum(-1), counts)
 
 
-@pytest.mark.parametrize('residual,block_size', [('full', 1), ('block', 3)])
+@pytest.mark.parametrize('residual,block_size', [('full', 1), ('block', 4)])
 def test_depth_weight_rows_sum_to_one(residual, block_size):
   model = tiny_model(residual, block_size, random_depth=True)
   stats = depth_statistics(model, random_batches(2))
-  counts, _ = expected_sources(4, 1 if residual == 'full' else block_size)
-  weights = stats['depth_weights'].reshape(4, -1)
+  counts, _ = expected_sources(2 * NUM_LAYERS, 1 if residual == 'full' else block_size)
+  weights = stats['depth_weights'].reshape(2 * NUM_LAYERS, -1)
   np.testing.assert_allclose(weights.sum(-1), 1.0, rtol=1e-5)
   np.testing.assert_allclose(stats['final_depth_weights'].sum(), 1.0, rtol=1e-5)
   for l, count in enumerate(counts):
@@ -223,9 +228,9 @@ def test_figures_written_for_every_mode(residual, block_size, tmp_path):
       content = f.read()
     assert content.startswith(b'\x89PNG') and len(content) > 5000, name
   with np.load(tmp_path / 'analysis.npz') as data:
-    assert data['output_rms'].shape == data['input_rms'].shape == (2, 2)
+    assert data['output_rms'].shape == data['input_rms'].shape == (NUM_LAYERS, 2)
     grad_norm = data['grad_norm']
-    assert grad_norm.shape == (2, 2) and np.all(np.isfinite(grad_norm))
+    assert grad_norm.shape == (NUM_LAYERS, 2) and np.all(np.isfinite(grad_norm))
     assert np.all(grad_norm > 0)
     assert data['grad_tokens'] == sum(b['weights'].sum() for b in random_batches(2))
     if residual != 'standard':
@@ -341,12 +346,12 @@ def test_compare_runs_table_and_figures(tmp_path):
 # -- end to end: a trained workdir ----------------------------------------------------
 
 
-def test_evaluate_and_analyze_a_trained_run(tmp_path):
-  from configs import tiny  # pylint: disable=g-import-not-at-top
+def test_evaluate_and_analyze_a_trained_run(tmp_path, tfds_dir):
+  from configs import default as default_config  # pylint: disable=g-import-not-at-top
   from attnres_jax import checkpointing  # pylint: disable=g-import-not-at-top
   from attnres_jax import train  # pylint: disable=g-import-not-at-top
-  config = tiny.get_config()
-  config.data.tfds_data_dir = str(tmp_path / 'tfds')
+  config = default_config.get_config('tiny')
+  config.data.tfds_data_dir = tfds_dir
   config.train.update(num_steps=2, warmup_steps=1, checkpoint_every=2, max_eval_batches=1,
                       async_checkpointing=False)
   workdir = str(tmp_path / 'run')

@@ -18,7 +18,7 @@ from attnres_jax import model as model_lib
 from attnres_jax import sampling
 from attnres_jax import tokenizer as tokenizer_lib
 from attnres_jax import train
-from configs import tiny
+from configs import default as default_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 400
@@ -43,7 +43,7 @@ def spm_tokenizer() -> tokenizer_lib.SentencePieceTokenizer:
 @pytest.fixture(scope='module')
 def spm_config(tmp_path_factory):
   """A SentencePiece data config on a data dir holding the built plays."""
-  cfg = data.default_config()
+  cfg = default_config.get_config().data
   cfg.update(tfds_data_dir=str(tmp_path_factory.mktemp('tfds')), tokenizer='sentencepiece',
              vocab_size=VOCAB, tokenizer_sample_bytes=SAMPLE_BYTES, shuffle_window=64)
   return cfg
@@ -135,14 +135,14 @@ def test_bits_per_byte_by_hand(spm_tokenizer, name):
 
 def test_byte_tokenizer_bits_per_byte_unchanged(spm_config):
   """Byte tokens: bits per byte = loss / ln 2 as before, on the real eval batches."""
-  cfg = data.default_config()
+  cfg = default_config.get_config().data
   cfg.tfds_data_dir = spm_config.tfds_data_dir
   datasets = data.build_datasets(cfg, seq_len=64, global_batch_size=8, seed=0,
                                  process_index=0, process_count=1)
   batches = list(datasets.eval_batches())[:6]
   for batch in batches:
     np.testing.assert_array_equal(batch['bytes'], batch['weights'])
-  model = model_lib.Transformer(tiny.get_config().model, rngs=nnx.Rngs(0))
+  model = model_lib.Transformer(default_config.get_config('tiny').model, rngs=nnx.Rngs(0))
   result = evaluate.evaluate_model(model, batches)
   graphdef, params = nnx.split(model)
   sums = [evaluate.loss_sums(params, jax.tree.map(jnp.asarray, batch), graphdef=graphdef)
@@ -152,7 +152,7 @@ def test_byte_tokenizer_bits_per_byte_unchanged(spm_config):
 
 
 def test_the_runs_own_copy_is_used_by_eval_and_sampling(spm_config, tmp_path):
-  config = tiny.get_config()
+  config = default_config.get_config('tiny')
   config.data = spm_config.copy_and_resolve_references()
   config.model.vocab_size = VOCAB
   config.train.update(num_steps=2, warmup_steps=1, checkpoint_every=2)
