@@ -106,25 +106,28 @@ class Runner:
     self.model = model
     self.batch, self.cache_len = batch, cache_len
     graphdef, self.state = nnx.split(model)
+    self.layers = model.decoding_layers()  # one buffer per weight (sampling does too)
 
-    def prefill(state, prompt_BT, cache):
-      logits_BTV, cache = nnx.merge(graphdef, state).decode(prompt_BT, cache, 0)
+    def prefill(state, layers, prompt_BT, cache):
+      logits_BTV, cache = nnx.merge(graphdef, state).decode(prompt_BT, cache, 0,
+                                                            layers=layers)
       return jnp.argmax(logits_BTV[:, -1], axis=-1).astype(jnp.int32), cache
 
-    def step(state, token_B, cache, index):
+    def step(state, layers, token_B, cache, index):
       logits_B1V, cache = nnx.merge(graphdef, state).decode(token_B[:, None], cache,
-                                                            index)
+                                                            index, layers=layers)
       return jnp.argmax(logits_B1V[:, 0], axis=-1).astype(jnp.int32), cache
 
-    self.prefill_fn = jax.jit(prefill, donate_argnums=2)
-    self.step_fn = jax.jit(step, donate_argnums=2)
+    self.prefill_fn = jax.jit(prefill, donate_argnums=3)
+    self.step_fn = jax.jit(step, donate_argnums=3)
 
   def start(self, prompt_BT):
     """A fresh cache, then the timed prefill. Returns its seconds."""
     self.cache = self.model.init_cache(self.batch, self.cache_len)
     jax.block_until_ready(self.cache)
     start = time.perf_counter()
-    self.token_B, self.cache = self.prefill_fn(self.state, prompt_BT, self.cache)
+    self.token_B, self.cache = self.prefill_fn(self.state, self.layers, prompt_BT,
+                                                self.cache)
     self.token_B.block_until_ready()
     self.index = prompt_BT.shape[1]
     self.tokens = [self.token_B]
@@ -134,7 +137,8 @@ class Runner:
     """One timed one-token step. Returns its seconds."""
     index = jnp.int32(self.index)
     start = time.perf_counter()
-    self.token_B, self.cache = self.step_fn(self.state, self.token_B, self.cache, index)
+    self.token_B, self.cache = self.step_fn(self.state, self.layers, self.token_B,
+                                             self.cache, index)
     self.token_B.block_until_ready()
     elapsed = time.perf_counter() - start
     self.index += 1
@@ -146,6 +150,34 @@ class Runner:
 
   def compilations(self):
     return self.prefill_fn._cache_size(), self.step_fn._cache_size()
+
+
+BANDWIDTH_BYTES = 256 * 2**20  # the array the bandwidth probe reads (>> caches)
+
+
+def make_bandwidth_probe():
+  """A function measuring the memory read bandwidth (bytes/s): one jitted sum over a
+  256 MiB float32 array, timed like a step."""
+  array = jnp.ones((BANDWIDTH_BYTES // 4,), jnp.float32)
+  total = jax.jit(jnp.sum)
+  total(array).block_until_ready()
+
+  def probe():
+    start = time.perf_counter()
+    total(array).block_until_ready()
+    return BANDWIDTH_BYTES / (time.perf_counter() - start)
+
+  return probe
+
+
+def step_bytes(model, batch, filled_slots):
+  """Bytes one decoding step must read at least: every parameter once (the tied
+  embedding is the output layer) and the keys and values of the filled cache slots."""
+  cfg = model.cfg
+  weights = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  cache = 2 * cfg.num_layers * batch * cfg.d_model * filled_slots * jnp.dtype(
+      cfg.dtype).itemsize
+  return weights + cache
 
 
 def rotate(names, offset):
@@ -189,6 +221,8 @@ def measure(d_model, num_layers, batch, settings, meta):
   names = list(runners)
   prefill_s = {v: [] for v in names}
   step_s = {v: [] for v in names}
+  probe = make_bandwidth_probe()
+  bandwidth = []  # sampled between the steps, in the same run as the steps
   rounds = 0
   for _ in range(settings['repeats']):
     for variant in rotate(names, rounds):
@@ -197,6 +231,11 @@ def measure(d_model, num_layers, batch, settings, meta):
       rounds += 1
       for variant in rotate(names, rounds):
         step_s[variant].append(runners[variant].step())
+      if rounds % 4 == 0:
+        bandwidth.append(probe())
+  bytes_per_s = statistics.median(bandwidth or [probe()])
+  # The timed steps feed slots prompt_len .. cache_len - 1, reading slots 0 .. index.
+  mean_filled = prompt_len + 1 + (new_tokens - 2) / 2
   tokens = {v: runners[v].generated() for v in names}
   rows = []
   for variant, runner in runners.items():
@@ -217,7 +256,10 @@ def measure(d_model, num_layers, batch, settings, meta):
         prefill_ms=1e3 * statistics.median(prefill_s[variant]),
         prefill_tokens_per_s=batch * prompt_len / statistics.median(prefill_s[variant]),
         compile_and_warmup_s=compile_s[variant], step_compilations=compiled[1],
+        read_bandwidth_gb_s=bytes_per_s / 1e9,
+        roofline_ms=1e3 * step_bytes(runner.model, batch, mean_filled) / bytes_per_s,
         **meta)
+    row['per_token_over_roofline'] = row['per_token_ms'] / row['roofline_ms']
     if 'standard' in runners:
       row['per_token_ratio'] = statistics.median(
           a / b for a, b in zip(step_s[variant], step_s['standard']))
@@ -233,8 +275,8 @@ def measure(d_model, num_layers, batch, settings, meta):
   return rows
 
 
-HEADER = ('| size | batch | mode | S | per-token ms | per-token / std | prefill tok/s '
-          '| prefill time / std |')
+HEADER = ('| size | batch | mode | S | per-token ms | roofline ms | per-token / roofline '
+          '| per-token / std | prefill tok/s | prefill time / std |')
 
 
 def table_line(row):
@@ -242,7 +284,8 @@ def table_line(row):
   s = '-' if row['block_size'] is None else str(row['block_size'])
   nan = float('nan')
   return (f"| {size} | {row['batch']} | {row['mode']} | {s} "
-          f"| {row['per_token_ms']:.2f} | {row.get('per_token_ratio', nan):.3f} "
+          f"| {row['per_token_ms']:.2f} | {row['roofline_ms']:.2f} "
+          f"| {row['per_token_over_roofline']:.2f} | {row.get('per_token_ratio', nan):.3f} "
           f"| {row['prefill_tokens_per_s']:.0f} "
           f"| {row.get('prefill_time_ratio', nan):.3f} |")
 
@@ -266,7 +309,9 @@ def run() -> list[dict]:
       f"{settings['new_tokens'] - 1} timed one-token steps, {settings['repeats']} "
       'repetitions, variants interleaved step by step (medians). Block: S = round(L / '
       f'{FLAGS.num_blocks}) sublayers. Ratios: variant / standard in the same '
-      'repetition (> 1 = slower).', '', HEADER, '|' + '---|' * 8]
+      'repetition (> 1 = slower). Roofline: every parameter and the filled cache slots '
+      'read once at the read bandwidth measured between the steps (a jitted sum over '
+      f'{BANDWIDTH_BYTES >> 20} MiB).', '', HEADER, '|' + '---|' * 10]
   print('\n'.join(lines), flush=True)
   rows = []
   for size in settings['sizes']:
