@@ -70,6 +70,16 @@ KEYS_AXES = ('batch', 'heads', 'head_dim', 'length')    # sharded like activatio
 VALUES_AXES = ('batch', 'heads', 'length', 'head_dim')
 
 
+def shard_cache(cache: tuple[KVCache, ...], mesh, rules) -> tuple[KVCache, ...]:
+  """The cache placed on `mesh` like the activations (batch over data/fsdp, heads over
+  tensor under the default rules); a step under `sharding.logical_rules` keeps it so."""
+  def place(x, axes):
+    spec = sharding.logical_to_spec(axes, rules, mesh=mesh, shape=x.shape)
+    return jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))
+  return tuple(KVCache(place(c.keys_BNHS, KEYS_AXES), place(c.values_BNSH, VALUES_AXES))
+               for c in cache)
+
+
 def cached_attention(q_BTNH, k_BTNH, v_BTNH, cache: KVCache, cache_index, start_B):
   """Attention of T new tokens (cache slots cache_index .. cache_index + T - 1) over the
   cache after writing their keys and values into it, in place.

@@ -67,7 +67,7 @@ QUICK = dict(sizes=['64x2'], batches=['1'], prompt_len=16, new_tokens=8, repeats
 QUERY_SCALE = 0.1  # std of the random AttnRes pseudo-queries (see `build`)
 VARIANTS = {  # name -> (residual, depth_read)
     'standard': ('standard', 'one_shot'),
-    'full': ('full', 'one_shot'),
+    'full': ('full', 'two_phase'),
     'block_one_shot': ('block', 'one_shot'),
     'block_two_phase': ('block', 'two_phase'),
 }
