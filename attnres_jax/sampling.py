@@ -1,9 +1,14 @@
-"""Text generation with the KV cache: one prefill, then a jitted one-token step.
+"""Text generation with the KV cache: a prefill (in chunks when asked), then a jitted
+one-token step.
 
-The cache has a fixed length (prompt + new tokens, rounded up to CACHE_ROUNDING); the
-position, temperature and top_k are traced arguments, so the step compiles once per
-(model, batch, cache length) and is reused for every position and setting. Sampling
-keys are `fold_in(PRNGKey(seed), position)`: a fixed seed gives a fixed output.
+Prompts of different lengths go in one batch, left-padded: each row's positions count
+from its first token and its padding slots are masked (`model.cached_attention`). The
+cache has a fixed length (prompt + new tokens, rounded up to CACHE_ROUNDING) and is
+donated, so every step updates it in place; the layers' weights are passed one buffer
+per layer (`Transformer.decoding_layers`). The position, temperature and top_k are
+traced arguments, so the step compiles once per (model, batch, cache length) and is
+reused for every position and setting. Sampling keys are
+`fold_in(PRNGKey(seed), cache slot)`: a fixed seed gives a fixed output.
 """
 
 from __future__ import annotations

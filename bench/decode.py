@@ -56,6 +56,14 @@ flags.DEFINE_integer('num_blocks', 8, 'Block AttnRes: S = round(L / num_blocks).
 flags.DEFINE_integer('prompt_len', 128, 'Prompt tokens (prefill).')
 flags.DEFINE_integer('new_tokens', 64, 'Generated tokens (new_tokens - 1 timed steps).')
 flags.DEFINE_integer('repeats', 3, 'Round-robin repetitions over the variants.')
+flags.DEFINE_bool('prefill_memory', False,
+                  'Instead: the compiled memory of chunked vs one-shot prefill across '
+                  'prompt lengths (compiles only; --memory_prompt_lens, --prefill_chunk).')
+flags.DEFINE_list('memory_prompt_lens', ['256', '512', '1024', '2048'],
+                  '--prefill_memory: prompt lengths.')
+flags.DEFINE_integer('prefill_chunk', 256, '--prefill_memory: tokens per chunk.')
+flags.DEFINE_string('memory_jsonl_out', 'bench/results/prefill_memory.jsonl',
+                    '--prefill_memory: JSON records (overwritten).')
 flags.DEFINE_bool('quick', False, 'Smoke run: d=64x2, batch 1, prompt 16, 8 tokens, '
                   '2 repetitions (overrides the grid flags).')
 flags.DEFINE_string('jsonl_out', 'bench/results/decode.jsonl',
@@ -340,9 +348,67 @@ def run() -> list[dict]:
   return rows
 
 
+def prefill_memory() -> list[dict]:
+  """XLA's temporary memory of one prefill call (chunk of C tokens at the end of the
+  prompt, cache = prompt length) against the whole prompt in one call."""
+  quick = FLAGS.quick
+  sizes = QUICK['sizes'] if quick else FLAGS.sizes[-1:]
+  lengths = [32, 64] if quick else [int(n) for n in FLAGS.memory_prompt_lens]
+  chunk = 16 if quick else FLAGS.prefill_chunk
+  rows = []
+  header = ('| size | mode | prompt | chunk | temp MiB, chunked | temp MiB, one shot '
+            '| over std MiB, chunked | over std MiB, one shot |')
+  print(f'Prefill memory (XLA temp of one compiled call, batch 1, chunk {chunk}):\n\n'
+        + header + '\n' + '|---' * 8 + '|', flush=True)
+  for size in sizes:
+    d_model, num_layers = map(int, size.lower().split('x'))
+    block_size = block_size_for(num_layers, FLAGS.num_blocks)
+    for length in lengths:
+      temps = {}
+      for variant in ('standard', 'block_two_phase'):
+        model = build(variant, d_model, num_layers, block_size)
+        graphdef, state = nnx.split(model)
+        layers = model.decoding_layers()
+
+        def prefill(state, layers, tokens_BT, cache, index):
+          return nnx.merge(graphdef, state).decode(tokens_BT, cache, index,
+                                                   layers=layers)
+
+        fn = jax.jit(prefill, donate_argnums=3)
+        cache = jax.eval_shape(lambda: model.init_cache(1, length))
+        for name, tokens in (('chunked', chunk), ('one_shot', length)):
+          tokens_BT = jax.ShapeDtypeStruct((1, tokens), jnp.int32)
+          analysis = fn.lower(state, layers, tokens_BT, cache,
+                              jnp.int32(length - tokens)).compile().memory_analysis()
+          temps[variant, name] = analysis.temp_size_in_bytes
+      for variant in ('standard', 'block_two_phase'):
+        row = dict(size=size, mode=variant, prompt_len=length, chunk=chunk,
+                   temp_mib_chunked=temps[variant, 'chunked'] / 2**20,
+                   temp_mib_one_shot=temps[variant, 'one_shot'] / 2**20,
+                   # What the depth state adds to the standard model's temp.
+                   over_std_mib_chunked=(temps[variant, 'chunked']
+                                         - temps['standard', 'chunked']) / 2**20,
+                   over_std_mib_one_shot=(temps[variant, 'one_shot']
+                                          - temps['standard', 'one_shot']) / 2**20)
+        rows.append(row)
+        print(f"| d{d_model}/{num_layers}L | {variant} | {length} | {chunk} "
+              f"| {row['temp_mib_chunked']:.1f} | {row['temp_mib_one_shot']:.1f} "
+              f"| {row['over_std_mib_chunked']:.1f} | {row['over_std_mib_one_shot']:.1f} |",
+              flush=True)
+  os.makedirs(os.path.dirname(FLAGS.memory_jsonl_out) or '.', exist_ok=True)
+  with open(FLAGS.memory_jsonl_out, 'w') as f:
+    for row in rows:
+      f.write(json.dumps(row) + '\n')
+  print(f'wrote {len(rows)} records to {FLAGS.memory_jsonl_out}')
+  return rows
+
+
 def main(argv):
   del argv
-  run()
+  if FLAGS.prefill_memory:
+    prefill_memory()
+  else:
+    run()
 
 
 if __name__ == '__main__':
