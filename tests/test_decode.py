@@ -74,7 +74,7 @@ def test_ragged_batch_and_chunked_prefill_equal_recomputation(residual, block_si
   tokens, logits = sampling.generate(model, PROMPTS, 6, temperature=0.0,
                                      return_logits=True)
   # One compilation of the one-token step serves every position.
-  assert sampling.decode_step_cache_size() - steps_before == 1
+  assert sampling.decode_step_cache_size() - steps_before <= 1
   for prompt, row_tokens, row_logits in zip(PROMPTS, tokens, logits):
     assert row_tokens.shape == (6,) and row_logits.shape == (6, VOCAB)
     want = recomputed_logits(model, np.asarray(prompt), row_tokens)
