@@ -147,10 +147,15 @@ class Attention(nnx.Module):
     v_BTNH = project(self.value)
     if cache is None:
       out_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BTNH, v_BTNH, is_causal=True)
+      out_BTD = jnp.einsum('btnh,nhd->btd', out_BTNH, self.out[...].astype(self.dtype))
     else:
       out_BTNH, cache = cached_attention(q_BTNH, k_BTNH, v_BTNH, cache, cache_index,
                                          start_B)
-    out_BTD = jnp.einsum('btnh,nhd->btd', out_BTNH, self.out[...].astype(self.dtype))
+      # One [B T, N H] x [N H, D] dot: as an einsum over (n, h), XLA transposed the
+      # (large) weight to the (small) activation's order every step.
+      b, t, n, h = out_BTNH.shape
+      out_BTD = (out_BTNH.reshape(b, t, n * h)
+                 @ self.out[...].astype(self.dtype).reshape(n * h, -1))
     out_BTD = sharding.constrain(out_BTD, sharding.HIDDEN)
     return out_BTD if cache is None else (out_BTD, cache)
 
