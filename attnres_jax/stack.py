@@ -6,6 +6,8 @@ runs after the scan when the segment length does not divide the depth). The stan
 residual's segments are single layers; AttnRes starts each with Phase 1 of the block
 schedule. Nothing here depends on which residual runs. `scan_layers=False` makes the
 scan a Python loop too (a debugging path and the reference for the scan).
+Decoding (`apply_layers_cached`) runs the same segments through the same residual
+calls, unrolled over per-layer weights and KV caches (`docs/inference.md`).
 """
 
 from __future__ import annotations
