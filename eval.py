@@ -7,8 +7,9 @@
   python eval.py --compare DIR1 DIR2 ... [--output_dir=OUT]
       loss curves and magnitude profiles overlaid, and a markdown table of the latest
       evaluation of each run, into OUT (default: <common parent>/compare).
-  python eval.py --workdir=DIR --prompt="ROMEO:" --max_new_tokens=200
-      [--temperature=0.8 --top_k=40 --seed=0]   samples text with the KV cache.
+  python eval.py --workdir=DIR --prompt="ROMEO:" [--prompt="JULIET:" ...]
+      --max_new_tokens=200 [--temperature=0.8 --top_k=40 --seed=0]
+      samples text with the KV cache (several prompts: one batch).
 
 Writing into a workdir (the default output) takes its lock, so it waits for no one:
 while a training run holds the workdir, write elsewhere with --output_dir.
@@ -38,7 +39,9 @@ _MAX_EVAL_BATCHES = flags.DEFINE_integer(
     'max_eval_batches', None, 'Evaluate only the first batches (default: whole split).')
 _GRAD_BATCHES = flags.DEFINE_integer(
     'grad_batches', 16, 'Eval batches for the gradient norms (0: all).')
-_PROMPT = flags.DEFINE_string('prompt', None, 'Sample a continuation of this text.')
+_PROMPT = flags.DEFINE_multi_string(
+    'prompt', None, 'Sample a continuation of this text; repeat the flag for a batch of '
+    'prompts (generated together).')
 _MAX_NEW_TOKENS = flags.DEFINE_integer('max_new_tokens', 200, 'Tokens to sample.')
 _TEMPERATURE = flags.DEFINE_float('temperature', 0.8, 'Sampling temperature; 0: greedy.')
 _TOP_K = flags.DEFINE_integer('top_k', None, 'Sample from the k most likely tokens only.')
@@ -102,12 +105,13 @@ def main(argv):
     model, config, step = checkpointing.restore_model(_WORKDIR.value, _STEP.value)
     # The run's own tokenizer: bytes, or <workdir>/tokenizer.model.
     tokenizer = data.make_tokenizer(config.data, workdir=_WORKDIR.value)
-    text = sampling.generate_text(
-        model, _PROMPT.value, _MAX_NEW_TOKENS.value, temperature=_TEMPERATURE.value,
+    texts = sampling.generate_text(
+        model, list(_PROMPT.value), _MAX_NEW_TOKENS.value, temperature=_TEMPERATURE.value,
         top_k=_TOP_K.value, seed=_SEED.value, tokenizer=tokenizer)
     print(f'[step {step}, temperature {_TEMPERATURE.value}, top_k {_TOP_K.value}, '
           f'seed {_SEED.value}]')
-    print(_PROMPT.value + text)
+    for prompt, text in zip(_PROMPT.value, texts):
+      print(prompt + text)
     return
 
   workdir, step = _WORKDIR.value, _STEP.value

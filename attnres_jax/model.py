@@ -62,9 +62,57 @@ def rotary_embedding(x_BTNH: Array, positions_BT: Array, theta: float) -> Array:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
-  """Per-layer key/value cache for decoding: [B, T_max, N, H] each."""
-  keys: Array
-  values: Array
+  """One layer's key/value cache for decoding, in the layouts the attention dots read
+  without a transpose: keys [B, N, H, S] (S: cache slots), values [B, N, S, H]."""
+  keys_BNHS: Array
+  values_BNSH: Array
+
+
+KEYS_AXES = ('batch', 'heads', 'head_dim', 'length')    # sharded like activations
+VALUES_AXES = ('batch', 'heads', 'length', 'head_dim')
+
+
+def shard_cache(cache: tuple[KVCache, ...], mesh, rules) -> tuple[KVCache, ...]:
+  """The cache placed on `mesh` like the activations (batch over data/fsdp, heads over
+  tensor under the default rules); a step under `sharding.logical_rules` keeps it so."""
+  def place(x, axes):
+    spec = sharding.logical_to_spec(axes, rules, mesh=mesh, shape=x.shape)
+    return jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))
+  return tuple(KVCache(place(c.keys_BNHS, KEYS_AXES), place(c.values_BNSH, VALUES_AXES))
+               for c in cache)
+
+
+def cached_attention(q_BTNH, k_BTNH, v_BTNH, cache: KVCache, cache_index, start_B):
+  """Attention of T new tokens (cache slots cache_index .. cache_index + T - 1) over the
+  cache after writing their keys and values into it, in place.
+
+  Slot s is visible to the query in slot t when start_B[b] <= s <= t: a row's slots
+  before `start_B` hold left padding. Returns (output [B, T, N, H], the new cache).
+  """
+  dtype = q_BTNH.dtype
+  keys_BNHS = jax.lax.dynamic_update_slice_in_dim(
+      cache.keys_BNHS, k_BTNH.transpose(0, 2, 3, 1).astype(cache.keys_BNHS.dtype),
+      cache_index, axis=3)
+  values_BNSH = jax.lax.dynamic_update_slice_in_dim(
+      cache.values_BNSH, v_BTNH.transpose(0, 2, 1, 3).astype(cache.values_BNSH.dtype),
+      cache_index, axis=2)
+  keys_BNHS = sharding.constrain(keys_BNHS, KEYS_AXES)
+  values_BNSH = sharding.constrain(values_BNSH, VALUES_AXES)
+  num_new, num_slots = q_BTNH.shape[1], keys_BNHS.shape[-1]
+  logits_BNTS = jnp.einsum('bnth,bnhs->bnts', q_BTNH.transpose(0, 2, 1, 3),
+                           keys_BNHS.astype(dtype), preferred_element_type=jnp.float32)
+  logits_BNTS = logits_BNTS * q_BTNH.shape[-1] ** -0.5
+  slot_S = jnp.arange(num_slots)
+  query_slot_T = cache_index + jnp.arange(num_new)
+  visible_BTS = ((slot_S[None, None, :] <= query_slot_T[None, :, None])
+                 & (slot_S[None, None, :] >= start_B[:, None, None]))
+  # A finite floor, not -inf: a padding query sees no slot and gets uniform weights
+  # over masked (finite) values instead of NaN.
+  logits_BNTS = jnp.where(visible_BTS[:, None], logits_BNTS,
+                          jnp.finfo(jnp.float32).min)
+  probs_BNTS = jax.nn.softmax(logits_BNTS, axis=-1).astype(dtype)
+  out_BNTH = jnp.einsum('bnts,bnsh->bnth', probs_BNTS, values_BNSH.astype(dtype))
+  return out_BNTH.transpose(0, 2, 1, 3), KVCache(keys_BNHS, values_BNSH)
 
 
 class Attention(nnx.Module):
@@ -86,8 +134,9 @@ class Attention(nnx.Module):
     self.dtype = _dtype(cfg.dtype)
 
   def __call__(self, x_BTD: Array, positions_BT: Array,
-               cache: KVCache | None = None, cache_index=None):
-    """Self-attention; with a cache, writes this call's keys at `cache_index`.
+               cache: KVCache | None = None, cache_index=None, start_B=None):
+    """Self-attention; with a cache (decoding), writes this call's keys and values at
+    `cache_index` and attends over the cache (`cached_attention`).
 
     Returns the output, and the updated cache when one is given.
     """
@@ -100,19 +149,15 @@ class Attention(nnx.Module):
     v_BTNH = project(self.value)
     if cache is None:
       out_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BTNH, v_BTNH, is_causal=True)
+      out_BTD = jnp.einsum('btnh,nhd->btd', out_BTNH, self.out[...].astype(self.dtype))
     else:
-      keys = jax.lax.dynamic_update_slice_in_dim(
-          cache.keys, k_BTNH.astype(cache.keys.dtype), cache_index, axis=1)
-      values = jax.lax.dynamic_update_slice_in_dim(
-          cache.values, v_BTNH.astype(cache.values.dtype), cache_index, axis=1)
-      cache = KVCache(keys, values)
-      # Query at absolute position p sees cached keys at positions <= p.
-      key_positions = jnp.arange(keys.shape[1])
-      mask_BTS = key_positions[None, None, :] <= positions_BT[:, :, None]
-      out_BTNH = jax.nn.dot_product_attention(
-          q_BTNH, keys.astype(self.dtype), values.astype(self.dtype),
-          mask=mask_BTS[:, None, :, :])
-    out_BTD = jnp.einsum('btnh,nhd->btd', out_BTNH, self.out[...].astype(self.dtype))
+      out_BTNH, cache = cached_attention(q_BTNH, k_BTNH, v_BTNH, cache, cache_index,
+                                         start_B)
+      # One [B T, N H] x [N H, D] dot: as an einsum over (n, h), XLA transposed the
+      # (large) weight to the (small) activation's order every step.
+      b, t, n, h = out_BTNH.shape
+      out_BTD = (out_BTNH.reshape(b, t, n * h)
+                 @ self.out[...].astype(self.dtype).reshape(n * h, -1))
     out_BTD = sharding.constrain(out_BTD, sharding.HIDDEN)
     return out_BTD if cache is None else (out_BTD, cache)
 
@@ -152,14 +197,14 @@ class TransformerLayer(nnx.Module):
     self.residual = residual_lib.make_residual(cfg).layer_params(cfg)
 
   def sublayer(self, which: int, h_BTD: Array, positions_BT: Array,
-               cache: KVCache | None = None, cache_index=None):
+               cache: KVCache | None = None, cache_index=None, start_B=None):
     """f(h): the raw output of the attention (0) or MLP (1) sublayer.
 
     With a KV cache (decoding), the attention sublayer returns (output, new cache).
     """
     if which == ATTENTION:
       return self.attention(self.attention_norm(h_BTD), positions_BT, cache,
-                            cache_index)
+                            cache_index, start_B)
     return self.mlp(self.mlp_norm(h_BTD))
 
 
@@ -212,26 +257,46 @@ class Transformer(nnx.Module):
                             preferred_element_type=jnp.float32)
     return sharding.constrain(logits_BTV, ('batch', 'length', 'vocab'))
 
-  def init_cache(self, batch_size: int, max_length: int) -> KVCache:
-    """An empty KV cache for all layers: [num_layers, B, max_length, N, H]."""
+  def init_cache(self, batch_size: int, max_length: int) -> tuple[KVCache, ...]:
+    """An empty KV cache: one `KVCache` per layer, `max_length` slots each."""
     cfg = self.cfg
-    shape = (cfg.num_layers, batch_size, max_length, cfg.num_heads,
-             cfg.d_model // cfg.num_heads)
+    n, h = cfg.num_heads, cfg.d_model // cfg.num_heads
     dtype = _dtype(cfg.dtype)
-    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+    return tuple(KVCache(jnp.zeros((batch_size, n, h, max_length), dtype),
+                         jnp.zeros((batch_size, n, max_length, h), dtype))
+                 for _ in range(cfg.num_layers))
 
-  def decode(self, tokens_BT: Array, cache: KVCache, cache_index) -> tuple[Array, KVCache]:
-    """Logits for tokens at positions cache_index .. cache_index + T - 1, using and
-    extending the KV cache: a prompt prefill (T > 1) or one generation step (T = 1).
+  def decoding_layers(self) -> tuple[nnx.State, ...]:
+    """The layers' parameters one state per layer (a copy, made once): passed to a
+    jitted `decode` as `layers`, every weight is its own buffer, which the dots read
+    in place; slicing the stacked parameters inside the step copies them every token."""
+    _, layer_state = nnx.split(self.layers)
+    return tuple(jax.tree.map(lambda x, i=i: x[i], layer_state)
+                 for i in range(self.cfg.num_layers))
 
-    The depth state is per token, so nothing about depth is cached across positions.
+  def decode(self, tokens_BT: Array, cache: tuple[KVCache, ...], cache_index,
+             start_B: Array | None = None, layers: tuple[nnx.State, ...] | None = None
+             ) -> tuple[Array, tuple[KVCache, ...]]:
+    """Logits for the tokens in cache slots cache_index .. cache_index + T - 1, using
+    and extending the KV cache: a prompt prefill or a chunk of it (T > 1) or one
+    generation step (T = 1).
+
+    `start_B`: the first slot of each row's sequence (left padding before it; default
+    0). Positions count from it. `layers`: `decoding_layers()` (default: sliced from
+    the stacked parameters here). The depth state is per token, so nothing about
+    depth is cached across positions.
     """
-    positions_BT = cache_index + jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]),
-                                                  tokens_BT.shape)
+    batch, num_new = tokens_BT.shape
+    if start_B is None:
+      start_B = jnp.zeros((batch,), jnp.int32)
+    positions_BT = (cache_index + jnp.arange(num_new))[None, :] - start_B[:, None]
     graphdef, layer_state = nnx.split(self.layers)
+    if layers is None:
+      layers = tuple(jax.tree.map(lambda x, i=i: x[i], layer_state)
+                     for i in range(self.cfg.num_layers))
     carry, cache = stack_lib.apply_layers_cached(
-        graphdef, layer_state, self.embed(tokens_BT), positions_BT, cache, cache_index,
-        cfg=self.cfg)
+        graphdef, layers, self.embed(tokens_BT), positions_BT, cache, cache_index,
+        start_B, cfg=self.cfg)
     h_BTD, _ = self.final_read(carry)
     return self.head(h_BTD), cache
 

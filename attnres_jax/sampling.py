@@ -1,9 +1,14 @@
-"""Text generation with the KV cache: one prefill, then a jitted one-token step.
+"""Text generation with the KV cache: a prefill (in chunks when asked), then a jitted
+one-token step.
 
-The cache has a fixed length (prompt + new tokens, rounded up to CACHE_ROUNDING); the
-position, temperature and top_k are traced arguments, so the step compiles once per
-(model, batch, cache length) and is reused for every position and setting. Sampling
-keys are `fold_in(PRNGKey(seed), position)`: a fixed seed gives a fixed output.
+Prompts of different lengths go in one batch, left-padded: each row's positions count
+from its first token and its padding slots are masked (`model.cached_attention`). The
+cache has a fixed length (prompt + new tokens, rounded up to CACHE_ROUNDING) and is
+donated, so every step updates it in place; the layers' weights are passed one buffer
+per layer (`Transformer.decoding_layers`). The position, temperature and top_k are
+traced arguments, so the step compiles once per (model, batch, cache length) and is
+reused for every position and setting. Sampling keys are
+`fold_in(PRNGKey(seed), cache slot)`: a fixed seed gives a fixed output.
 """
 
 from __future__ import annotations
@@ -52,24 +57,34 @@ def _choose(logits_BV, key, temperature, top_k):
   return jnp.where(temperature > 0, sampled_B, greedy_B).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=('graph',))
-def _prefill(graph, state, prompt_BT, cache, key, temperature, top_k):
+@functools.partial(jax.jit, static_argnames=('graph',), donate_argnames=('cache',))
+def _prefill_chunk(graph, state, layers, chunk_BT, cache, index, start_B):
+  """Feeds the prompt tokens in slots index .. index + C - 1; returns the logits of the
+  last one and the cache. The depth state of the chunk alone is alive (chunked
+  prefill, `docs/inference.md`)."""
   model = nnx.merge(graph.graphdef, state)
-  logits_BTV, cache = model.decode(prompt_BT, cache, 0)
-  position = prompt_BT.shape[1]
-  token_B = _choose(logits_BTV[:, -1], jax.random.fold_in(key, position), temperature,
-                    top_k)
-  return token_B, logits_BTV[:, -1], cache
+  logits_BCV, cache = model.decode(chunk_BT, cache, index, start_B, layers=layers)
+  return logits_BCV[:, -1], cache
+
+
+@jax.jit
+def _first_token(logits_BV, key, position, temperature, top_k):
+  return _choose(logits_BV, jax.random.fold_in(key, position), temperature, top_k)
 
 
 @functools.partial(jax.jit, static_argnames=('graph',), donate_argnames=('cache',))
-def _step(graph, state, token_B, cache, index, key, temperature, top_k):
-  """Feeds the token at position `index` and chooses the token at `index + 1`."""
+def _step(graph, state, layers, token_B, cache, index, start_B, key, temperature, top_k,
+          stop_S, done_B):
+  """Feeds the token in slot `index` and chooses the one of slot `index + 1`. A row
+  that is done (it produced one of `stop_S`) repeats its last token."""
   model = nnx.merge(graph.graphdef, state)
-  logits_B1V, cache = model.decode(token_B[:, None], cache, index)
-  token_B = _choose(logits_B1V[:, 0], jax.random.fold_in(key, index + 1), temperature,
-                    top_k)
-  return token_B, logits_B1V[:, 0], cache
+  logits_B1V, cache = model.decode(token_B[:, None], cache, index, start_B,
+                                   layers=layers)
+  chosen_B = _choose(logits_B1V[:, 0], jax.random.fold_in(key, index + 1), temperature,
+                     top_k)
+  chosen_B = jnp.where(done_B, token_B, chosen_B)
+  done_B = done_B | jnp.any(chosen_B[:, None] == stop_S[None, :], axis=-1)
+  return chosen_B, logits_B1V[:, 0], cache, done_B
 
 
 def decode_step_cache_size() -> int:
@@ -77,67 +92,138 @@ def decode_step_cache_size() -> int:
   return _step._cache_size()
 
 
+def left_pad(prompts, pad_id: int = SEPARATOR) -> tuple[np.ndarray, np.ndarray]:
+  """Prompts of different lengths as one [B, T_max] batch, each right-aligned after
+  `pad_id` padding, and the first slot of each row's prompt (its start) [B]."""
+  prompts = [np.asarray(p, np.int32).reshape(-1) for p in prompts]
+  if not prompts or min(len(p) for p in prompts) < 1:
+    raise ValueError('Every prompt needs at least one token (an empty text prompt '
+                     'starts a document: add_separator).')
+  longest = max(len(p) for p in prompts)
+  batch_BT = np.full((len(prompts), longest), pad_id, np.int32)
+  for row, p in enumerate(prompts):
+    batch_BT[row, longest - len(p):] = p
+  return batch_BT, np.asarray([longest - len(p) for p in prompts], np.int32)
+
+
 def generate(model: nnx.Module, prompt_tokens, max_new_tokens: int, *,
              temperature: float = 1.0, top_k: int | None = None, seed: int = 0,
-             return_logits: bool = False):
-  """Continues `prompt_tokens` ([T] or [B, T] ints, T >= 1) by `max_new_tokens` tokens.
+             return_logits: bool = False, stop_tokens=(),
+             prefill_chunk: int | None = None):
+  """Continues `prompt_tokens` by `max_new_tokens` tokens.
 
-  temperature == 0 is greedy (argmax); otherwise tokens are drawn from
+  `prompt_tokens`: an array [T] or [B, T] (T >= 1), or a list of 1-D prompts of any
+  lengths (ragged: left-padded into one batch, each row positioned from its own
+  first token). temperature == 0 is greedy (argmax); otherwise tokens are drawn from
   softmax(logits / temperature), restricted to the `top_k` most likely when given.
-  Returns the new tokens as int32 [max_new_tokens] (or [B, max_new_tokens]); with
+  A row stops after it produces one of `stop_tokens` (generation ends when every row
+  has); its later tokens repeat that stop token. `prefill_chunk`: prefill the prompt
+  C tokens at a time (exact; only one chunk's depth state is alive at once).
+
+  Returns the new tokens as int32 [max_new_tokens] (or [B, max_new_tokens]); for a
+  list of prompts, a list of 1-D arrays, each cut after its stop token. With
   `return_logits`, also the float32 logits each token was chosen from,
-  [max_new_tokens, V] (or [B, max_new_tokens, V]).
+  [max_new_tokens, V] (or [B, max_new_tokens, V], or a list of [N_b, V]).
   """
-  prompt = np.asarray(prompt_tokens, np.int32)
-  single = prompt.ndim == 1
-  prompt_BT = prompt[None] if single else prompt
-  if prompt_BT.ndim != 2 or prompt_BT.shape[1] < 1:
-    raise ValueError(f'prompt_tokens must be [T] or [B, T] with T >= 1, got '
-                     f'shape {prompt.shape}.')
+  ragged = isinstance(prompt_tokens, (list, tuple)) and any(
+      np.ndim(p) >= 1 for p in prompt_tokens)
+  if ragged:
+    if any(np.ndim(p) != 1 for p in prompt_tokens):
+      raise ValueError('A list of prompts must hold 1-D token sequences.')
+    prompt_BT, start_B = left_pad(prompt_tokens)
+    single = False
+  else:
+    prompt = np.asarray(prompt_tokens, np.int32)
+    single = prompt.ndim == 1
+    prompt_BT = prompt[None] if single else prompt
+    if prompt_BT.ndim != 2 or prompt_BT.shape[1] < 1:
+      raise ValueError(f'prompt_tokens must be [T] or [B, T] with T >= 1, got '
+                       f'shape {prompt.shape}.')
+    start_B = np.zeros((prompt_BT.shape[0],), np.int32)
   if temperature < 0:
     raise ValueError(f'temperature must be >= 0, got {temperature}.')
   if top_k is not None and top_k < 1:
     raise ValueError(f'top_k must be >= 1 or None, got {top_k}.')
   if max_new_tokens < 1:
     raise ValueError(f'max_new_tokens must be >= 1, got {max_new_tokens}.')
+  if prefill_chunk is not None and prefill_chunk < 1:
+    raise ValueError(f'prefill_chunk must be >= 1 or None, got {prefill_chunk}.')
   batch, prompt_len = prompt_BT.shape
 
   vocab = model.cfg.vocab_size
   options = (jnp.float32(temperature), jnp.int32(min(top_k or vocab, vocab)))
   key = jax.random.PRNGKey(seed)
   graph, state = evaluate_lib.split_model(model)
+  layers = model.decoding_layers()
   # The last new token is never fed back, so the cache needs one slot less. Its length
   # is rounded up (unused slots are masked) so that nearby lengths share a compilation.
   needed = prompt_len + max_new_tokens - 1
   cache = model.init_cache(batch, -(-needed // CACHE_ROUNDING) * CACHE_ROUNDING)
-  token_B, logits_BV, cache = _prefill(graph, state, jnp.asarray(prompt_BT), cache,
-                                       key, *options)
+  start = jnp.asarray(start_B)
+  chunk = prefill_chunk or prompt_len
+  for index in range(0, prompt_len, chunk):
+    logits_BV, cache = _prefill_chunk(graph, state, layers,
+                                      jnp.asarray(prompt_BT[:, index:index + chunk]),
+                                      cache, jnp.int32(index), start)
+  token_B = _first_token(logits_BV, key, jnp.int32(prompt_len), *options)
+  stop_S = jnp.asarray(np.asarray(stop_tokens, np.int32).reshape(-1))
+  done_B = jnp.any(token_B[:, None] == stop_S[None, :], axis=-1)
   tokens, logits = [token_B], [logits_BV]
   for index in range(prompt_len, prompt_len + max_new_tokens - 1):
-    token_B, logits_BV, cache = _step(graph, state, token_B, cache,
-                                      jnp.int32(index), key, *options)
+    # Asking whether every row is done waits for the step: only every 8 steps.
+    if len(stop_tokens) and (index - prompt_len) % 8 == 0 and bool(done_B.all()):
+      break
+    token_B, logits_BV, cache, done_B = _step(graph, state, layers, token_B, cache,
+                                              jnp.int32(index), start, key, *options,
+                                              stop_S, done_B)
     tokens.append(token_B)
     if return_logits:
       logits.append(logits_BV)
   tokens_BN = np.asarray(jnp.stack(tokens, axis=1))
+  logits_BNV = np.asarray(jnp.stack(logits, 1)) if return_logits else None
+  if tokens_BN.shape[1] < max_new_tokens:  # every row stopped: repeat the stop tokens
+    rest = max_new_tokens - tokens_BN.shape[1]
+    tokens_BN = np.concatenate([tokens_BN, np.repeat(tokens_BN[:, -1:], rest, 1)], 1)
+    if return_logits:
+      logits_BNV = np.concatenate(
+          [logits_BNV, np.repeat(logits_BNV[:, -1:], rest, 1)], 1)
+  if ragged:
+    lengths = [_length_to_stop(row, stop_tokens) for row in tokens_BN]
+    tokens_out = [row[:n] for row, n in zip(tokens_BN, lengths)]
+    if not return_logits:
+      return tokens_out
+    return tokens_out, [row[:n] for row, n in zip(logits_BNV, lengths)]
   if not return_logits:
     return _unbatch(tokens_BN, single)
-  return _unbatch(tokens_BN, single), _unbatch(np.asarray(jnp.stack(logits, 1)), single)
+  return _unbatch(tokens_BN, single), _unbatch(logits_BNV, single)
+
+
+def _length_to_stop(tokens_N, stop_tokens) -> int:
+  """The tokens up to and including the first stop token (all when none)."""
+  stops = np.flatnonzero(np.isin(tokens_N, np.asarray(stop_tokens, np.int32)))
+  return int(stops[0]) + 1 if stops.size else len(tokens_N)
 
 
 def _unbatch(x, single):
   return x[0] if single else x
 
 
-def generate_text(model: nnx.Module, prompt: str, max_new_tokens: int, *,
+def generate_text(model: nnx.Module, prompt, max_new_tokens: int, *,
                   temperature: float = 1.0, top_k: int | None = None, seed: int = 0,
                   add_separator: bool = False,
-                  tokenizer: tokenizer_lib.Tokenizer | None = None) -> str:
+                  tokenizer: tokenizer_lib.Tokenizer | None = None,
+                  stop_tokens=(), prefill_chunk: int | None = None):
   """The prompt's continuation as text, `max_new_tokens` tokens long (default
   tokenizer: bytes; a run's own is `data.make_tokenizer(config.data, workdir=...)`).
-  An empty prompt starts a document."""
-  tokens = encode_text(prompt, add_separator=add_separator or not prompt,
-                       tokenizer=tokenizer)
-  new_tokens = generate(model, tokens, max_new_tokens, temperature=temperature,
-                        top_k=top_k, seed=seed)
-  return decode_tokens(new_tokens, tokenizer)
+  An empty prompt starts a document. A list of prompts is generated as one batch and
+  gives a list of texts."""
+  many = isinstance(prompt, (list, tuple))
+  prompts = list(prompt) if many else [prompt]
+  tokens = [encode_text(p, add_separator=add_separator or not p, tokenizer=tokenizer)
+            for p in prompts]
+  new_tokens = generate(model, tokens if many else tokens[0], max_new_tokens,
+                        temperature=temperature, top_k=top_k, seed=seed,
+                        stop_tokens=stop_tokens, prefill_chunk=prefill_chunk)
+  if not many:
+    return decode_tokens(new_tokens, tokenizer)
+  return [decode_tokens(t, tokenizer) for t in new_tokens]

@@ -6,6 +6,8 @@ runs after the scan when the segment length does not divide the depth). The stan
 residual's segments are single layers; AttnRes starts each with Phase 1 of the block
 schedule. Nothing here depends on which residual runs. `scan_layers=False` makes the
 scan a Python loop too (a debugging path and the reference for the scan).
+Decoding (`apply_layers_cached`) runs the same segments through the same residual
+calls, unrolled over per-layer weights and KV caches (`docs/inference.md`).
 """
 
 from __future__ import annotations
@@ -184,19 +186,36 @@ def apply_layers(graphdef, layer_state, x_BTD, positions_BT, *, cfg,
   return carry, join_layers(ys)[1] if collect_stats else None
 
 
-def apply_layers_cached(graphdef, layer_state, x_BTD, positions_BT, cache, cache_index,
-                        *, cfg):
-  """Decoding: runs the layers with their KV caches; returns (final carry, cache)."""
+def apply_layers_cached(graphdef, layers, x_BTD, positions_BT, caches, cache_index,
+                        start_B, *, cfg):
+  """Decoding: runs the layers with their KV caches; returns (final carry, caches).
+
+  `layers` and `caches` hold one state / `KVCache` per layer, and the layers run
+  unrolled: every weight and cache is then a buffer of its own that the step reads in
+  place and updates in place (donated), where a scan over stacked layers slices out
+  (copies) each layer's weights and threads the caches through as inputs and a fresh
+  stacked output every token (`docs/inference.md` measures both). The schedule is
+  training's: segments of `residual.segment_layers` layers through the same residual
+  interface calls, so any residual decodes.
+  """
   residual = residual_lib.make_residual(cfg)
-
-  def apply_sublayer(which, layer_in_segment, state_k, h_BTD, inner, cache_k):
-    del layer_in_segment, inner
-    layer = nnx.merge(graphdef, state_k)
-    if which == 0:
-      return layer.sublayer(which, h_BTD, positions_BT, cache_k, cache_index)
-    return layer.sublayer(which, h_BTD, positions_BT), None
-
-  carry, ys = run_layers(residual, graphdef, layer_state, x_BTD, positions_BT, cfg=cfg,
-                         apply_sublayer=apply_sublayer, extra_xs=cache)
-  saved, _ = join_layers(ys)
-  return carry, saved[0]
+  size = residual.segment_layers
+  carry = residual.init(x_BTD)
+  caches = list(caches)
+  for segment, first in enumerate(range(0, cfg.num_layers, size)):
+    states = layers[first:first + size]
+    inner, per_layer = residual.begin_segment(
+        carry, stacked_residual_params(graphdef, states), segment)
+    for j, state_j in enumerate(states):
+      layer = nnx.merge(graphdef, state_j)
+      per_layer_j = jax.tree.map(lambda x, j=j: x[j], per_layer)
+      for which in SUBLAYERS:
+        h_BTD, _ = residual.read(inner, layer.residual, per_layer_j, j, which)
+        if which == 0:
+          out_BTD, caches[first + j] = layer.sublayer(
+              which, h_BTD, positions_BT, caches[first + j], cache_index, start_B)
+        else:
+          out_BTD = layer.sublayer(which, h_BTD, positions_BT)
+        inner = residual.write(inner, layer.residual, per_layer_j, j, which, out_BTD)
+    carry = residual.end_segment(carry, inner, segment)
+  return carry, tuple(caches)

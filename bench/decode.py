@@ -56,6 +56,14 @@ flags.DEFINE_integer('num_blocks', 8, 'Block AttnRes: S = round(L / num_blocks).
 flags.DEFINE_integer('prompt_len', 128, 'Prompt tokens (prefill).')
 flags.DEFINE_integer('new_tokens', 64, 'Generated tokens (new_tokens - 1 timed steps).')
 flags.DEFINE_integer('repeats', 3, 'Round-robin repetitions over the variants.')
+flags.DEFINE_bool('prefill_memory', False,
+                  'Instead: the compiled memory of chunked vs one-shot prefill across '
+                  'prompt lengths (compiles only; --memory_prompt_lens, --prefill_chunk).')
+flags.DEFINE_list('memory_prompt_lens', ['256', '512', '1024', '2048'],
+                  '--prefill_memory: prompt lengths.')
+flags.DEFINE_integer('prefill_chunk', 256, '--prefill_memory: tokens per chunk.')
+flags.DEFINE_string('memory_jsonl_out', 'bench/results/prefill_memory.jsonl',
+                    '--prefill_memory: JSON records (overwritten).')
 flags.DEFINE_bool('quick', False, 'Smoke run: d=64x2, batch 1, prompt 16, 8 tokens, '
                   '2 repetitions (overrides the grid flags).')
 flags.DEFINE_string('jsonl_out', 'bench/results/decode.jsonl',
@@ -67,7 +75,7 @@ QUICK = dict(sizes=['64x2'], batches=['1'], prompt_len=16, new_tokens=8, repeats
 QUERY_SCALE = 0.1  # std of the random AttnRes pseudo-queries (see `build`)
 VARIANTS = {  # name -> (residual, depth_read)
     'standard': ('standard', 'one_shot'),
-    'full': ('full', 'one_shot'),
+    'full': ('full', 'two_phase'),
     'block_one_shot': ('block', 'one_shot'),
     'block_two_phase': ('block', 'two_phase'),
 }
@@ -106,25 +114,28 @@ class Runner:
     self.model = model
     self.batch, self.cache_len = batch, cache_len
     graphdef, self.state = nnx.split(model)
+    self.layers = model.decoding_layers()  # one buffer per weight (sampling does too)
 
-    def prefill(state, prompt_BT, cache):
-      logits_BTV, cache = nnx.merge(graphdef, state).decode(prompt_BT, cache, 0)
+    def prefill(state, layers, prompt_BT, cache):
+      logits_BTV, cache = nnx.merge(graphdef, state).decode(prompt_BT, cache, 0,
+                                                            layers=layers)
       return jnp.argmax(logits_BTV[:, -1], axis=-1).astype(jnp.int32), cache
 
-    def step(state, token_B, cache, index):
+    def step(state, layers, token_B, cache, index):
       logits_B1V, cache = nnx.merge(graphdef, state).decode(token_B[:, None], cache,
-                                                            index)
+                                                            index, layers=layers)
       return jnp.argmax(logits_B1V[:, 0], axis=-1).astype(jnp.int32), cache
 
-    self.prefill_fn = jax.jit(prefill, donate_argnums=2)
-    self.step_fn = jax.jit(step, donate_argnums=2)
+    self.prefill_fn = jax.jit(prefill, donate_argnums=3)
+    self.step_fn = jax.jit(step, donate_argnums=3)
 
   def start(self, prompt_BT):
     """A fresh cache, then the timed prefill. Returns its seconds."""
     self.cache = self.model.init_cache(self.batch, self.cache_len)
     jax.block_until_ready(self.cache)
     start = time.perf_counter()
-    self.token_B, self.cache = self.prefill_fn(self.state, prompt_BT, self.cache)
+    self.token_B, self.cache = self.prefill_fn(self.state, self.layers, prompt_BT,
+                                                self.cache)
     self.token_B.block_until_ready()
     self.index = prompt_BT.shape[1]
     self.tokens = [self.token_B]
@@ -134,7 +145,8 @@ class Runner:
     """One timed one-token step. Returns its seconds."""
     index = jnp.int32(self.index)
     start = time.perf_counter()
-    self.token_B, self.cache = self.step_fn(self.state, self.token_B, self.cache, index)
+    self.token_B, self.cache = self.step_fn(self.state, self.layers, self.token_B,
+                                             self.cache, index)
     self.token_B.block_until_ready()
     elapsed = time.perf_counter() - start
     self.index += 1
@@ -146,6 +158,34 @@ class Runner:
 
   def compilations(self):
     return self.prefill_fn._cache_size(), self.step_fn._cache_size()
+
+
+BANDWIDTH_BYTES = 256 * 2**20  # the array the bandwidth probe reads (>> caches)
+
+
+def make_bandwidth_probe():
+  """A function measuring the memory read bandwidth (bytes/s): one jitted sum over a
+  256 MiB float32 array, timed like a step."""
+  array = jnp.ones((BANDWIDTH_BYTES // 4,), jnp.float32)
+  total = jax.jit(jnp.sum)
+  total(array).block_until_ready()
+
+  def probe():
+    start = time.perf_counter()
+    total(array).block_until_ready()
+    return BANDWIDTH_BYTES / (time.perf_counter() - start)
+
+  return probe
+
+
+def step_bytes(model, batch, filled_slots):
+  """Bytes one decoding step must read at least: every parameter once (the tied
+  embedding is the output layer) and the keys and values of the filled cache slots."""
+  cfg = model.cfg
+  weights = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  cache = 2 * cfg.num_layers * batch * cfg.d_model * filled_slots * jnp.dtype(
+      cfg.dtype).itemsize
+  return weights + cache
 
 
 def rotate(names, offset):
@@ -189,6 +229,8 @@ def measure(d_model, num_layers, batch, settings, meta):
   names = list(runners)
   prefill_s = {v: [] for v in names}
   step_s = {v: [] for v in names}
+  probe = make_bandwidth_probe()
+  bandwidth = []  # sampled between the steps, in the same run as the steps
   rounds = 0
   for _ in range(settings['repeats']):
     for variant in rotate(names, rounds):
@@ -197,6 +239,11 @@ def measure(d_model, num_layers, batch, settings, meta):
       rounds += 1
       for variant in rotate(names, rounds):
         step_s[variant].append(runners[variant].step())
+      if rounds % 4 == 0:
+        bandwidth.append(probe())
+  bytes_per_s = statistics.median(bandwidth or [probe()])
+  # The timed steps feed slots prompt_len .. cache_len - 1, reading slots 0 .. index.
+  mean_filled = prompt_len + 1 + (new_tokens - 2) / 2
   tokens = {v: runners[v].generated() for v in names}
   rows = []
   for variant, runner in runners.items():
@@ -217,7 +264,10 @@ def measure(d_model, num_layers, batch, settings, meta):
         prefill_ms=1e3 * statistics.median(prefill_s[variant]),
         prefill_tokens_per_s=batch * prompt_len / statistics.median(prefill_s[variant]),
         compile_and_warmup_s=compile_s[variant], step_compilations=compiled[1],
+        read_bandwidth_gb_s=bytes_per_s / 1e9,
+        roofline_ms=1e3 * step_bytes(runner.model, batch, mean_filled) / bytes_per_s,
         **meta)
+    row['per_token_over_roofline'] = row['per_token_ms'] / row['roofline_ms']
     if 'standard' in runners:
       row['per_token_ratio'] = statistics.median(
           a / b for a, b in zip(step_s[variant], step_s['standard']))
@@ -233,8 +283,8 @@ def measure(d_model, num_layers, batch, settings, meta):
   return rows
 
 
-HEADER = ('| size | batch | mode | S | per-token ms | per-token / std | prefill tok/s '
-          '| prefill time / std |')
+HEADER = ('| size | batch | mode | S | per-token ms | roofline ms | per-token / roofline '
+          '| per-token / std | prefill tok/s | prefill time / std |')
 
 
 def table_line(row):
@@ -242,7 +292,8 @@ def table_line(row):
   s = '-' if row['block_size'] is None else str(row['block_size'])
   nan = float('nan')
   return (f"| {size} | {row['batch']} | {row['mode']} | {s} "
-          f"| {row['per_token_ms']:.2f} | {row.get('per_token_ratio', nan):.3f} "
+          f"| {row['per_token_ms']:.2f} | {row['roofline_ms']:.2f} "
+          f"| {row['per_token_over_roofline']:.2f} | {row.get('per_token_ratio', nan):.3f} "
           f"| {row['prefill_tokens_per_s']:.0f} "
           f"| {row.get('prefill_time_ratio', nan):.3f} |")
 
@@ -266,7 +317,9 @@ def run() -> list[dict]:
       f"{settings['new_tokens'] - 1} timed one-token steps, {settings['repeats']} "
       'repetitions, variants interleaved step by step (medians). Block: S = round(L / '
       f'{FLAGS.num_blocks}) sublayers. Ratios: variant / standard in the same '
-      'repetition (> 1 = slower).', '', HEADER, '|' + '---|' * 8]
+      'repetition (> 1 = slower). Roofline: every parameter and the filled cache slots '
+      'read once at the read bandwidth measured between the steps (a jitted sum over '
+      f'{BANDWIDTH_BYTES >> 20} MiB).', '', HEADER, '|' + '---|' * 10]
   print('\n'.join(lines), flush=True)
   rows = []
   for size in settings['sizes']:
@@ -295,9 +348,67 @@ def run() -> list[dict]:
   return rows
 
 
+def prefill_memory() -> list[dict]:
+  """XLA's temporary memory of one prefill call (chunk of C tokens at the end of the
+  prompt, cache = prompt length) against the whole prompt in one call."""
+  quick = FLAGS.quick
+  sizes = QUICK['sizes'] if quick else FLAGS.sizes[-1:]
+  lengths = [32, 64] if quick else [int(n) for n in FLAGS.memory_prompt_lens]
+  chunk = 16 if quick else FLAGS.prefill_chunk
+  rows = []
+  header = ('| size | mode | prompt | chunk | temp MiB, chunked | temp MiB, one shot '
+            '| over std MiB, chunked | over std MiB, one shot |')
+  print(f'Prefill memory (XLA temp of one compiled call, batch 1, chunk {chunk}):\n\n'
+        + header + '\n' + '|---' * 8 + '|', flush=True)
+  for size in sizes:
+    d_model, num_layers = map(int, size.lower().split('x'))
+    block_size = block_size_for(num_layers, FLAGS.num_blocks)
+    for length in lengths:
+      temps = {}
+      for variant in ('standard', 'block_two_phase'):
+        model = build(variant, d_model, num_layers, block_size)
+        graphdef, state = nnx.split(model)
+        layers = model.decoding_layers()
+
+        def prefill(state, layers, tokens_BT, cache, index):
+          return nnx.merge(graphdef, state).decode(tokens_BT, cache, index,
+                                                   layers=layers)
+
+        fn = jax.jit(prefill, donate_argnums=3)
+        cache = jax.eval_shape(lambda: model.init_cache(1, length))
+        for name, tokens in (('chunked', chunk), ('one_shot', length)):
+          tokens_BT = jax.ShapeDtypeStruct((1, tokens), jnp.int32)
+          analysis = fn.lower(state, layers, tokens_BT, cache,
+                              jnp.int32(length - tokens)).compile().memory_analysis()
+          temps[variant, name] = analysis.temp_size_in_bytes
+      for variant in ('standard', 'block_two_phase'):
+        row = dict(size=size, mode=variant, prompt_len=length, chunk=chunk,
+                   temp_mib_chunked=temps[variant, 'chunked'] / 2**20,
+                   temp_mib_one_shot=temps[variant, 'one_shot'] / 2**20,
+                   # What the depth state adds to the standard model's temp.
+                   over_std_mib_chunked=(temps[variant, 'chunked']
+                                         - temps['standard', 'chunked']) / 2**20,
+                   over_std_mib_one_shot=(temps[variant, 'one_shot']
+                                          - temps['standard', 'one_shot']) / 2**20)
+        rows.append(row)
+        print(f"| d{d_model}/{num_layers}L | {variant} | {length} | {chunk} "
+              f"| {row['temp_mib_chunked']:.1f} | {row['temp_mib_one_shot']:.1f} "
+              f"| {row['over_std_mib_chunked']:.1f} | {row['over_std_mib_one_shot']:.1f} |",
+              flush=True)
+  os.makedirs(os.path.dirname(FLAGS.memory_jsonl_out) or '.', exist_ok=True)
+  with open(FLAGS.memory_jsonl_out, 'w') as f:
+    for row in rows:
+      f.write(json.dumps(row) + '\n')
+  print(f'wrote {len(rows)} records to {FLAGS.memory_jsonl_out}')
+  return rows
+
+
 def main(argv):
   del argv
-  run()
+  if FLAGS.prefill_memory:
+    prefill_memory()
+  else:
+    run()
 
 
 if __name__ == '__main__':

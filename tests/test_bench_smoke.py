@@ -46,13 +46,30 @@ def test_decode_benchmark_smoke(tmp_path):
     assert row['batch'] == 2 and row['prefill_len'] == 8 and row['size'] == '64x2'
     assert row['step_compilations'] == 1
     for key in ('per_token_ms', 'prefill_tokens_per_s', 'per_token_ratio',
-                'prefill_time_ratio'):
+                'prefill_time_ratio', 'roofline_ms', 'per_token_over_roofline',
+                'read_bandwidth_gb_s'):
       assert math.isfinite(row[key]) and row[key] > 0, key
     for key in ('jax_version', 'backend', 'timestamp', 'git_commit'):
       assert row[key], key
   assert rows[0]['per_token_ratio'] == 1.0
   assert rows[1]['block_size'] == 2
   assert 'block_two_phase' in table.read_text()
+
+
+def test_prefill_memory_benchmark_smoke(tmp_path):
+  if not flags.FLAGS.is_parsed():
+    flags.FLAGS.mark_as_parsed()
+  out = tmp_path / 'prefill_memory.jsonl'
+  with flagsaver.flagsaver(prefill_memory=True, quick=True, memory_jsonl_out=str(out)):
+    decode_bench.main([])
+  rows = _read_jsonl(out)
+  assert [(r['mode'], r['prompt_len']) for r in rows] == [
+      ('standard', 32), ('block_two_phase', 32), ('standard', 64),
+      ('block_two_phase', 64)]
+  for row in rows:
+    assert row['temp_mib_chunked'] > 0 and row['temp_mib_one_shot'] > 0
+    # A chunk of 16 tokens never needs more than the whole prompt in one call.
+    assert row['temp_mib_chunked'] <= row['temp_mib_one_shot']
 
 
 def test_memory_benchmark_smoke(tmp_path):
