@@ -40,32 +40,6 @@ LN2 = math.log(2.0)
 STATS_PREFIX = 'stats/'
 
 
-class StaticGraph:
-  """A model's GraphDef as a hashable static jit argument (for sampling).
-
-  GraphDefs hold the (unhashable) ConfigDict, so they cannot be static arguments
-  themselves. Two models with the same structure and config share one key (their
-  GraphDef reprs are equal), so jitted functions compile once per model structure.
-  """
-
-  def __init__(self, graphdef):
-    self.graphdef = graphdef
-    self._key = repr(graphdef)
-    self._hash = hash(self._key)
-
-  def __hash__(self):
-    return self._hash
-
-  def __eq__(self, other):
-    return isinstance(other, StaticGraph) and self._key == other._key
-
-
-def split_model(model: nnx.Module) -> tuple[StaticGraph, nnx.State]:
-  """nnx.split with the GraphDef wrapped as a static jit argument."""
-  graphdef, state = nnx.split(model)
-  return StaticGraph(graphdef), state
-
-
 def bits_per_byte(nats: float, num_bytes: float) -> float:
   """Bits per byte of text coded with `nats` of negative log-likelihood."""
   return nats / num_bytes / LN2

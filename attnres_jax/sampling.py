@@ -20,7 +20,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from attnres_jax import evaluate as evaluate_lib
 from attnres_jax import tokenizer as tokenizer_lib
 
 SEPARATOR = 0  # the document-start byte of the data pipeline (data.SEPARATOR)
@@ -57,12 +56,12 @@ def _choose(logits_BV, key, temperature, top_k):
   return jnp.where(temperature > 0, sampled_B, greedy_B).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=('graph',), donate_argnames=('cache',))
-def _prefill_chunk(graph, state, layers, chunk_BT, cache, index, start_B):
+@functools.partial(jax.jit, static_argnames=('graphdef',), donate_argnames=('cache',))
+def _prefill_chunk(graphdef, state, layers, chunk_BT, cache, index, start_B):
   """Feeds the prompt tokens in slots index .. index + C - 1; returns the logits of the
   last one and the cache. The depth state of the chunk alone is alive (chunked
   prefill, `docs/inference.md`)."""
-  model = nnx.merge(graph.graphdef, state)
+  model = nnx.merge(graphdef, state)
   logits_BCV, cache = model.decode(chunk_BT, cache, index, start_B, layers=layers)
   return logits_BCV[:, -1], cache
 
@@ -72,12 +71,12 @@ def _first_token(logits_BV, key, position, temperature, top_k):
   return _choose(logits_BV, jax.random.fold_in(key, position), temperature, top_k)
 
 
-@functools.partial(jax.jit, static_argnames=('graph',), donate_argnames=('cache',))
-def _step(graph, state, layers, token_B, cache, index, start_B, key, temperature, top_k,
+@functools.partial(jax.jit, static_argnames=('graphdef',), donate_argnames=('cache',))
+def _step(graphdef, state, layers, token_B, cache, index, start_B, key, temperature, top_k,
           stop_S, done_B):
   """Feeds the token in slot `index` and chooses the one of slot `index + 1`. A row
   that is done (it produced one of `stop_S`) repeats its last token."""
-  model = nnx.merge(graph.graphdef, state)
+  model = nnx.merge(graphdef, state)
   logits_B1V, cache = model.decode(token_B[:, None], cache, index, start_B,
                                    layers=layers)
   chosen_B = _choose(logits_B1V[:, 0], jax.random.fold_in(key, index + 1), temperature,
@@ -85,11 +84,6 @@ def _step(graph, state, layers, token_B, cache, index, start_B, key, temperature
   chosen_B = jnp.where(done_B, token_B, chosen_B)
   done_B = done_B | jnp.any(chosen_B[:, None] == stop_S[None, :], axis=-1)
   return chosen_B, logits_B1V[:, 0], cache, done_B
-
-
-def decode_step_cache_size() -> int:
-  """How many versions of the one-token step are compiled (for tests)."""
-  return _step._cache_size()
 
 
 def left_pad(prompts, pad_id: int = SEPARATOR) -> tuple[np.ndarray, np.ndarray]:
@@ -153,7 +147,7 @@ def generate(model: nnx.Module, prompt_tokens, max_new_tokens: int, *,
   vocab = model.cfg.vocab_size
   options = (jnp.float32(temperature), jnp.int32(min(top_k or vocab, vocab)))
   key = jax.random.PRNGKey(seed)
-  graph, state = evaluate_lib.split_model(model)
+  graphdef, state = nnx.split(model)  # the graph is hashable: a static argument
   layers = model.decoding_layers()
   # The last new token is never fed back, so the cache needs one slot less. Its length
   # is rounded up (unused slots are masked) so that nearby lengths share a compilation.
@@ -162,7 +156,7 @@ def generate(model: nnx.Module, prompt_tokens, max_new_tokens: int, *,
   start = jnp.asarray(start_B)
   chunk = prefill_chunk or prompt_len
   for index in range(0, prompt_len, chunk):
-    logits_BV, cache = _prefill_chunk(graph, state, layers,
+    logits_BV, cache = _prefill_chunk(graphdef, state, layers,
                                       jnp.asarray(prompt_BT[:, index:index + chunk]),
                                       cache, jnp.int32(index), start)
   token_B = _first_token(logits_BV, key, jnp.int32(prompt_len), *options)
@@ -173,7 +167,7 @@ def generate(model: nnx.Module, prompt_tokens, max_new_tokens: int, *,
     # Asking whether every row is done waits for the step: only every 8 steps.
     if len(stop_tokens) and (index - prompt_len) % 8 == 0 and bool(done_B.all()):
       break
-    token_B, logits_BV, cache, done_B = _step(graph, state, layers, token_B, cache,
+    token_B, logits_BV, cache, done_B = _step(graphdef, state, layers, token_B, cache,
                                               jnp.int32(index), start, key, *options,
                                               stop_S, done_B)
     tokens.append(token_B)

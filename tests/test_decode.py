@@ -71,11 +71,11 @@ def recomputed_logits(model, prompt, tokens, length=16):
 def test_ragged_batch_and_chunked_prefill_equal_recomputation(residual, block_size,
                                                               depth_read):
   model = tiny_model(residual, block_size, depth_read)
-  steps_before = sampling.decode_step_cache_size()
+  steps_before = sampling._step._cache_size()
   tokens, logits = sampling.generate(model, PROMPTS, 6, temperature=0.0,
                                      return_logits=True)
   # One compilation of the one-token step serves every position.
-  assert sampling.decode_step_cache_size() - steps_before <= 1
+  assert sampling._step._cache_size() - steps_before <= 1
   for prompt, row_tokens, row_logits in zip(PROMPTS, tokens, logits):
     assert row_tokens.shape == (6,) and row_logits.shape == (6, VOCAB)
     want = recomputed_logits(model, np.asarray(prompt), row_tokens)
@@ -131,10 +131,10 @@ def test_step_compiles_once_for_all_prompt_lengths_and_text_batches():
   texts = sampling.generate_text(model, ['ROMEO:', 'O', ''], 4, temperature=0.0)
   single = sampling.generate_text(model, 'ROMEO:', 4, temperature=0.0)
   assert isinstance(texts, list) and len(texts) == 3 and texts[0] == single
-  compiled = sampling.decode_step_cache_size()
+  compiled = sampling._step._cache_size()
   # Another prompt length (the same cache length bucket) reuses the batch-1 step.
   sampling.generate_text(model, 'O', 4, temperature=0.0)
-  assert sampling.decode_step_cache_size() == compiled
+  assert sampling._step._cache_size() == compiled
 
 
 def test_bad_input_is_a_clear_error():

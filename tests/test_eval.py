@@ -244,11 +244,11 @@ def test_figures_written_for_every_mode(residual, block_size, tmp_path):
 def test_cached_generation_equals_full_recomputation(residual, block_size):
   model = tiny_model(residual, block_size, random_depth=True)
   prompt = np.array([[3, 70, 80, 90, 100], [0, 65, 66, 67, 68]], np.int32)
-  compiled_before = sampling.decode_step_cache_size()
+  compiled_before = sampling._step._cache_size()
   tokens, logits = sampling.generate(model, prompt, 6, temperature=0.0,
                                      return_logits=True)
   # One compilation of the one-token step for all positions.
-  assert sampling.decode_step_cache_size() - compiled_before <= 1
+  assert sampling._step._cache_size() - compiled_before <= 1
   assert tokens.shape == (2, 6) and logits.shape == (2, 6, VOCAB)
 
   sequence = np.concatenate([prompt, tokens], axis=1)
@@ -271,14 +271,14 @@ def test_sampling_is_deterministic_for_a_seed():
       model, prompt, 12, temperature=kw.get('temperature', 1.0),
       top_k=kw.get('top_k'), seed=seed)
   first = run(0)
-  compiled = sampling.decode_step_cache_size()
+  compiled = sampling._step._cache_size()
   np.testing.assert_array_equal(first, run(0))
   assert first.shape == (12,) and first.dtype == np.int32
   assert not np.array_equal(first, run(1))
   # top_k = 1 leaves only the most likely token: the greedy output.
   np.testing.assert_array_equal(run(5, top_k=1), run(0, temperature=0.0))
   # Settings are traced: nothing was recompiled for them.
-  assert sampling.decode_step_cache_size() == compiled
+  assert sampling._step._cache_size() == compiled
 
 
 def test_byte_text_helpers():
