@@ -44,6 +44,7 @@ from attnres_jax import evaluate as evaluate_lib
 from attnres_jax import metrics as metrics_lib
 from attnres_jax import model as model_lib
 from attnres_jax import optim
+from attnres_jax import pipeline
 from attnres_jax import sharding
 from attnres_jax import workdir as workdir_lib
 
@@ -124,8 +125,8 @@ def loss_sums(params, batch, *, graphdef) -> tuple[jax.Array, jax.Array]:
 
 
 def train_step(state: TrainState, batch, *, graphdef, tx: optax.GradientTransformation,
-               schedule: optax.Schedule | None = None, grad_accum_steps: int = 1
-               ) -> tuple[TrainState, dict[str, jax.Array]]:
+               schedule: optax.Schedule | None = None, grad_accum_steps: int = 1,
+               loss_fn=None) -> tuple[TrainState, dict[str, jax.Array]]:
   """One optimizer update on `batch`: the weighted mean cross-entropy's gradient.
 
   Metrics: loss (nats per token, before the update), grad_norm (before clipping),
@@ -134,10 +135,10 @@ def train_step(state: TrainState, batch, *, graphdef, tx: optax.GradientTransfor
   With `grad_accum_steps` k > 1 the batch is split into k microbatches (rows i, i + k,
   ...), whose gradient sums are accumulated in a `lax.scan`; only one microbatch's
   activations are live at a time. The update is the same as for the whole batch, up to
-  float summation order.
+  float summation order. `loss_fn`: another `loss_sums` (the pipelined one).
   """
-  grad_fn = jax.value_and_grad(functools.partial(loss_sums, graphdef=graphdef),
-                               has_aux=True)
+  loss_fn = loss_fn or loss_sums
+  grad_fn = jax.value_and_grad(functools.partial(loss_fn, graphdef=graphdef), has_aux=True)
   if grad_accum_steps == 1:
     (loss_sum, weight_sum), grad_sums = grad_fn(state.params, batch)
   else:
@@ -457,10 +458,11 @@ def _under_rules(function, layout: Layout):
   return wrapped
 
 
-def jit_train_step(layout: Layout, *, graphdef, tx, schedule=None, grad_accum_steps=1):
+def jit_train_step(layout: Layout, *, graphdef, tx, schedule=None, grad_accum_steps=1,
+                   loss_fn=None):
   """`train_step` jitted on the mesh: state donated, metrics replicated."""
   step = functools.partial(train_step, graphdef=graphdef, tx=tx, schedule=schedule,
-                           grad_accum_steps=grad_accum_steps)
+                           grad_accum_steps=grad_accum_steps, loss_fn=loss_fn)
   return jax.jit(_under_rules(step, layout),
                  in_shardings=(layout.state, layout.batch),
                  out_shardings=(layout.state, layout.replicated),
@@ -660,6 +662,8 @@ def _train(config: ml_collections.ConfigDict, workdir: str, *, changed: set[str]
     raise ValueError(f'The microbatch of {tc.batch_size // tc.grad_accum_steps} rows '
                      f'(batch_size / grad_accum_steps) does not split over the '
                      f'{data_shards} data-parallel devices.')
+  pipe = pipeline.from_mesh_config(config.mesh)
+  pipeline.validate(pipe, config.model, tc.batch_size // tc.grad_accum_steps, data_shards)
 
   tx, schedule = optim.make_optimizer(tc)
   graphdef, _ = checkpointing.abstract_model(config.model)
@@ -702,7 +706,8 @@ def _train(config: ml_collections.ConfigDict, workdir: str, *, changed: set[str]
         on_metrics(step, dict(record))
 
     p_train_step = jit_train_step(layout, graphdef=graphdef, tx=tx, schedule=schedule,
-                                  grad_accum_steps=tc.grad_accum_steps)
+                                  grad_accum_steps=tc.grad_accum_steps,
+                                  loss_fn=pipeline.make_loss_fn(pipe))
     p_eval_step = jit_eval_step(layout, graphdef=graphdef)
 
     num_steps = tc.num_steps
