@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 import types
 from typing import Any
 
@@ -321,10 +322,23 @@ class CachedTransfer:
                  for b, w in zip(base, message))
 
 
-def _constrain_stages(tree):
-  """Keeps the leading (stage) axis of every leaf split over `stage`."""
+def _carry_axes(attn_res: bool):
+  """The logical axis names of the carry's leaves (of a message's, too)."""
+  if attn_res:
+    return (sharding.DEPTH_BUFFER, sharding.DEPTH_BUFFER[:-1])
+  return sharding.HIDDEN
+
+
+def _constrain_stages(tree, axes, leading: int = 0):
+  """Splits the leading axis of every leaf (a stacked carry, message or output with
+  `leading` more axes before the carry's own `axes`) over `stage`; the rest as the
+  carry's logical names say (the batch over the data axes, ...)."""
+  if tree is None:
+    return None
+  is_axes = lambda x: isinstance(x, tuple) and all(isinstance(a, str) for a in x)
   return jax.tree.map(
-      lambda x: sharding.constrain(x, ('stages',) + (None,) * (x.ndim - 1)), tree)
+      lambda names, x: sharding.constrain(x, ('stages',) + (None,) * leading + names),
+      axes, tree, is_leaf=is_axes)
 
 
 def pipeline_hidden(model, x_MBTD, positions_BT, pipe: PipelineConfig):
@@ -343,9 +357,13 @@ def pipeline_hidden(model, x_MBTD, positions_BT, pipe: PipelineConfig):
   final_params = model.final_residual
 
   # [L, ...] -> [P, V, layers_per_chunk, ...]: chunk c = v P + p on stage p.
-  stage_state = _constrain_stages(jax.tree.map(
-      lambda x: x.reshape(V, P, layers_per_chunk, *x.shape[1:]).swapaxes(0, 1),
-      layer_state))
+  # Each stage's chunks where the stage is; the other axes as the parameters' names say.
+  is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)
+  stage_state = jax.tree.map(
+      lambda x, spec: sharding.constrain(
+          x.reshape(V, P, layers_per_chunk, *x.shape[1:]).swapaxes(0, 1),
+          ('stages', None, None) + tuple(spec)[1:]),
+      layer_state, nnx.get_partition_spec(layer_state), is_leaf=is_spec)
 
   zero_carry = jax.tree.map(jnp.zeros_like, residual.init(x_MBTD[0]))
   zero_message = transfer.send(zero_carry, 0)
@@ -356,6 +374,13 @@ def pipeline_hidden(model, x_MBTD, positions_BT, pipe: PipelineConfig):
       outputs=jnp.zeros((P, *x_MBTD.shape), x_MBTD.dtype),
       wrap=stacked(zero_message, P, M) if V > 1 else None,
       cache=stacked(zero_carry, P, M) if keeps_cache else None)
+  carry_axes = _carry_axes(attn_res)
+
+  def constrain_state(state):
+    return dict(inbox=_constrain_stages(state['inbox'], carry_axes),
+                outputs=_constrain_stages(state['outputs'], sharding.HIDDEN, 1),
+                wrap=_constrain_stages(state['wrap'], carry_axes, 1),
+                cache=_constrain_stages(state['cache'], carry_axes, 1))
 
   def stage_step(stage, chunk_state_V, inbox, outputs, wrap, cache, t):
     """One iteration of one stage: receive, run its chunk, emit."""
@@ -396,10 +421,10 @@ def pipeline_hidden(model, x_MBTD, positions_BT, pipe: PipelineConfig):
         state['cache'], t)
     # Stage p's message goes to stage p + 1 (and stage P - 1's to stage 0).
     inbox = jax.tree.map(lambda x: jnp.roll(x, 1, axis=0), sent)
-    return _constrain_stages(dict(inbox=inbox, outputs=outputs, wrap=wrap,
-                                  cache=cache)), None
+    return constrain_state(dict(inbox=inbox, outputs=outputs, wrap=wrap,
+                                cache=cache)), None
 
-  state, _ = jax.lax.scan(iteration, _constrain_stages(state),
+  state, _ = jax.lax.scan(iteration, constrain_state(state),
                           jnp.arange(pipe.num_iterations))
   return state['outputs'][P - 1]
 
@@ -443,23 +468,33 @@ def make_loss_fn(pipe: PipelineConfig | None):
 
 # -- measuring the transfers in compiled HLO ------------------------------------------
 
+_ITEMSIZE = {'f64': 8, 'f32': 4, 'bf16': 2, 'f16': 2, 's32': 4, 'u32': 4, 'pred': 1}
 
-def collective_permute_bytes(hlo_text: str) -> list[tuple[str, int]]:
-  """(result shape, bytes per device) of every collective-permute in `hlo_text`."""
-  import re  # pylint: disable=g-import-not-at-top
-  itemsize = {'f32': 4, 'bf16': 2, 's32': 4, 'f16': 2, 'u32': 4, 'pred': 1}
-  found = []
-  pattern = re.compile(r'= ([^=]*?) collective-permute(?:-start)?\(')
+
+def collective_permutes(hlo_text: str) -> list[dict[str, Any]]:
+  """Every collective-permute of a compiled module's text: its result shapes (per
+  device), bytes per device, and whether it sits inside a loop body (not in the
+  entry computation): the pipeline's transitions are the ones inside the schedule's
+  loop (forward) and its transpose (backward)."""
+  found, in_entry = [], False
+  op = re.compile(r'= (.*?) collective-permute(?:-start)?\(')
   for line in hlo_text.splitlines():
-    match = pattern.search(line)
+    if line and not line[0].isspace() and line.rstrip().endswith('{'):
+      in_entry = line.startswith('ENTRY')
+    match = op.search(line)
     if not match:
       continue
-    total, shapes = 0, []
+    shapes, total = [], 0
     for dtype, dims in re.findall(r'(\w+)\[([\d,]*)\]', match.group(1)):
-      if dtype not in itemsize:
-        continue
-      size = math.prod(int(d) for d in dims.split(',') if d) if dims else 1
-      total += size * itemsize[dtype]
-      shapes.append(f'{dtype}[{dims}]')
-    found.append((' '.join(shapes), total))
+      if dtype in _ITEMSIZE:
+        dims = tuple(int(d) for d in dims.split(',') if d)
+        shapes.append(dims)
+        total += math.prod(dims) * _ITEMSIZE[dtype]
+    found.append(dict(shapes=shapes, bytes=total, in_loop=not in_entry))
   return found
+
+
+def transition_bytes(hlo_text: str) -> int:
+  """Bytes one device sends per stage transition: the collective-permutes inside the
+  loop bodies of a forward-only module (one loop: the schedule)."""
+  return sum(c['bytes'] for c in collective_permutes(hlo_text) if c['in_loop'])
