@@ -261,13 +261,12 @@ def chunk_residual(model_config, layers_per_chunk: int):
   block_size = base.block_size
   if (2 * layers_per_chunk) % block_size:  # a block spans a chunk boundary
     return BufferReads(model_config), layers_per_chunk
-  # The longest segment that divides the chunk and covers whole blocks.
-  unit = 1 if block_size == 1 else (block_size // 2 if block_size % 2 == 0
-                                    else block_size)
+  # The configured segment, or the longest shorter one that divides the chunk and
+  # covers whole blocks (`unit` layers always do: the chunk starts on a block).
+  unit = block_size // 2 if block_size % 2 == 0 else block_size
   size = base.segment_layers
   if layers_per_chunk % size:
-    size = max(d for d in range(unit, layers_per_chunk + 1, unit)
-               if layers_per_chunk % d == 0)
+    size = max(d for d in range(unit, size + 1, unit) if layers_per_chunk % d == 0)
   return (_AttnResSegments(model_config, layers_per_segment=size),
           layers_per_chunk // size)
 

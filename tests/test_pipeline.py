@@ -55,7 +55,8 @@ CASES = {
         'block2_p2v2_naive': (dict(residual='block', block_size=2),
                               dict(stage=2, shape=(2, 1, 1), virtual_stages=2,
                                    num_microbatches=4, pipeline_transfer='naive')),
-        'full_p2v2': (dict(residual='full'),
+        # remat per stage (and against remat on one device).
+        'full_p2v2': (dict(residual='full', remat='layer'),
                       dict(stage=2, virtual_stages=2, num_microbatches=2)),
     },
 }
