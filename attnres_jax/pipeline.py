@@ -25,6 +25,8 @@ results.
 
 The layers keep their stored layout [num_layers, ...] (split over `stage` by the
 'layers' rule), so checkpoints move freely between pipelined and plain meshes.
+
+Shape suffixes as in `depth.py`, plus M: microbatches (`x_MBTD` is [M, B / M, T, D]).
 """
 
 from __future__ import annotations
@@ -109,13 +111,15 @@ def validate(pipe: PipelineConfig | None, model_config, batch_size: int,
 
 def schedule_table(pipe: PipelineConfig) -> list[list[tuple[int, int] | None]]:
   """[iteration][stage] -> (microbatch, virtual stage) or None (idle)."""
-  P, V, M = pipe.stages, pipe.virtual_stages, pipe.num_microbatches
+  num_stages, num_virtual = pipe.stages, pipe.virtual_stages
+  num_micro = pipe.num_microbatches
   table = []
   for t in range(pipe.num_iterations):
     row = []
-    for p in range(P):
+    for p in range(num_stages):
       k = t - p
-      row.append((k % M, k // M) if 0 <= k < M * V else None)
+      busy = 0 <= k < num_micro * num_virtual
+      row.append((k % num_micro, k // num_micro) if busy else None)
     table.append(row)
   return table
 
@@ -154,7 +158,7 @@ def transfer_plan(model_config, pipe: PipelineConfig) -> TransferPlan:
   num_sublayers = config_lib.num_sublayers(model_config)
   num_slots = depth.num_slots(num_sublayers, block_size)
   sublayers_per_chunk = num_sublayers // pipe.num_chunks
-  P, C = pipe.stages, pipe.num_chunks
+  num_stages, num_chunks = pipe.stages, pipe.num_chunks
 
   def touched(c):  # the slots chunk c writes: [first, last + 1)
     first = c * sublayers_per_chunk
@@ -162,12 +166,12 @@ def transfer_plan(model_config, pipe: PipelineConfig) -> TransferPlan:
             depth.output_slot(first + sublayers_per_chunk - 1, block_size) + 1)
 
   needed = []
-  for c in range(C - 1):
+  for c in range(num_chunks - 1):
     hi = touched(c)[1]
     # The receiver runs chunk c + 1; it last received this microbatch's state before
     # chunk c + 1 - P (its previous virtual stage), so it lacks what chunks
     # c + 1 - P .. c wrote; in its first virtual stage, everything.
-    lo = 0 if c + 1 < P else touched(c + 1 - P)[0]
+    lo = 0 if c + 1 < num_stages else touched(c + 1 - num_stages)[0]
     needed.append((lo, hi))
   width = max([hi - lo for lo, hi in needed] or [num_slots])
   starts = tuple(min(lo, num_slots - width) for lo, _ in needed) + (0,)
@@ -344,14 +348,14 @@ def pipeline_hidden(model, x_MBTD, positions_BT, pipe: PipelineConfig):
   """The input of the final norm, [M, B/M, T, D], for the embedded microbatches
   `x_MBTD`, the layers run through the pipeline."""
   cfg = model.cfg
-  P, V, M = pipe.stages, pipe.virtual_stages, pipe.num_microbatches
-  C = pipe.num_chunks
-  layers_per_chunk = cfg.num_layers // C
+  num_stages, num_virtual = pipe.stages, pipe.virtual_stages
+  num_micro, num_chunks = pipe.num_microbatches, pipe.num_chunks
+  layers_per_chunk = cfg.num_layers // num_chunks
   residual, segments_per_chunk = chunk_residual(cfg, layers_per_chunk)
   attn_res = not isinstance(residual, residual_lib.StandardResidual)
   cached = attn_res and pipe.transfer == 'cached'
   transfer = (CachedTransfer(transfer_plan(cfg, pipe)) if cached else NaiveTransfer())
-  keeps_cache = cached and V > 1  # V = 1: a stage sees each microbatch once
+  keeps_cache = cached and num_virtual > 1  # else a stage sees each microbatch once
   graphdef, layer_state = nnx.split(model.layers)
   final_params = model.final_residual
 
@@ -360,7 +364,8 @@ def pipeline_hidden(model, x_MBTD, positions_BT, pipe: PipelineConfig):
   is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)
   stage_state = jax.tree.map(
       lambda x, spec: sharding.constrain(
-          x.reshape(V, P, layers_per_chunk, *x.shape[1:]).swapaxes(0, 1),
+          x.reshape(num_virtual, num_stages, layers_per_chunk, *x.shape[1:])
+          .swapaxes(0, 1),
           ('stages', None, None) + tuple(spec)[1:]),
       layer_state, nnx.get_partition_spec(layer_state), is_leaf=is_spec)
 
@@ -369,10 +374,10 @@ def pipeline_hidden(model, x_MBTD, positions_BT, pipe: PipelineConfig):
   stacked = lambda tree, *n: jax.tree.map(
       lambda x: jnp.zeros((*n, *x.shape), x.dtype), tree)
   state = dict(
-      inbox=stacked(zero_message, P),
-      outputs=jnp.zeros((P, *x_MBTD.shape), x_MBTD.dtype),
-      wrap=stacked(zero_message, P, M) if V > 1 else None,
-      cache=stacked(zero_carry, P, M) if keeps_cache else None)
+      inbox=stacked(zero_message, num_stages),
+      outputs=jnp.zeros((num_stages, *x_MBTD.shape), x_MBTD.dtype),
+      wrap=stacked(zero_message, num_stages, num_micro) if num_virtual > 1 else None,
+      cache=stacked(zero_carry, num_stages, num_micro) if keeps_cache else None)
   carry_axes = _carry_axes(attn_res)
 
   def constrain_state(state):
@@ -381,17 +386,17 @@ def pipeline_hidden(model, x_MBTD, positions_BT, pipe: PipelineConfig):
                 wrap=_constrain_stages(state['wrap'], carry_axes, 1),
                 cache=_constrain_stages(state['cache'], carry_axes, 1))
 
-  def stage_step(stage, chunk_state_V, inbox, outputs, wrap, cache, t):
+  def stage_step(stage, virtual_states, inbox, outputs, wrap, cache, t):
     """One iteration of one stage: receive, run its chunk, emit."""
     k = t - stage
-    valid = (k >= 0) & (k < M * V)
-    k = jnp.clip(k, 0, M * V - 1)
-    micro, virtual = k % M, k // M
-    chunk = virtual * P + stage
+    valid = (k >= 0) & (k < num_micro * num_virtual)
+    k = jnp.clip(k, 0, num_micro * num_virtual - 1)
+    micro, virtual = k % num_micro, k // num_micro
+    chunk = virtual * num_stages + stage
     first = (stage == 0) & (virtual == 0)
     message = inbox
-    if V > 1:  # stage 0 stores what stage P - 1 sent last iteration, reads its own
-      arrived = (t - P) % M
+    if num_virtual > 1:  # stage 0 stores what the last stage sent, reads its own
+      arrived = (t - num_stages) % num_micro
       wrap = jax.tree.map(
           lambda w, x: w.at[arrived].set(jnp.where(stage == 0, x, w[arrived])),
           wrap, inbox)
@@ -402,13 +407,13 @@ def pipeline_hidden(model, x_MBTD, positions_BT, pipe: PipelineConfig):
     if keeps_cache:  # what this stage had of the microbatch, for its next visit
       cache = jax.tree.map(lambda c, x: c.at[micro].set(jnp.where(valid, x, c[micro])),
                            cache, carry)
-    chunk_state = jax.tree.map(lambda x: x[virtual], chunk_state_V)
+    chunk_state = jax.tree.map(lambda x: x[virtual], virtual_states)
     carry = run_chunk(residual, graphdef, chunk_state, carry,
                       chunk * segments_per_chunk, positions_BT, model_config=cfg,
                       layers_per_chunk=layers_per_chunk)
     h_BTD, _ = residual.final(carry, final_params)
     outputs = outputs.at[micro].set(
-        jnp.where(valid & (chunk == C - 1), h_BTD, outputs[micro]))
+        jnp.where(valid & (chunk == num_chunks - 1), h_BTD, outputs[micro]))
     return transfer.send(carry, chunk), outputs, wrap, cache
 
   stages_step = jax.vmap(stage_step, in_axes=(0, 0, 0, 0, 0, 0, None),
@@ -416,8 +421,8 @@ def pipeline_hidden(model, x_MBTD, positions_BT, pipe: PipelineConfig):
 
   def iteration(state, t):
     sent, outputs, wrap, cache = stages_step(
-        jnp.arange(P), stage_state, state['inbox'], state['outputs'], state['wrap'],
-        state['cache'], t)
+        jnp.arange(num_stages), stage_state, state['inbox'], state['outputs'],
+        state['wrap'], state['cache'], t)
     # Stage p's message goes to stage p + 1 (and stage P - 1's to stage 0).
     inbox = jax.tree.map(lambda x: jnp.roll(x, 1, axis=0), sent)
     return constrain_state(dict(inbox=inbox, outputs=outputs, wrap=wrap,
@@ -425,7 +430,7 @@ def pipeline_hidden(model, x_MBTD, positions_BT, pipe: PipelineConfig):
 
   state, _ = jax.lax.scan(iteration, constrain_state(state),
                           jnp.arange(pipe.num_iterations))
-  return state['outputs'][P - 1]
+  return state['outputs'][num_stages - 1]
 
 
 def split_microbatches(tree, num_microbatches: int):

@@ -138,7 +138,8 @@ def train_step(state: TrainState, batch, *, graphdef, tx: optax.GradientTransfor
   float summation order. `loss_fn`: another `loss_sums` (the pipelined one).
   """
   loss_fn = loss_fn or loss_sums
-  grad_fn = jax.value_and_grad(functools.partial(loss_fn, graphdef=graphdef), has_aux=True)
+  grad_fn = jax.value_and_grad(functools.partial(loss_fn, graphdef=graphdef),
+                               has_aux=True)
   if grad_accum_steps == 1:
     (loss_sum, weight_sum), grad_sums = grad_fn(state.params, batch)
   else:

@@ -70,7 +70,9 @@ def run_checks(group: str) -> dict:
   import grain  # pylint: disable=g-import-not-at-top
   import optax  # pylint: disable=g-import-not-at-top
 
-  from attnres_jax import checkpointing, optim, train  # pylint: disable=g-import-not-at-top
+  from attnres_jax import checkpointing  # pylint: disable=g-import-not-at-top
+  from attnres_jax import optim  # pylint: disable=g-import-not-at-top
+  from attnres_jax import train  # pylint: disable=g-import-not-at-top
 
   assert jax.device_count() == 8, jax.devices()
   tx, schedule = optim.make_optimizer(train.default_train_config(**TRAIN))
