@@ -208,6 +208,8 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   config_lib.validate_model_config(config.model)
   validate_train_config(config.train)
   sharding.validate_mesh_config(config.mesh)
+  pipeline.validate(pipeline.from_mesh_config(config.mesh), config.model,
+                    config.train.batch_size // config.train.grad_accum_steps)
 
 
 def explain_config_overrides(argv: Sequence[str], default: str) -> str | None:
