@@ -21,7 +21,9 @@ every stage, the buffer of each microbatch as it last received it, and sends onl
 slots written since the receiver last saw the state: in the first virtual stage
 everything written so far, from the second on the slots of the last P chunks.
 Received values are copied, never recomputed, so both transfers give bitwise-equal
-results.
+forward passes; the backward pass sends the windows' cotangents and adds a cached
+block's cotangent at the stage that cached it, the same sum in another order (equal
+gradients up to float rounding).
 
 The layers keep their stored layout [num_layers, ...] (split over `stage` by the
 'layers' rule), so checkpoints move freely between pipelined and plain meshes.

@@ -175,6 +175,7 @@ def step_times() -> list[dict]:
       args[0] = state  # donated
       if round_index:
         times[name].append(time.perf_counter() - start)
+  load = os.getloadavg()[0]  # the simulated devices share the host's cores
   base = statistics.median(times['data-parallel 8'])
   rows = []
   print(f"{'configuration':>26} {'bubble':>6} {'step s':>7} {'time/DP':>7} "
@@ -186,12 +187,15 @@ def step_times() -> list[dict]:
                num_layers=cfg.num_layers, d_model=cfg.d_model, seq_len=FLAGS.seq_len,
                batch_size=FLAGS.time_batch,
                bubble=pipeline.bubble_fraction(pipe) if pipe else 0.0,
-               step_s=step_s, time_ratio=step_s / base, **record)
+               step_s=step_s, time_ratio=step_s / base, load_average=load,
+               cpu_count=os.cpu_count(), jax_version=jax.__version__,
+               backend=jax.default_backend(), **record)
     rows.append(row)
     mib = 2 ** 20
     print(f"{name:>26} {row['bubble']:>6.3f} {step_s:>7.3f} {row['time_ratio']:>7.2f} "
           f"{row['peak_bytes'] / mib:>12.2f} {row['temp_bytes'] / mib:>12.2f} "
           f"{row['compile_s']:>9.1f}", flush=True)
+  print(f'host: {os.cpu_count()} cores, load average {load:.1f} after timing')
   return rows
 
 
