@@ -1,8 +1,9 @@
 """Evaluates, analyses, compares and samples trained runs.
 
   python eval.py --workdir=DIR [--step=N]
-      held-out loss / bits per byte / perplexity over the whole eval split, and the
-      analysis figures, into DIR/eval/step_N/ (eval.json, analysis.npz, *.png).
+      held-out loss / bits per byte / perplexity over the whole eval split and the
+      depth statistics, in one pass, and the analysis figures, into DIR/eval/step_N/
+      (eval.json, analysis.npz, *.png).
   python eval.py --compare DIR1 DIR2 ... [--output_dir=OUT]
       loss curves and magnitude profiles overlaid, and a markdown table of the latest
       evaluation of each run, into OUT (default: <common parent>/compare).
@@ -35,8 +36,6 @@ _BATCH_SIZE = flags.DEFINE_integer('batch_size', None,
                                    'Eval batch size; default: the training batch size.')
 _MAX_EVAL_BATCHES = flags.DEFINE_integer(
     'max_eval_batches', None, 'Evaluate only the first batches (default: whole split).')
-_ANALYSIS_BATCHES = flags.DEFINE_integer(
-    'analysis_batches', None, 'Batches for the depth statistics (default: all).')
 _GRAD_BATCHES = flags.DEFINE_integer(
     'grad_batches', 16, 'Eval batches for the gradient norms (0: all).')
 _PROMPT = flags.DEFINE_string('prompt', None, 'Sample a continuation of this text.')
@@ -47,7 +46,7 @@ _SEED = flags.DEFINE_integer('seed', 0, 'Sampling seed (fixed seed, fixed output
 
 
 def _check_flags() -> None:
-  for flag, minimum in ((_BATCH_SIZE, 1), (_MAX_EVAL_BATCHES, 1), (_ANALYSIS_BATCHES, 1),
+  for flag, minimum in ((_BATCH_SIZE, 1), (_MAX_EVAL_BATCHES, 1),
                         (_GRAD_BATCHES, 0), (_MAX_NEW_TOKENS, 1), (_TOP_K, 1)):
     if flag.value is not None and flag.value < minimum:
       raise app.UsageError(f'--{flag.name} must be >= {minimum} (or unset), got '
@@ -136,7 +135,6 @@ def main(argv):
     record = analysis.evaluate_and_analyze(
         workdir, step, output_dir=out_dir,
         batch_size=_BATCH_SIZE.value, max_eval_batches=_MAX_EVAL_BATCHES.value,
-        analysis_batches=_ANALYSIS_BATCHES.value,
         grad_batches=_GRAD_BATCHES.value or None)
   finally:
     if lock is not None:

@@ -1,9 +1,10 @@
-"""Trains an AttnRes language model: python train.py [--config=configs/x.py] [--workdir=DIR].
+"""Trains an AttnRes language model: python train.py [--config=configs/default.py[:variants]]
+[--workdir=DIR].
 
-Config overrides on the command line, e.g.
-  python train.py --config=configs/paper_small.py:block --config.train.num_steps=100
+Config variants and overrides on the command line, e.g.
+  python train.py --config=configs/default.py:paper_small,full --config.train.num_steps=100
 
-Several processes (README, "Scaling out"): give each the same --coordinator_address and
+Several processes (docs/scaling.md): give each the same --coordinator_address and
 --num_processes and its own --process_id, or pass --distributed where JAX finds them
 itself (Cloud TPU pod slices, SLURM, Open MPI). Every process runs the same command on
 the same --workdir.
@@ -21,6 +22,7 @@ from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
+from attnres_jax import config as config_lib
 from attnres_jax import train
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -49,8 +51,8 @@ def parse_flags(argv):
   """absl's flag parsing, with a readable message for an unknown config field."""
   try:
     return flags.FLAGS(argv)
-  except (AttributeError, KeyError) as e:
-    message = train.explain_config_overrides(argv, default='configs/default.py')
+  except (AttributeError, KeyError):
+    message = config_lib.explain_config_overrides(argv, default='configs/default.py')
     if message is None:
       raise
     print(f'FATAL Flags parsing error: {message}', file=sys.stderr)

@@ -30,11 +30,13 @@ from typing import Any
 import grain
 import jax
 import ml_collections
+import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 from flax import nnx
 
-from attnres_jax.config import model_config
+from attnres_jax import config as config_lib
+from attnres_jax import metrics
 
 CONFIG_JSON = 'config.json'
 CHECKPOINTS = 'checkpoints'
@@ -95,7 +97,8 @@ def load_config(workdir: str) -> ml_collections.ConfigDict:
   with open(os.path.join(workdir, CONFIG_JSON), encoding='utf-8') as f:
     config = ml_collections.ConfigDict(json.load(f))
   if 'model' in config:
-    config.model = model_config(**config.model.to_dict())
+    config.model = ml_collections.ConfigDict(
+        config_lib.ModelConfig.from_config(config.model).to_dict())
   return config
 
 
@@ -121,9 +124,6 @@ class Checkpointer:
 
   def all_steps(self) -> list[int]:
     return list(self.manager.all_steps())
-
-  def should_save(self, step: int) -> bool:
-    return self.manager.should_save(step)
 
   def save(self, step: int, *, params, opt_state, train_iter: grain.DatasetIterator,
            force: bool = False) -> bool:
@@ -272,3 +272,57 @@ def restore_model(workdir: str, step: int | None = None):
   finally:
     checkpointer.close()
   return nnx.merge(graphdef, params), config, step
+
+
+def _on_all_processes(ok: bool) -> bool:
+  """True if `ok` holds on every process."""
+  if jax.process_count() == 1:
+    return ok
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  return bool(np.all(multihost_utils.process_allgather(np.int32(ok))))
+
+
+def restore_newest(checkpointer: Checkpointer, layout,
+                    datasets, *, restore_data: bool):
+  """(step, params, opt_state) of the newest checkpoint that restores, or None.
+
+  A checkpoint that fails to restore (truncated or zeroed files, a missing iterator
+  state) is reported; once an older one restores, the failed newer ones are moved to
+  `<workdir>/corrupt_checkpoints/`. If none restores, nothing is moved (the cause may
+  be this code or config, not the files) and CheckpointRestoreError lists them all.
+  """
+  failures = []
+  for step in sorted(checkpointer.all_steps(), reverse=True):
+    train_iter = datasets.train if restore_data else None
+    saved_processes = checkpointer.data_process_count(step)
+    if train_iter is not None and saved_processes not in (None, jax.process_count()):
+      metrics.say(f'WARNING: the checkpoint of step {step} was written by {saved_processes} '
+           f'processes, this run has {jax.process_count()}: the model and optimizer '
+           'state are restored (resharded), but the training data order cannot be, so '
+           'the data iterators start afresh.')
+      train_iter = None
+    abstract = layout.abstract_state
+    try:
+      params, opt_state = checkpointer.restore(
+          step, abstract_params=abstract.params, abstract_opt_state=abstract.opt_state,
+          train_iter=train_iter)
+      error = None
+    except Exception as e:  # pylint: disable=broad-except
+      error = e
+    if not _on_all_processes(error is None):
+      why = root_cause(error) if error else 'failed on another process'
+      failures.append((step, why))
+      metrics.say(f'WARNING: the checkpoint of step {step} in {checkpointer.directory} does '
+           f'not restore ({failures[-1][1]}); trying the previous one.')
+      continue
+    for bad, _ in failures:
+      where = checkpointer.move_aside(bad)
+      metrics.say(f'Moved the unreadable checkpoint of step {bad} to {where}.')
+    return step, params, opt_state
+  if failures:
+    raise CheckpointRestoreError(
+        f'No checkpoint in {checkpointer.directory} restores:'
+        + ''.join(f'\n  step {step}: {why}' for step, why in failures)
+        + '\nNothing was moved. Move the broken steps away to start from an older one, '
+        'or use another workdir.')
+  return None

@@ -1,8 +1,24 @@
-"""Model configuration: defaults and validation (raised before anything compiles)."""
+"""The model config (a frozen, hashable dataclass) and the validation of a whole run
+config, raised before anything compiles.
+
+A run is read from one ml_collections file (`configs/default.py`, which lists every
+knob); the entry points turn its `model` section into a `ModelConfig`
+(`ModelConfig.from_config`), which the model stores. `validate(config)` checks every
+section of a run config with readable messages.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import importlib.util
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
 import ml_collections
+
+from attnres_jax import sharding
 
 RESIDUAL_MODES = ('standard', 'full', 'block')
 REMAT_POLICIES = ('none', 'sublayer', 'layer')
@@ -10,61 +26,93 @@ DTYPES = ('float32', 'bfloat16')
 DEPTH_READS = ('one_shot', 'two_phase')
 DEPTH_NORMALIZERS = ('softmax', 'sigmoid')
 DEPTH_MIXINGS = ('attention', 'scalars')
-
-
-def depth_variant_fields(cfg) -> list[str]:
-  """The ablation switches that differ from the paper's read."""
-  defaults = dict(depth_query_input=False, depth_normalizer='softmax',
-                  depth_key_norm=True, depth_mixing='attention', depth_window=0,
-                  depth_heads=1)
-  return [name for name, value in defaults.items() if cfg.get(name, value) != value]
-
-
-def model_config(**overrides) -> ml_collections.ConfigDict:
-  """The default (tiny) model config, with `overrides` applied."""
-  cfg = ml_collections.ConfigDict(dict(
-      vocab_size=256,          # bytes
-      d_model=128,
-      num_layers=4,            # Transformer blocks; L = 2 * num_layers sublayers
-      num_heads=4,
-      mlp_dim=384,             # SwiGLU hidden width
-      residual='block',        # 'standard' | 'full' | 'block'
-      block_size=2,            # S: sublayers per AttnRes block ('block' only)
-      tie_embeddings=True,
-      rope_theta=10_000.0,
-      norm_eps=1e-6,           # PreNorm and final RMSNorm
-      attn_res_eps=1e-6,       # key RMSNorm of the depth read
-      dtype='float32',         # compute dtype; the depth read is always float32
-      param_dtype='float32',
-      scan_layers=True,        # False: unrolled Python loop (debugging, test reference)
-      remat='none',            # 'none' | 'sublayer' | 'layer'
-      # How Full/Block reads are computed: 'two_phase' (the paper's block schedule:
-      # Phase 1 reads the completed blocks once per schedule segment for all its
-      # queries, Phase 2 merges each sublayer's newer sources by online softmax) or
-      # 'one_shot' (one softmax over all sources per read: the reference).
-      depth_read='two_phase',
-      # Layers per schedule segment (Phase 1 once per segment); 0 picks one (see
-      # residual.default_segment_layers). Block: a segment covers whole blocks.
-      schedule_layers=0,
-      # Two-phase reads: a backward pass that keeps one depth buffer (memory linear
-      # in depth); False uses plain autodiff. One-shot reads always use autodiff.
-      linear_memory_backward=True,
-      # Ablations of the read (paper Section 5), all off by default. They run the
-      # generic one-shot read (set depth_read='one_shot').
-      depth_query_input=False,   # query += W RMSNorm(latest source) / sqrt(d), W: d x d
-      depth_normalizer='softmax',  # 'softmax' | 'sigmoid'
-      depth_key_norm=True,       # False: logits from the raw sources
-      depth_mixing='attention',  # 'attention' | 'scalars' (DenseFormer-style weights)
-      depth_window=0,            # > 0: the embedding + the last W sources only
-      depth_heads=1,             # > 1: per channel-group depth weights
-  ))
-  cfg.update(overrides)
-  return cfg
-
+SCHEDULES = ('cosine', 'wsd', 'constant')
+TOKENIZERS = ('bytes', 'sentencepiece')
+SECTIONS = ('model', 'data', 'train', 'mesh')
 
 # Fields that choose how the same function is computed, not which function.
 EXECUTION_FIELDS = ('scan_layers', 'remat', 'linear_memory_backward', 'depth_read',
                     'schedule_layers')
+# The read ablations (paper Section 5); off = the paper's read.
+ABLATION_FIELDS = ('depth_query_input', 'depth_normalizer', 'depth_key_norm',
+                   'depth_mixing', 'depth_window', 'depth_heads')
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """The model: its size, its residual, and how it is computed. Hashable, so the
+  model's GraphDef can be a static jit argument. `configs/default.py` documents every
+  field; these defaults make a tiny Block AttnRes model."""
+
+  vocab_size: int = 256
+  d_model: int = 128
+  num_layers: int = 4
+  num_heads: int = 4
+  mlp_dim: int = 384
+  residual: str = 'block'
+  block_size: int = 2
+  tie_embeddings: bool = True
+  rope_theta: float = 10_000.0
+  norm_eps: float = 1e-6
+  attn_res_eps: float = 1e-6
+  dtype: str = 'float32'
+  param_dtype: str = 'float32'
+  scan_layers: bool = True
+  remat: str = 'none'
+  depth_read: str = 'two_phase'
+  schedule_layers: int = 0
+  linear_memory_backward: bool = True
+  depth_query_input: bool = False
+  depth_normalizer: str = 'softmax'
+  depth_key_norm: bool = True
+  depth_mixing: str = 'attention'
+  depth_window: int = 0
+  depth_heads: int = 1
+
+  def __post_init__(self):
+    _validate_model(self)
+
+  @classmethod
+  def from_config(cls, config: ModelConfig | Mapping[str, Any]) -> ModelConfig:
+    """From a `model` config section (a ConfigDict or a dict); unknown fields are an
+    error that lists the known ones."""
+    if isinstance(config, ModelConfig):
+      return config
+    values = config.to_dict() if isinstance(config, ml_collections.ConfigDict) else dict(
+        config)
+    known = {field.name for field in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+      raise ValueError(f'Invalid model config: unknown fields {unknown}; the model '
+                       f'fields are: {", ".join(sorted(known))}.')
+    return cls(**values)
+
+  def replace(self, **changes) -> ModelConfig:
+    return dataclasses.replace(self, **changes)
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+  @property
+  def num_sublayers(self) -> int:
+    return 2 * self.num_layers
+
+  @property
+  def effective_block_size(self) -> int:
+    """S in sublayers: 1 for Full, the configured size for Block."""
+    return 1 if self.residual == 'full' else self.block_size
+
+  @property
+  def ablations(self) -> list[str]:
+    """The read ablations that differ from the paper's read."""
+    paper = ModelConfig.__dataclass_fields__
+    return [name for name in ABLATION_FIELDS
+            if getattr(self, name) != paper[name].default]
+
+
+def model_config(**overrides) -> ModelConfig:
+  """The default (tiny) model config with `overrides` applied."""
+  return ModelConfig(**overrides)
 
 
 def num_sublayers(cfg) -> int:
@@ -73,43 +121,37 @@ def num_sublayers(cfg) -> int:
 
 def effective_block_size(cfg) -> int:
   """S in sublayers: 1 for Full, the configured size for Block."""
-  if cfg.residual == 'full':
-    return 1
-  return cfg.block_size
+  return 1 if cfg.residual == 'full' else cfg.block_size
 
 
-def validate_model_config(cfg) -> None:
+def _is_int(value) -> bool:
+  return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _validate_model(cfg: ModelConfig) -> None:
   """Raises ValueError with a readable message for an invalid model config."""
 
   def fail(message):
     raise ValueError(f'Invalid model config: {message}')
 
   for name in ('vocab_size', 'd_model', 'num_layers', 'num_heads', 'mlp_dim'):
-    value = cfg.get(name)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+    value = getattr(cfg, name)
+    if not _is_int(value) or value < 1:
       fail(f'{name} must be a positive integer, got {value!r}.')
   if cfg.residual not in RESIDUAL_MODES:
     fail(f'residual must be one of {RESIDUAL_MODES}, got {cfg.residual!r}.')
-  if cfg.residual == 'block':
-    size = cfg.block_size
-    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-      fail(
-          f'block_size is the number of sublayers per AttnRes block and must be an '
-          f'integer >= 1, got {size!r} (1 = Full AttnRes; >= 2 * num_layers = one '
-          'block).'
-      )
+  if cfg.residual == 'block' and (not _is_int(cfg.block_size) or cfg.block_size < 1):
+    fail(f'block_size is the number of sublayers per AttnRes block and must be an '
+         f'integer >= 1, got {cfg.block_size!r} (1 = Full AttnRes; >= 2 * num_layers = '
+         'one block).')
   if cfg.d_model % cfg.num_heads:
-    fail(
-        f'num_heads={cfg.num_heads} does not divide d_model={cfg.d_model}.'
-    )
+    fail(f'num_heads={cfg.num_heads} does not divide d_model={cfg.d_model}.')
   if (cfg.d_model // cfg.num_heads) % 2:
-    fail(
-        f'head dim d_model / num_heads = {cfg.d_model // cfg.num_heads} must be '
-        'even for rotary embeddings.'
-    )
+    fail(f'head dim d_model / num_heads = {cfg.d_model // cfg.num_heads} must be '
+         'even for rotary embeddings.')
   for name in ('dtype', 'param_dtype'):
-    if cfg.get(name) not in DTYPES:
-      fail(f'{name} must be one of {DTYPES}, got {cfg.get(name)!r}.')
+    if getattr(cfg, name) not in DTYPES:
+      fail(f'{name} must be one of {DTYPES}, got {getattr(cfg, name)!r}.')
   if cfg.depth_read not in DEPTH_READS:
     fail(f'depth_read must be one of {DEPTH_READS}, got {cfg.depth_read!r}.')
   if cfg.depth_normalizer not in DEPTH_NORMALIZERS:
@@ -117,20 +159,18 @@ def validate_model_config(cfg) -> None:
          f'{cfg.depth_normalizer!r}.')
   if cfg.depth_mixing not in DEPTH_MIXINGS:
     fail(f'depth_mixing must be one of {DEPTH_MIXINGS}, got {cfg.depth_mixing!r}.')
-  if not isinstance(cfg.depth_window, int) or cfg.depth_window < 0:
+  if not _is_int(cfg.depth_window) or cfg.depth_window < 0:
     fail(f'depth_window must be an integer >= 0 (0 = no window), got '
          f'{cfg.depth_window!r}.')
-  if (not isinstance(cfg.depth_heads, int) or cfg.depth_heads < 1
+  if (not _is_int(cfg.depth_heads) or cfg.depth_heads < 1
       or cfg.d_model % cfg.depth_heads):
     fail(f'depth_heads must be a positive divisor of d_model={cfg.d_model}, got '
          f'{cfg.depth_heads!r}.')
-  variants = depth_variant_fields(cfg)
-  if variants and cfg.residual != 'standard' and cfg.depth_read == 'two_phase':
+  if cfg.ablations and cfg.residual != 'standard' and cfg.depth_read == 'two_phase':
     fail(f'depth_read="two_phase" computes the paper\'s softmax read only; the '
-         f'ablations {variants} use the one-shot read: set depth_read="one_shot".')
-  layers = cfg.get('schedule_layers', 0)
-  if (not isinstance(layers, int) or isinstance(layers, bool) or layers < 0
-      or layers > cfg.num_layers):
+         f'ablations {cfg.ablations} use the one-shot read: set depth_read="one_shot".')
+  layers = cfg.schedule_layers
+  if not _is_int(layers) or layers < 0 or layers > cfg.num_layers:
     fail(f'schedule_layers must be an integer in [0, num_layers={cfg.num_layers}] '
          f'(0 = automatic), got {layers!r}.')
   if (cfg.residual == 'block' and layers and layers < cfg.num_layers
@@ -142,7 +182,118 @@ def validate_model_config(cfg) -> None:
   if cfg.remat not in REMAT_POLICIES:
     fail(f'remat must be one of {REMAT_POLICIES}, got {cfg.remat!r}.')
   for name in ('norm_eps', 'attn_res_eps'):
-    if not cfg.get(name, 0) > 0:
-      fail(f'{name} must be > 0, got {cfg.get(name)!r}.')
-  if not cfg.rope_theta > 0:
+    value = getattr(cfg, name)
+    if not isinstance(value, (int, float)) or not value > 0:
+      fail(f'{name} must be > 0, got {value!r}.')
+  if not isinstance(cfg.rope_theta, (int, float)) or not cfg.rope_theta > 0:
     fail(f'rope_theta must be > 0, got {cfg.rope_theta!r}.')
+
+
+# -- the run config -------------------------------------------------------------------
+
+
+def validate_data(config) -> None:
+  """Raises ValueError for an invalid `data` section (the tokenizer fields)."""
+  name = config.tokenizer
+  if name not in TOKENIZERS:
+    raise ValueError(f'Unknown tokenizer {name!r}; available: {sorted(TOKENIZERS)}.')
+  vocab_size = config.get('vocab_size')
+  if name == 'bytes' and vocab_size not in (None, 256):
+    raise ValueError(f"tokenizer='bytes' has 256 tokens; got vocab_size={vocab_size}.")
+  if name == 'sentencepiece' and vocab_size is None and not config.get('tokenizer_path'):
+    raise ValueError("tokenizer='sentencepiece' needs data.vocab_size (a model is "
+                     'trained on the training split) or data.tokenizer_path.')
+
+
+def validate_train(config) -> None:
+  """Raises ValueError for an invalid `train` section (loop and optimizer)."""
+
+  def fail(message):
+    raise ValueError(f'Invalid train config: {message}')
+
+  def positive_int(name, allow_none=False):
+    value = config.get(name)
+    if value is None and allow_none:
+      return
+    if not _is_int(value) or value < 1:
+      fail(f'{name} must be a positive integer{" or None" if allow_none else ""}, '
+           f'got {value!r}.')
+
+  for name in ('batch_size', 'seq_len', 'num_steps', 'log_every', 'checkpoint_every',
+               'grad_accum_steps'):
+    positive_int(name)
+  for name in ('keep_checkpoints', 'max_eval_batches', 'eval_every'):
+    positive_int(name, allow_none=True)
+  if not isinstance(config.seed, int):
+    fail(f'seed must be an integer, got {config.seed!r}.')
+  if config.batch_size % config.grad_accum_steps:
+    fail(f'grad_accum_steps={config.grad_accum_steps} does not divide '
+         f'batch_size={config.batch_size}.')
+  if config.schedule not in SCHEDULES:
+    fail(f'schedule must be one of {SCHEDULES}, got {config.schedule!r}.')
+  if not (isinstance(config.learning_rate, (int, float))
+          and math.isfinite(config.learning_rate) and config.learning_rate > 0):
+    fail(f'learning_rate must be a finite number > 0, got {config.learning_rate!r}.')
+  if not 0 <= config.warmup_steps <= config.num_steps:
+    fail(f'warmup_steps must be in [0, num_steps={config.num_steps}], '
+         f'got {config.warmup_steps!r}.')
+  if not 0 <= config.min_lr_ratio <= 1:
+    fail(f'min_lr_ratio must be in [0, 1], got {config.min_lr_ratio!r}.')
+  if config.schedule == 'wsd' and not 0 < config.decay_fraction <= 1:
+    fail(f'decay_fraction must be in (0, 1], got {config.decay_fraction!r}.')
+  if config.weight_decay < 0:
+    fail(f'weight_decay must be >= 0, got {config.weight_decay!r}.')
+  if config.grad_clip is not None and config.grad_clip < 0:
+    fail(f'grad_clip must be >= 0 or None (0 / None: no clipping), '
+         f'got {config.grad_clip!r}.')
+
+
+def validate(config: ml_collections.ConfigDict) -> None:
+  """Validates every section of a run config: ValueError with a readable message."""
+  for section in SECTIONS:
+    if section not in config:
+      raise ValueError(f'Config has no {section!r} section.')
+  ModelConfig.from_config(config.model)
+  validate_data(config.data)
+  validate_train(config.train)
+  sharding.validate_mesh_config(config.mesh)
+
+
+def explain_config_overrides(argv: Sequence[str], default: str) -> str | None:
+  """Why a `--config.a.b=v` override of `argv` names no config field (None: all do).
+
+  For `train.py`, whose flag parser reports an unknown field only as "'b'". Loads
+  the config file of `--config=path[:arg]` (else `default`) itself.
+  """
+  path = default
+  for i, arg in enumerate(argv):
+    if arg.startswith('--config='):
+      path = arg.split('=', 1)[1]
+    elif arg == '--config' and i + 1 < len(argv):
+      path = argv[i + 1]
+  path, _, arg = path.partition(':')
+  try:
+    spec = importlib.util.spec_from_file_location('_config_file', path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config(arg) if arg else module.get_config()
+  except Exception:  # pylint: disable=broad-except
+    return None  # the config file's own error is the one to show
+  for flag in argv:
+    if not flag.startswith('--config.'):
+      continue
+    name = flag[len('--config.'):].split('=', 1)[0]
+    node, walked = config, []
+    for key in name.split('.'):
+      if not isinstance(node, ml_collections.ConfigDict) or key not in node:
+        where = '.'.join(walked) or 'the config'
+        fields = (sorted(node.keys()) if isinstance(node, ml_collections.ConfigDict)
+                  else [])
+        close = difflib.get_close_matches(key, fields, n=1)
+        return (f'unknown config field {name!r} in {flag!r}'
+                + (f'; did you mean {".".join(walked + close)!r}?' if close else '.')
+                + (f' The fields of {where} are: {", ".join(fields)}.' if fields else
+                   f' ({where} is a value, not a section.)'))
+      node = node[key]
+      walked.append(key)
+  return None

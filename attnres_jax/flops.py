@@ -12,7 +12,8 @@ A read of sublayer l weighs depth.num_valid_sources(l, S) sources and the final 
 N + 1, so Full costs O(L^2 d) and Block O(L N d) per token (paper, Section 3). A
 training step is 3x the forward pass (the backward pass costs twice the forward).
 The depth-read term is what separates the residual modes; for the 4-layer, d = 128
-models of configs/sweep.py it is 0.9% (Block, S = 8) to 2.1% (Full) of the total.
+models of the study grid (configs/default.py) it is 0.9% (Block, S = 8) to 2.1%
+(Full) of the total.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def depth_read_sources(model_cfg) -> int:
   size = config_lib.effective_block_size(model_cfg)
   reads = [depth.num_valid_sources(l, size) for l in range(num_sublayers)]
   reads.append(depth.num_slots(num_sublayers, size))  # the final read
-  if model_cfg.get('depth_window', 0):
+  if model_cfg.depth_window:
     reads = [min(n, model_cfg.depth_window + 1) for n in reads]
   return sum(reads)
 
@@ -47,7 +48,7 @@ def forward_flops_per_token(model_cfg, seq_len: int) -> dict[str, float]:
   }
   if model_cfg.residual == 'block':
     terms['depth_read'] += d * config_lib.num_sublayers(model_cfg)
-  if model_cfg.get('depth_query_input', False):
+  if model_cfg.depth_query_input:
     terms['depth_read'] += 2.0 * d * d * (config_lib.num_sublayers(model_cfg) + 1)
   terms['total'] = sum(terms.values())
   return terms

@@ -23,19 +23,13 @@ import os
 import struct
 from collections.abc import Mapping
 
+import jax
 import tensorboardX
+from absl import logging
 from tensorboardX.proto import event_pb2
 
 JSONL = 'metrics.jsonl'
 TENSORBOARD = 'tensorboard'
-LN2 = math.log(2.0)
-
-
-def bits_per_byte(loss_nats_per_token: float, bytes_per_token: float = 1.0) -> float:
-  """Bits per byte from a mean loss in nats per token (1 byte per token for bytes)."""
-  return loss_nats_per_token / LN2 / bytes_per_token
-
-
 class MetricWriter:
   """Writes scalars to TensorBoard (`<workdir>/tensorboard`) and `<workdir>/metrics.jsonl`."""
 
@@ -148,3 +142,10 @@ def read_tensorboard(workdir: str) -> dict[str, list[tuple[int, float]]]:
         if value.HasField('simple_value'):
           scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
   return scalars
+
+
+def say(message: str, bar=None) -> None:
+  """Logs `message` and prints it on process 0 (above a tqdm progress bar, if any)."""
+  logging.info(message)
+  if jax.process_index() == 0:
+    (bar.write if bar is not None else print)(message)

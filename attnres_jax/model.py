@@ -8,6 +8,7 @@ sources) and how each sublayer's input is read from it. See `depth.py` for the r
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -43,14 +44,15 @@ class RMSNorm(nnx.Module):
 
   def __call__(self, x: Array) -> Array:
     normed = x.astype(jnp.float32) * depth.rms_inverse(x, self.eps)[..., None]
-    return (normed * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+    scale = depth.lead(self.scale[...].astype(jnp.float32), x.ndim)
+    return (normed * scale).astype(x.dtype)
 
 
 def rotary_embedding(x_BTNH: Array, positions_BT: Array, theta: float) -> Array:
   """Rotary position embedding (rotate-half form), computed in float32."""
   head_dim = x_BTNH.shape[-1]
   frequencies = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
-  angles_BTH = positions_BT[..., None].astype(jnp.float32) * frequencies
+  angles_BTH = positions_BT[..., None].astype(jnp.float32) * frequencies[None, None]
   sin, cos = jnp.sin(angles_BTH)[:, :, None, :], jnp.cos(angles_BTH)[:, :, None, :]
   x1, x2 = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)
   rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
@@ -165,7 +167,7 @@ class Transformer(nnx.Module):
   """The language model. `residual` in the config picks the residual mode."""
 
   def __init__(self, cfg, *, rngs: nnx.Rngs):
-    config_lib.validate_model_config(cfg)
+    cfg = config_lib.ModelConfig.from_config(cfg)  # validates
     self.cfg = cfg
     pdt = _dtype(cfg.param_dtype)
     d = cfg.d_model
@@ -234,31 +236,38 @@ class Transformer(nnx.Module):
     return self.head(h_BTD), cache
 
   def __call__(self, tokens_BT: Array, positions_BT: Array | None = None, *,
-               collect_stats: bool = False):
+               collect_stats: bool = False, stats_weights_BT: Array | None = None):
     """Logits [B, T, V] in float32; with `collect_stats`, also per-sublayer statistics.
 
-    Statistics (for analysis) are returned stacked as [num_layers, 2, ...] (sublayer
-    order: attention, MLP) plus the final read's depth weights.
+    Statistics (for analysis) are means over tokens, weighted by `stats_weights_BT`
+    (default: every token alike), returned stacked as [num_layers, 2, ...] (sublayer
+    order: attention, MLP) plus the final read's depth weights and input RMS.
     """
     return self.forward_embeddings(self.embed(tokens_BT), positions_BT,
-                                   collect_stats=collect_stats)
+                                   collect_stats=collect_stats,
+                                   stats_weights_BT=stats_weights_BT)
 
   def forward_embeddings(self, x_BTD: Array, positions_BT: Array | None = None, *,
-                         collect_stats: bool = False):
+                         collect_stats: bool = False,
+                         stats_weights_BT: Array | None = None):
     """The model from token embeddings on (e.g. to differentiate wrt the inputs)."""
     if positions_BT is None:
       positions_BT = jnp.broadcast_to(jnp.arange(x_BTD.shape[1]), x_BTD.shape[:2])
+    if collect_stats and stats_weights_BT is None:
+      stats_weights_BT = jnp.ones(x_BTD.shape[:2], jnp.float32)
     graphdef, layer_state = nnx.split(self.layers)
     carry, stats = stack_lib.apply_layers(
         graphdef, layer_state, x_BTD, positions_BT, cfg=self.cfg,
-        collect_stats=collect_stats)
+        collect_stats=collect_stats, stats_weights_BT=stats_weights_BT)
     h_BTD, final_weights_KBT = self.final_read(carry)
     logits_BTV = self.head(h_BTD)
     if not collect_stats:
       return logits_BTV
+    mean = functools.partial(stack_lib.token_mean,
+                             token_weights_BT=stats_weights_BT.astype(jnp.float32))
     if final_weights_KBT is not None:
-      stats['final_depth_weights'] = jnp.mean(final_weights_KBT, axis=(1, 2))
-    stats['final_input_rms'] = jnp.mean(1.0 / depth.rms_inverse(h_BTD, 0.0))
+      stats['final_depth_weights'] = jax.vmap(mean)(final_weights_KBT)
+    stats['final_input_rms'] = mean(1.0 / depth.rms_inverse(h_BTD, 0.0))
     return logits_BTV, stats
 
 
@@ -269,12 +278,14 @@ def convert_standard_to_attnres(standard_model: Transformer, attnres_cfg) -> Tra
   (zero queries, unit gains), so every read is the mean of its sources, which sum to
   the standard residual stream, and PreNorm removes the scale (`docs/method.md`, E2).
   """
-  for name, value in standard_model.cfg.items():
+  attnres_cfg = config_lib.ModelConfig.from_config(attnres_cfg)
+  for name, value in standard_model.cfg.to_dict().items():
+    requested = getattr(attnres_cfg, name)
     if (name not in ('residual', 'block_size') + config_lib.EXECUTION_FIELDS
-        and attnres_cfg.get(name) != value):
+        and requested != value):
       raise ValueError(
           f'Cannot convert: config field {name!r} differs '
-          f'({value!r} in the standard model, {attnres_cfg.get(name)!r} requested).')
+          f'({value!r} in the standard model, {requested!r} requested).')
   target = Transformer(attnres_cfg, rngs=nnx.Rngs(0))
   nnx.update(target, nnx.state(standard_model, nnx.Param))
   return target

@@ -16,13 +16,13 @@ resumption do not depend on the accumulation factor.
 
 from __future__ import annotations
 
-import math
 
 import jax
 import ml_collections
 import optax
 
-SCHEDULES = ('cosine', 'wsd', 'constant')
+from attnres_jax import config as config_lib
+
 
 # Parameters (by their own name, the last key of the path) that are never decayed.
 NO_DECAY = frozenset({'scale'})
@@ -54,7 +54,8 @@ def learning_rate_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
   elif config.schedule == 'constant':
     rest = optax.constant_schedule(peak)
   else:
-    raise ValueError(f'Unknown schedule {config.schedule!r}; available: {SCHEDULES}.')
+    raise ValueError(f'Unknown schedule {config.schedule!r}; available: '
+                     f'{config_lib.SCHEDULES}.')
   if warmup == 0:
     return rest
   return optax.join_schedules([warm, rest], [warmup])
@@ -91,28 +92,3 @@ def make_optimizer(config: ml_collections.ConfigDict
       weight_decay=config.weight_decay,
       mask=lambda params: decay_mask(params, decay_embeddings=config.decay_embeddings)))
   return optax.chain(*parts), schedule
-
-
-def validate_optimizer_config(config: ml_collections.ConfigDict) -> None:
-  """Raises ValueError for invalid optimiser fields of the `train` config."""
-
-  def fail(message):
-    raise ValueError(f'Invalid train config: {message}')
-
-  if config.schedule not in SCHEDULES:
-    fail(f'schedule must be one of {SCHEDULES}, got {config.schedule!r}.')
-  if not (isinstance(config.learning_rate, (int, float))
-          and math.isfinite(config.learning_rate) and config.learning_rate > 0):
-    fail(f'learning_rate must be a finite number > 0, got {config.learning_rate!r}.')
-  if not 0 <= config.warmup_steps <= config.num_steps:
-    fail(f'warmup_steps must be in [0, num_steps={config.num_steps}], '
-         f'got {config.warmup_steps!r}.')
-  if not 0 <= config.min_lr_ratio <= 1:
-    fail(f'min_lr_ratio must be in [0, 1], got {config.min_lr_ratio!r}.')
-  if config.schedule == 'wsd' and not 0 < config.decay_fraction <= 1:
-    fail(f'decay_fraction must be in (0, 1], got {config.decay_fraction!r}.')
-  if config.weight_decay < 0:
-    fail(f'weight_decay must be >= 0, got {config.weight_decay!r}.')
-  if config.grad_clip is not None and config.grad_clip < 0:
-    fail(f'grad_clip must be >= 0 or None (0 / None: no clipping), '
-         f'got {config.grad_clip!r}.')

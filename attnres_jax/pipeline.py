@@ -83,6 +83,7 @@ def validate(pipe: PipelineConfig | None, model_config, batch_size: int,
   """Raises ValueError (before anything compiles) for a pipeline that cannot run."""
   if pipe is None:
     return
+  model_config = config_lib.ModelConfig.from_config(model_config)
 
   def fail(message):
     raise ValueError(f'Invalid pipeline (mesh.stage={pipe.stages}, '
@@ -103,8 +104,7 @@ def validate(pipe: PipelineConfig | None, model_config, batch_size: int,
          'returns to stage 0 for its next virtual stage after P iterations).')
   if pipe.transfer not in sharding.PIPELINE_TRANSFERS:
     fail(f'pipeline_transfer must be one of {sharding.PIPELINE_TRANSFERS}.')
-  if model_config.residual != 'standard' and config_lib.depth_variant_fields(
-      model_config):
+  if model_config.residual != 'standard' and model_config.ablations:
     fail('the depth-read ablations are not pipelined.')
 
 

@@ -122,7 +122,7 @@ def read_one_shot(cfg, buffer_KBTD, num_valid, query_D, gain_D, query_proj_DD=No
                   mixing_K=None, inv_rms_KBT=None):
   """One depth read over `buffer[:num_valid]` in one softmax (the reference read), or
   one of its ablations. Returns (h, weights [K, B, T])."""
-  if not config_lib.depth_variant_fields(cfg):
+  if not cfg.ablations:
     h_BTD, (weights_KBT, _, _) = depth.read_parts(
         buffer_KBTD, query_D, gain_D, eps=cfg.attn_res_eps, num_valid=num_valid,
         inv_rms_KBT=inv_rms_KBT)
@@ -138,7 +138,7 @@ def read_one_shot(cfg, buffer_KBTD, num_valid, query_D, gain_D, query_proj_DD=No
     # an unscaled W x grows ~sqrt(d) times faster than the static query and the depth
     # softmax collapses to one source per token (measured: entropy 0.01-0.05 nats
     # after 300 steps at lr 3e-3, d=128, and 16% worse held-out loss than Full).
-    query = query_D.astype(jnp.float32) + (
+    query = depth.lead(query_D.astype(jnp.float32), normed_BTD.ndim) + (
         normed_BTD @ query_proj_DD.astype(jnp.float32)) * normed_BTD.shape[-1] ** -0.5
   return depth.attn_res_read_variant(
       buffer_KBTD, query, gain_D, eps=cfg.attn_res_eps, num_valid=num_valid,

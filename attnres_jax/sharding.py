@@ -28,12 +28,15 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
+import functools
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
 import ml_collections
+import optax
 from absl import logging
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
@@ -258,3 +261,62 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
                      f'an array of shape {x.shape}.')
   spec = logical_to_spec(logical_axes, rules, mesh=mesh, shape=x.shape)
   return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+# -- the train state on a mesh ----------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """Where the train state and the batches live on a device mesh.
+
+  `state` is a TrainState of NamedShardings: each parameter split as its logical axis
+  names say under `rules`, its optimizer moments likewise, scalars replicated.
+  `abstract_state` holds the matching `jax.ShapeDtypeStruct`s (restore targets).
+  """
+  mesh: jax.sharding.Mesh
+  rules: dict[str, Any]
+  state: Any           # the train state as NamedShardings
+  abstract_state: Any  # its jax.ShapeDtypeStructs (restore targets)
+  batch: NamedSharding
+
+  @property
+  def replicated(self) -> NamedSharding:
+    return NamedSharding(self.mesh, P())
+
+  def to_global(self, batch: Mapping[str, Any]) -> dict[str, jax.Array]:
+    """This process's rows of a global batch -> global arrays split over the mesh."""
+    return {k: jax.make_array_from_process_local_data(self.batch, v)
+            for k, v in batch.items()}
+
+
+def train_state_layout(abstract_state, abstract_params: nnx.State,
+                       tx: optax.GradientTransformation, mesh: Mesh, rules) -> Layout:
+  """The shardings of a train state (a flax struct with step, params, opt_state, as
+  `jax.eval_shape` gives it) and of the batches: each parameter split as its logical
+  axis names (in `abstract_params`) say under `rules`, its optimizer moments
+  likewise, scalars replicated."""
+  rules = dict(rules)
+  params = param_shardings(abstract_params, mesh, rules)
+  replicated = NamedSharding(mesh, P())
+  opt_state = optax.tree_map_params(
+      tx, lambda _, s: s, abstract_state.opt_state, params,
+      transform_non_params=lambda _: replicated,
+      is_leaf=lambda x: isinstance(x, NamedSharding))
+  state = abstract_state.replace(step=replicated, params=params, opt_state=opt_state)
+  abstract = jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_state,
+      state)
+  batch = NamedSharding(mesh, logical_to_spec(('batch', 'length'), rules, mesh=mesh))
+  return Layout(mesh=mesh, rules=rules, state=state, abstract_state=abstract, batch=batch)
+
+
+def under_rules(function, layout: 'Layout'):
+  """`function` tracing with the activation constraints of `layout`."""
+
+  @functools.wraps(function)
+  def wrapped(*args, **kwargs):
+    with logical_rules(layout.mesh, layout.rules):
+      return function(*args, **kwargs)
+
+  return wrapped

@@ -43,17 +43,20 @@ def scan_or_loop(step, carry, xs, *, unroll: bool = False):
   return carry, jax.tree.map(lambda *y: jnp.stack(y), *ys)
 
 
-def _token_rms(x_BTD):
-  """Mean over tokens of the RMS over features."""
-  return jnp.mean(1.0 / depth.rms_inverse(x_BTD, 0.0))
+def token_mean(x_BT, token_weights_BT):
+  """Weighted mean over tokens (a batch without weight gives 0)."""
+  return jnp.sum(x_BT * token_weights_BT) / jnp.maximum(jnp.sum(token_weights_BT), 1e-30)
 
 
-def _sublayer_stats(h_BTD, out_BTD, weights_KBT):
-  entry = {'input_rms': _token_rms(h_BTD), 'output_rms': _token_rms(out_BTD)}
+def _sublayer_stats(h_BTD, out_BTD, weights_KBT, token_weights_BT):
+  """Token-weighted means of one sublayer's statistics (for the analysis)."""
+  mean = functools.partial(token_mean, token_weights_BT=token_weights_BT)
+  entry = {'input_rms': mean(1.0 / depth.rms_inverse(h_BTD, 0.0)),
+           'output_rms': mean(1.0 / depth.rms_inverse(out_BTD, 0.0))}
   if weights_KBT is not None:
-    entry['depth_weights'] = jnp.mean(weights_KBT, axis=(1, 2))
+    entry['depth_weights'] = jax.vmap(mean)(weights_KBT)
     plogp = jnp.where(weights_KBT > 0, weights_KBT * jnp.log(weights_KBT), 0.0)
-    entry['depth_entropy'] = jnp.mean(-jnp.sum(plogp, axis=0))
+    entry['depth_entropy'] = mean(-jnp.sum(plogp, axis=0))
   return entry
 
 
@@ -105,12 +108,13 @@ def stacked_residual_params(graphdef, layer_states):
 
 def run_layers(residual, graphdef, layer_state, x_BTD, positions_BT, *, cfg,
                apply_sublayer: SublayerHook | None = None, collect_stats=False,
-               extra_xs=None):
+               stats_weights_BT=None, extra_xs=None):
   """Runs every layer through `residual`; returns (final carry, per-layer outputs).
 
   Per-layer outputs: what `apply_sublayer` saved for each sublayer (a pair) and the
-  statistics when `collect_stats`, in the layout of `split_segments`; `join_layers`
-  stacks them over layers.
+  statistics when `collect_stats` (means over tokens weighted by `stats_weights_BT`,
+  default uniform), in the layout of `split_segments`; `join_layers` stacks them over
+  layers.
   `extra_xs`: per-layer inputs stacked over layers (a KV cache), handed to the hook.
   """
   if apply_sublayer is None:
@@ -130,7 +134,7 @@ def run_layers(residual, graphdef, layer_state, x_BTD, positions_BT, *, cfg,
       inner = residual.write(inner, params, per_layer, j, which, out_BTD)
       saved.append(saved_one)
       if collect_stats:
-        stats.append(_sublayer_stats(h_BTD, out_BTD, weights_KBT))
+        stats.append(_sublayer_stats(h_BTD, out_BTD, weights_KBT, stats_weights_BT))
     stats = jax.tree.map(lambda *s: jnp.stack(s), *stats) if collect_stats else None
     return inner, (tuple(saved), stats)
 
@@ -149,6 +153,8 @@ def run_layers(residual, graphdef, layer_state, x_BTD, positions_BT, *, cfg,
       ys.append(ys_j)
     return residual.end_segment(carry, inner, segment), tuple(ys)
 
+  if collect_stats and stats_weights_BT is None:
+    stats_weights_BT = jnp.ones(x_BTD.shape[:2], jnp.float32)
   size = residual.segment_layers
   num_full = cfg.num_layers // size
   states, extras = (split_segments(tree, cfg.num_layers, size)
@@ -167,14 +173,14 @@ def run_layers(residual, graphdef, layer_state, x_BTD, positions_BT, *, cfg,
 
 
 def apply_layers(graphdef, layer_state, x_BTD, positions_BT, *, cfg,
-                 collect_stats=False):
+                 collect_stats=False, stats_weights_BT=None):
   """Runs the stacked layers from the embedding; returns (final residual carry,
-  per-sublayer statistics [num_layers, 2, ...] or None)."""
+  per-sublayer statistics [num_layers, 2, ...] or None; see `run_layers`)."""
   residual = residual_lib.make_residual(cfg, one_shot=collect_stats)
   if residual.custom_stack is not None and not collect_stats:
     return residual.custom_stack(graphdef, layer_state, x_BTD, positions_BT), None
   carry, ys = run_layers(residual, graphdef, layer_state, x_BTD, positions_BT, cfg=cfg,
-                         collect_stats=collect_stats)
+                         collect_stats=collect_stats, stats_weights_BT=stats_weights_BT)
   return carry, join_layers(ys)[1] if collect_stats else None
 
 

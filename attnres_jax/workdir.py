@@ -16,6 +16,8 @@ it with `fcntl.flock` and writes its pid, host, start time and purpose into it.
 
 The run-config guard compares a resumed run's config with the saved `config.json`
 field by field (`config_changes`); see `HARMLESS_FIELDS` for what may change freely.
+`make_workdir`, `lock_workdir`, `prepare_workdir` and `check_disk_space` are what a
+training run does with its workdir before it trains.
 """
 
 from __future__ import annotations
@@ -25,9 +27,18 @@ import errno
 import fcntl
 import json
 import os
+import shutil
 import socket
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+
+from attnres_jax import checkpointing
+from attnres_jax import config as config_lib
+from attnres_jax import metrics
 
 LOCK_FILE = 'workdir.lock'
 CONFIG_HISTORY = 'config_history.jsonl'
@@ -241,3 +252,111 @@ def record_config_change(workdir: str, step: int, changes: Mapping[str, tuple[An
     f.write(json.dumps(record, sort_keys=True) + '\n')
     f.flush()
     os.fsync(f.fileno())
+
+
+# -- a run's workdir, before it trains -------------------------------------------------
+
+
+def make_workdir(workdir: str) -> str:
+  """Creates `workdir` and checks that it is writable; returns its absolute path."""
+  try:
+    return make_writable_dir(workdir)
+  except OSError as e:
+    raise OSError(f'Workdir {workdir!r} is not writable: {e}') from e
+
+
+def lock_workdir(workdir: str, purpose: str) -> WorkdirLock | None:
+  """Process 0 locks `workdir` for the run (one lock per run, not per process); every
+  process raises WorkdirLockedError if it could not. None on processes other than 0."""
+  lock, error = None, None
+  if jax.process_index() == 0:
+    try:
+      lock = WorkdirLock(workdir, purpose)
+    except WorkdirLockedError as e:
+      error = e
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    locked = multihost_utils.broadcast_one_to_all(np.int32(error is None))
+    if not locked and error is None:
+      error = WorkdirLockedError(
+          f'Process 0 could not lock the workdir {workdir!r} (see its output).')
+  if error is not None:
+    raise error
+  for message in lock.messages if lock is not None else ():
+    metrics.say(f'WARNING: {message}')
+  return lock
+
+
+def changes_training_data(field: str) -> bool:
+  """Whether a change of `field` makes a saved training data iterator state
+  meaningless (another pipeline, batch or order)."""
+  return field in ('train.seq_len', 'train.batch_size', 'train.seed') or (
+      field.startswith('data.') and field not in ('data.tfds_data_dir', 'data.eval_split'))
+
+
+def _model_defaults() -> dict[str, Any]:
+  """Model fields added to the code after a run saved its config take these values
+  (the other sections of a saved config are complete: they come from the config file)."""
+  return flatten({'model': config_lib.ModelConfig().to_dict()})
+
+
+def prepare_workdir(workdir: str, config: ml_collections.ConfigDict,
+                    allow_config_change: Sequence[str] = ()) -> set[str]:
+  """Checks `config` against the run in `workdir` and writes `config.json`.
+
+  If `workdir` holds checkpoints, every field that differs from the saved
+  `config.json` must be harmless (`workdir.HARMLESS_FIELDS`) or named in
+  `allow_config_change` ('seq_len' or 'train.seq_len'); model fields never may (the
+  checkpoints could not hold that model). An accepted change is appended to
+  `config_history.jsonl` with the whole previous config. Returns the changed fields.
+  Call it holding the workdir lock.
+  """
+  current = json.loads(config.to_json())
+  flat_current = flatten(current)
+  allowed = resolve_allowed(allow_config_change, flat_current)
+  config_path = os.path.join(workdir, checkpointing.CONFIG_JSON)
+  ckpt_dir = checkpointing.checkpoint_dir(workdir)
+  has_checkpoints = os.path.isdir(ckpt_dir) and any(
+      name.isdigit() for name in os.listdir(ckpt_dir))
+  changes = {}
+  if has_checkpoints and os.path.exists(config_path):
+    with open(config_path, encoding='utf-8') as f:
+      saved = json.load(f)
+    changes = config_changes(flatten(saved), flat_current,
+                                         _model_defaults())
+    model = sorted(f for f in changes
+                   if f.startswith('model.') and not is_harmless(f))
+    if model:
+      raise RunConfigError(
+          f'Workdir {workdir!r} holds checkpoints of a different model (fields '
+          f'{[f.split(".", 1)[1] for f in model]} differ); use another workdir.')
+    refused = {f: v for f, v in changes.items()
+               if not is_harmless(f) and f not in allowed}
+    if refused:
+      lines = ''.join(f'\n  {f}: {old!r} -> {new!r}' for f, (old, new) in refused.items())
+      raise RunConfigError(
+          f'Workdir {workdir!r} holds checkpoints of a run with another config; '
+          f'resuming it with these changes would make a different run:{lines}\n'
+          f'Use another workdir, or accept the changes explicitly with '
+          f'--allow_config_change={",".join(refused)} '
+          f'(recorded in {CONFIG_HISTORY}).')
+    if changes and jax.process_index() == 0:
+      steps = [int(n) for n in os.listdir(ckpt_dir) if n.isdigit()]
+      record_config_change(workdir, max(steps), changes, saved)
+  if jax.process_count() > 1:  # every process has read the old config.json
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    multihost_utils.sync_global_devices('config.json compared')
+  if jax.process_index() == 0:
+    checkpointing.save_config(workdir, config)
+  return set(changes)
+
+
+def check_disk_space(workdir: str, abstract_state) -> None:
+  """Warns if the workdir's file system has no room for one checkpoint."""
+  needed = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(
+      (abstract_state.params, abstract_state.opt_state)))
+  free = shutil.disk_usage(workdir).free
+  if free < needed * 1.1:  # 10%: the iterator state, metadata, file system blocks
+    metrics.say(f'WARNING: {workdir} has {free / 2**20:,.1f} MiB free, and one checkpoint '
+         f'needs about {needed / 2**20:,.1f} MiB (parameters and optimizer state): '
+         'the first save will fail and stop the run.')

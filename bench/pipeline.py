@@ -30,6 +30,7 @@ if 'xla_force_host_platform_device_count' not in os.environ.get('XLA_FLAGS', '')
 import functools  # pylint: disable=g-import-not-at-top,wrong-import-position
 import json
 import statistics
+import sys
 import time
 
 from absl import app, flags
@@ -42,6 +43,9 @@ from attnres_jax import optim
 from attnres_jax import pipeline
 from attnres_jax import sharding
 from attnres_jax import train
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from configs import default as default_config  # pylint: disable=g-import-not-at-top
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list('parts', ['comm', 'time'], 'comm: bytes per transition; time: step '
@@ -89,7 +93,7 @@ def communication() -> list[dict]:
     cfg = model_config(residual, FLAGS.comm_layers)
     graphdef, _ = checkpointing.abstract_model(cfg)
     params = train.init_train_state(cfg, optim.make_optimizer(
-        train.default_train_config())[0], 0).params
+        default_config.get_config().train)[0], 0).params
     for stages in (2, 4):
       data = NUM_DEVICES // stages
       for virtual in (1, 2, 4):
@@ -105,7 +109,7 @@ def communication() -> list[dict]:
           mesh = sharding.make_mesh(mesh_cfg)
           rules = sharding.rules_from_config(mesh_cfg)
           layout = train.make_layout(cfg, optim.make_optimizer(
-              train.default_train_config())[0], mesh, rules)
+              default_config.get_config().train)[0], mesh, rules)
           pipe = pipeline.from_mesh_config(mesh_cfg)
           loss = functools.partial(pipeline.loss_sums, graphdef=graphdef, pipe=pipe)
           with sharding.logical_rules(mesh, rules):
@@ -136,7 +140,7 @@ def communication() -> list[dict]:
 
 
 def compile_step(cfg, mesh_cfg, batch):
-  tx, schedule = optim.make_optimizer(train.default_train_config())
+  tx, schedule = optim.make_optimizer(default_config.get_config().train)
   mesh = sharding.make_mesh(mesh_cfg)
   layout = train.make_layout(cfg, tx, mesh, sharding.rules_from_config(mesh_cfg))
   state = train.create_train_state(cfg, tx, 0, layout)

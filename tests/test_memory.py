@@ -6,24 +6,16 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import attnres_jax as ar
 
-TINY = dict(d_model=32, num_heads=2, mlp_dim=64, num_layers=3)
+from conftest import tiny_model, with_config
 
 
 def random_model(residual, block_size, **overrides):
-  cfg = ar.model_config(**{**TINY, 'residual': residual, 'block_size': block_size,
-                           **overrides})
-  model = ar.Transformer(cfg, rngs=nnx.Rngs(0))
-  keys = jax.random.split(jax.random.key(1), 2)
-  model.layers.residual.query[...] = jax.random.normal(keys[0], (3, 2, 32))
-  model.layers.residual.gain[...] = 1 + 0.3 * jax.random.normal(keys[1], (3, 2, 32))
-  return model
+  return tiny_model(residual, block_size, random_depth=True, **overrides)
 
 
 def gradients(model, **cfg_changes):
-  for name, value in cfg_changes.items():
-    setattr(model.cfg, name, value)
+  model = with_config(model, **cfg_changes)
   x = jax.random.randint(jax.random.key(2), (2, 12), 0, 256)
   graphdef, state = nnx.split(model)
 
@@ -74,10 +66,8 @@ def test_bfloat16_linear_memory_backward_is_close_to_plain():
 
 def compiled_temp_bytes(residual, block_size, num_layers, linear):
   # A fixed schedule segment (2 layers), so that only the depth changes.
-  cfg = ar.model_config(d_model=32, num_heads=2, mlp_dim=64, num_layers=num_layers,
-                        residual=residual, block_size=block_size,
-                        linear_memory_backward=linear, schedule_layers=2)
-  model = ar.Transformer(cfg, rngs=nnx.Rngs(0))
+  model = tiny_model(residual, block_size, num_layers=num_layers,
+                     linear_memory_backward=linear, schedule_layers=2)
   graphdef, state = nnx.split(model)
   x = jnp.zeros((4, 64), jnp.int32)
   grad_fn = jax.jit(jax.grad(lambda s: jnp.mean(nnx.merge(graphdef, s)(x))))

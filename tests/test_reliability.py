@@ -15,7 +15,7 @@ import pytest
 from attnres_jax import metrics as metrics_lib
 from attnres_jax import train as train_lib
 from attnres_jax import workdir as workdir_lib
-from configs import tiny
+from configs import default as default_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -61,7 +61,7 @@ def test_concurrent_run_refused_and_kill_9_before_first_checkpoint(tmp_path, cap
   TensorBoard."""
   workdir = str(tmp_path / 'run')
   tfds_dir = str(tmp_path / 'tfds')
-  command = [sys.executable, 'train.py', '--config=configs/tiny.py', f'--workdir={workdir}',
+  command = [sys.executable, 'train.py', '--config=configs/default.py:tiny', f'--workdir={workdir}',
              f'--config.data.tfds_data_dir={tfds_dir}', '--config.train.log_every=1',
              '--config.train.warmup_steps=1', '--config.train.num_steps=100000',
              '--config.train.checkpoint_every=100000']
@@ -86,7 +86,7 @@ def test_concurrent_run_refused_and_kill_9_before_first_checkpoint(tmp_path, cap
   assert dead_steps == list(range(1, len(dead_steps) + 1))  # the second run wrote none
   assert len(metrics_lib.read_tensorboard(workdir)['train/loss']) >= 10
 
-  config = tiny.get_config()
+  config = default_config.get_config('tiny')
   config.data.tfds_data_dir = tfds_dir
   config.train.update(num_steps=6, checkpoint_every=3, log_every=1, warmup_steps=1)
   result = train_lib.train_and_evaluate(config, workdir)
@@ -103,7 +103,7 @@ def test_concurrent_run_refused_and_kill_9_before_first_checkpoint(tmp_path, cap
 
 def test_unknown_config_field_on_the_command_line(tmp_path):
   result = subprocess.run(
-      [sys.executable, 'train.py', '--config=configs/tiny.py', '--config.model.nope=1',
+      [sys.executable, 'train.py', '--config=configs/default.py:tiny', '--config.model.nope=1',
        f'--workdir={tmp_path}'], cwd=REPO, capture_output=True, text=True, timeout=300)
   assert result.returncode == 1
   assert ("Flags parsing error: unknown config field 'model.nope' in "

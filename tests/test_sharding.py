@@ -91,10 +91,11 @@ def run_checks(residual: str) -> dict:
 
   from attnres_jax import checkpointing, depth, optim, sharding, train  # pylint: disable=g-import-not-at-top
   from attnres_jax import config as config_lib  # pylint: disable=g-import-not-at-top
+  from conftest import train_config  # pylint: disable=g-import-not-at-top
 
   assert jax.device_count() == 8, jax.devices()
   model_config = config_lib.model_config(residual=residual, **MODEL)
-  tx, schedule = optim.make_optimizer(train.default_train_config(**TRAIN))
+  tx, schedule = optim.make_optimizer(train_config(**TRAIN))
   graphdef, _ = checkpointing.abstract_model(model_config)
   declared = sharding.logical_axes_tree(nnx.state(nnx.eval_shape(
       lambda: train.model_lib.Transformer(model_config, rngs=nnx.Rngs(0)))))

