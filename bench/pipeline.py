@@ -12,7 +12,7 @@
    arguments + outputs of one device's program), cached vs naive.
 
   python bench/pipeline.py                               # both parts
-  python bench/pipeline.py --parts=comm --out=/tmp/pipeline_comm.jsonl
+  python bench/pipeline.py --parts=comm --stages=2 --virtual_stages=2 --out=/tmp/pp.jsonl
 
 The simulated devices share the host's cores: a step-time ratio says how much more
 work the pipelined program does in total (bubble slots still compute, masked), not
@@ -56,6 +56,8 @@ flags.DEFINE_integer('comm_layers', 16, 'Layers of the communication models '
                      '(divisible by P V for P in {2, 4}, V in {1, 2, 4}).')
 flags.DEFINE_integer('time_layers', 8, 'Layers of the timed model (Block, N = 8).')
 flags.DEFINE_integer('time_batch', 32, 'Global batch of the timed steps.')
+flags.DEFINE_list('stages', ['2', '4'], 'Communication table: stage counts P.')
+flags.DEFINE_list('virtual_stages', ['1', '2', '4'], 'Communication table: V.')
 flags.DEFINE_integer('steps', 5, 'Timed rounds after one warm-up round.')
 flags.DEFINE_string('out', 'bench/results/pipeline.jsonl', 'JSON output, one record '
                     'per row.')
@@ -94,9 +96,9 @@ def communication() -> list[dict]:
     graphdef, _ = checkpointing.abstract_model(cfg)
     params = train.init_train_state(cfg, optim.make_optimizer(
         default_config.get_config().train)[0], 0).params
-    for stages in (2, 4):
+    for stages in map(int, FLAGS.stages):
       data = NUM_DEVICES // stages
-      for virtual in (1, 2, 4):
+      for virtual in map(int, FLAGS.virtual_stages):
         micro = stages  # one row per data-parallel device per microbatch
         batch = tokens(micro * data)
         row = dict(part='comm', model=f'{residual}' + (
