@@ -12,6 +12,10 @@ tuple of mesh axes it is split over (empty: not split). The mesh has three axes:
   tensor  tensor (Megatron) parallelism: attention heads, the MLP hidden units and the
           vocabulary are split, activations along them too
 
+plus a fourth, outermost axis `stage` (size `mesh.stage`, 1 by default) for pipeline
+parallelism (`pipeline.py`): the stacked layers ('layers') are split over it, and the
+pipeline's per-stage activations ('stages').
+
 Activations use their own name for the model width, 'hidden', separate from the
 parameters' 'embed': under FSDP the batch already uses the fsdp axis, so the hidden
 state is split along batch only (or along 'tensor' too, if mapped so). The AttnRes
@@ -39,6 +43,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 AXIS_NAMES = ('data', 'fsdp', 'tensor')
+STAGE_AXIS = 'stage'  # pipeline stages: always the mesh's first axis
+PIPELINE_TRANSFERS = ('naive', 'cached')
 
 # logical name -> the mesh axes it is split over (empty: not split). Tuples, so that
 # one rule can be overridden on the command line: --config.mesh.rules.hidden=tensor.
@@ -54,7 +60,8 @@ DEFAULT_RULES = {
     'head_dim': (),
     'mlp': ('tensor',),
     'vocab': ('tensor',),
-    'layers': (),           # the stacked-layer axis (scanned over)
+    'layers': ('stage',),   # the stacked-layer axis: pipeline stages hold slices of it
+    'stages': ('stage',),   # the pipeline's per-stage axis of activations
     'sublayers': (),        # attention / MLP rows of the AttnRes queries and gains
 }
 
@@ -68,11 +75,17 @@ DEPTH_BUFFER = ('depth', 'batch', 'length', 'hidden')  # AttnRes sources [S, B, 
 def default_mesh_config(**overrides) -> ml_collections.ConfigDict:
   """The `mesh` config section: shape (one -1 = the remaining devices), axis names and
   the logical-axis rules. Default: all devices data parallel; e.g.
-  --config.mesh.shape='(2,2,2)' for data x FSDP x tensor parallelism."""
+  --config.mesh.shape='(2,2,2)' for data x FSDP x tensor parallelism, and
+  --config.mesh.stage=2 to pipeline the layers over 2 stages (`pipeline.py`; the shape
+  then covers the devices of one stage)."""
   cfg = ml_collections.ConfigDict(dict(
       shape=(-1, 1, 1),
       axis_names=AXIS_NAMES,
       rules=dict(DEFAULT_RULES),
+      stage=1,                 # pipeline stages P (1: no pipeline)
+      virtual_stages=1,        # V chunks per stage: 1 GPipe, > 1 interleaved (circular)
+      num_microbatches=1,      # M microbatches in flight in the pipeline (V > 1: M >= P)
+      pipeline_transfer='cached',  # AttnRes state between stages: 'naive' | 'cached'
   ))
   cfg.update(overrides)
   return cfg
@@ -107,6 +120,22 @@ def validate_mesh_config(mesh_config: ml_collections.ConfigDict) -> None:
                      'have equal lengths, with at most one -1.')
   if 'data' not in names:
     raise ValueError(f"Invalid mesh config: axis_names {names} has no 'data' axis.")
+  if STAGE_AXIS in names:
+    raise ValueError(f'Invalid mesh config: axis_names {names} must not name '
+                     f'{STAGE_AXIS!r}: it is added by mesh.stage.')
+  for name in ('stage', 'virtual_stages', 'num_microbatches'):
+    value = mesh_config.get(name, 1)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+      raise ValueError(f'Invalid mesh config: {name} must be a positive integer, got '
+                       f'{value!r}.')
+  transfer = mesh_config.get('pipeline_transfer', 'cached')
+  if transfer not in PIPELINE_TRANSFERS:
+    raise ValueError(f'Invalid mesh config: pipeline_transfer must be one of '
+                     f'{PIPELINE_TRANSFERS}, got {transfer!r}.')
+  if mesh_config.get('stage', 1) == 1 and (mesh_config.get('virtual_stages', 1) > 1):
+    raise ValueError('Invalid mesh config: virtual_stages > 1 needs a pipeline '
+                     '(mesh.stage > 1).')
+  names = names + (STAGE_AXIS,)
   for name, axes in rules_from_config(mesh_config).items():
     unknown = [a for a in axes if a not in names]
     if unknown:
@@ -122,20 +151,22 @@ def make_mesh(mesh_config: ml_collections.ConfigDict,
   processes); one -1 in the shape takes the remaining devices.
 
   The axes are `Auto`: the compiler propagates shardings from the parameters, the
-  batch and the `constrain` calls.
+  batch and the `constrain` calls. The first axis is `stage` (size `mesh.stage`).
   """
   validate_mesh_config(mesh_config)
-  shape, names = list(mesh_config.shape), tuple(mesh_config.axis_names)
+  stages = mesh_config.get('stage', 1)
+  shape = [stages] + list(mesh_config.shape)
+  names = (STAGE_AXIS,) + tuple(mesh_config.axis_names)
   count = len(devices) if devices is not None else jax.device_count()
   if -1 in shape:
     known = math.prod(s for s in shape if s != -1)
     if known < 1 or count % known:
-      raise ValueError(f'Mesh shape {tuple(mesh_config.shape)} does not fit '
-                       f'{count} devices.')
+      raise ValueError(f'Mesh shape {tuple(mesh_config.shape)} with stage={stages} '
+                       f'does not fit {count} devices.')
     shape[shape.index(-1)] = count // known
   if math.prod(shape) != count:
-    raise ValueError(f'Mesh shape {tuple(mesh_config.shape)} does not cover the '
-                     f'{count} devices.')
+    raise ValueError(f'Mesh shape {tuple(mesh_config.shape)} with stage={stages} does '
+                     f'not cover the {count} devices.')
   return jax.make_mesh(tuple(shape), names, devices=devices,
                        axis_types=(jax.sharding.AxisType.Auto,) * len(names))
 

@@ -38,6 +38,7 @@ from attnres_jax import evaluate as evaluate_lib
 from attnres_jax import metrics as metrics_lib
 from attnres_jax import model as model_lib
 from attnres_jax import optim
+from attnres_jax import pipeline
 from attnres_jax import sharding
 from attnres_jax import workdir as workdir_lib
 
@@ -78,8 +79,8 @@ class TrainResult:
 
 
 def train_step(state: TrainState, batch, *, graphdef, tx: optax.GradientTransformation,
-               schedule: optax.Schedule | None = None, grad_accum_steps: int = 1
-               ) -> tuple[TrainState, dict[str, jax.Array]]:
+               schedule: optax.Schedule | None = None, grad_accum_steps: int = 1,
+               loss_fn=None) -> tuple[TrainState, dict[str, jax.Array]]:
   """One optimizer update on `batch`: the weighted mean cross-entropy's gradient.
 
   Metrics: loss (nats per token, before the update), grad_norm (before clipping),
@@ -88,9 +89,10 @@ def train_step(state: TrainState, batch, *, graphdef, tx: optax.GradientTransfor
   With `grad_accum_steps` k > 1 the batch is split into k microbatches (rows i, i + k,
   ...), whose gradient sums are accumulated in a `lax.scan`; only one microbatch's
   activations are live at a time. The update is the same as for the whole batch, up to
-  float summation order.
+  float summation order. `loss_fn`: another `loss_sums` (the pipelined one).
   """
-  grad_fn = jax.value_and_grad(functools.partial(evaluate_lib.loss_sums, graphdef=graphdef),
+  loss_fn = loss_fn or evaluate_lib.loss_sums
+  grad_fn = jax.value_and_grad(functools.partial(loss_fn, graphdef=graphdef),
                                has_aux=True)
   if grad_accum_steps == 1:
     (loss_sum, weight_sum), grad_sums = grad_fn(state.params, batch)
@@ -174,10 +176,11 @@ def create_train_state(model_config, tx, seed: int, layout: sharding.Layout) -> 
                  out_shardings=layout.state)()
 
 
-def jit_train_step(layout: sharding.Layout, *, graphdef, tx, schedule=None, grad_accum_steps=1):
+def jit_train_step(layout: sharding.Layout, *, graphdef, tx, schedule=None,
+                   grad_accum_steps=1, loss_fn=None):
   """`train_step` jitted on the mesh: state donated, metrics replicated."""
   step = functools.partial(train_step, graphdef=graphdef, tx=tx, schedule=schedule,
-                           grad_accum_steps=grad_accum_steps)
+                           grad_accum_steps=grad_accum_steps, loss_fn=loss_fn)
   return jax.jit(sharding.under_rules(step, layout),
                  in_shardings=(layout.state, layout.batch),
                  out_shardings=(layout.state, layout.replicated),
@@ -243,6 +246,8 @@ def train_and_evaluate(
   """
   run_start = time.perf_counter()
   config_lib.validate(config)
+  pipeline.validate(pipeline.from_mesh_config(config.mesh), config.model,
+                    config.train.batch_size // config.train.grad_accum_steps)
   workdir_lib.resolve_allowed(allow_config_change, workdir_lib.flatten(
       json.loads(config.to_json())))  # a misspelt field fails here, not after locking
   data_lib.check_dataset(config.data)
@@ -299,6 +304,8 @@ def _train(config: ml_collections.ConfigDict, workdir: str, *, changed: set[str]
     raise ValueError(f'The microbatch of {tc.batch_size // tc.grad_accum_steps} rows '
                      f'(batch_size / grad_accum_steps) does not split over the '
                      f'{data_shards} data-parallel devices.')
+  pipe = pipeline.from_mesh_config(config.mesh)
+  pipeline.validate(pipe, config.model, tc.batch_size // tc.grad_accum_steps, data_shards)
 
   tx, schedule = optim.make_optimizer(tc)
   graphdef, _ = checkpointing.abstract_model(config.model)
@@ -341,7 +348,8 @@ def _train(config: ml_collections.ConfigDict, workdir: str, *, changed: set[str]
         on_metrics(step, dict(record))
 
     p_train_step = jit_train_step(layout, graphdef=graphdef, tx=tx, schedule=schedule,
-                                  grad_accum_steps=tc.grad_accum_steps)
+                                  grad_accum_steps=tc.grad_accum_steps,
+                                  loss_fn=pipeline.make_loss_fn(pipe))
     p_eval_step = jit_eval_step(layout, graphdef=graphdef)
 
     num_steps = tc.num_steps

@@ -140,9 +140,15 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
           head_dim=(),
           mlp=('tensor',),
           vocab=('tensor',),
-          layers=(),               # the stacked (scanned) layer axis
+          layers=('stage',),       # the stacked (scanned) layer axis: pipeline stages
+          stages=('stage',),       # the pipeline's per-stage activations
           sublayers=(),            # attention / MLP rows of the AttnRes parameters
       ),
+      # Pipeline parallelism (attnres_jax/pipeline.py, docs/pipeline.md).
+      stage=1,                   # P stages: a mesh axis before `shape`; 1 = none
+      virtual_stages=1,          # V chunks per stage: 1 GPipe, > 1 interleaved
+      num_microbatches=1,        # M microbatches in the pipeline (V > 1: M >= P)
+      pipeline_transfer='cached',  # AttnRes buffer between stages: naive | cached
   ))
 
   for variant in filter(None, arg.split(',')):

@@ -48,7 +48,7 @@ TRAIN = dict(learning_rate=1e-2, warmup_steps=0, schedule='constant', eps=1e-3,
 EXPECTED_RULES = {
     'batch': ('data', 'fsdp'), 'length': (), 'hidden': (), 'depth': (),
     'embed': ('fsdp',), 'heads': ('tensor',), 'head_dim': (), 'mlp': ('tensor',),
-    'vocab': ('tensor',), 'layers': (), 'sublayers': (),
+    'vocab': ('tensor',), 'layers': ('stage',), 'stages': ('stage',), 'sublayers': (),
 }
 
 

@@ -1,0 +1,506 @@
+"""Pipeline parallelism over the mesh's `stage` axis, with the AttnRes state sent
+between stages either whole ('naive') or incrementally ('cached', the paper's
+cross-stage caching). Design, schedule and measurements: `docs/pipeline.md`.
+
+P physical stages, V virtual stages each, C = P V chunks of num_layers / C consecutive
+layers. Chunk c runs on stage c mod P (the interleaved, "circular" assignment; V = 1
+is GPipe). M microbatches flow through: at iteration t, stage p works on microbatch
+(t - p) mod M of its virtual stage (t - p) div M, so a microbatch's chunk c runs at
+iteration v M + m + p and its next chunk one iteration later (on stage 0, after
+waiting M - P iterations in a small storage when M > P). The whole schedule is one
+`lax.scan` over M V + P - 1 iterations of a function vmapped over the stages (sharded
+over `stage`); between iterations the stages' outgoing messages rotate by one stage
+(a collective-permute). The backward pass is autodiff of that scan (all forward
+microbatches, then all backward: GPipe order), which rotates the cotangents the other
+way; `remat` applies per stage as elsewhere.
+
+What crosses a stage boundary is the residual's carry: the stream for the standard
+residual; for AttnRes the depth buffer (the completed blocks and the running partial
+sum) with its per-slot inverse RMS. 'naive' sends the whole buffer. 'cached' keeps, on
+every stage, the buffer of each microbatch as it last received it, and sends only the
+slots written since the receiver last saw the state: in the first virtual stage
+everything written so far, from the second on the slots of the last P chunks.
+Received values are copied, never recomputed, so both transfers give bitwise-equal
+forward passes; the backward pass sends the windows' cotangents and adds a cached
+block's cotangent at the stage that cached it, the same sum in another order (equal
+gradients up to float rounding).
+
+The layers keep their stored layout [num_layers, ...] (split over `stage` by the
+'layers' rule), so checkpoints move freely between pipelined and plain meshes.
+
+Shape suffixes as in `depth.py`, plus M: microbatches (`x_MBTD` is [M, B / M, T, D]).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import re
+import types
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from attnres_jax import config as config_lib
+from attnres_jax import depth
+from attnres_jax import residual as residual_lib
+from attnres_jax import sharding
+from attnres_jax import stack as stack_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+  stages: int                 # P
+  virtual_stages: int = 1     # V
+  num_microbatches: int = 1   # M
+  transfer: str = 'cached'    # 'naive' | 'cached' (AttnRes only)
+
+  @property
+  def num_chunks(self) -> int:
+    return self.stages * self.virtual_stages
+
+  @property
+  def num_iterations(self) -> int:
+    return self.num_microbatches * self.virtual_stages + self.stages - 1
+
+
+def from_mesh_config(mesh_config) -> PipelineConfig | None:
+  """The pipeline of a mesh config section; None without one (stage = 1)."""
+  if mesh_config.get('stage', 1) == 1:
+    return None
+  return PipelineConfig(stages=mesh_config.stage,
+                        virtual_stages=mesh_config.get('virtual_stages', 1),
+                        num_microbatches=mesh_config.get('num_microbatches', 1),
+                        transfer=mesh_config.get('pipeline_transfer', 'cached'))
+
+
+def validate(pipe: PipelineConfig | None, model_config, batch_size: int,
+             data_shards: int = 1) -> None:
+  """Raises ValueError (before anything compiles) for a pipeline that cannot run."""
+  if pipe is None:
+    return
+  model_config = config_lib.ModelConfig.from_config(model_config)
+
+  def fail(message):
+    raise ValueError(f'Invalid pipeline (mesh.stage={pipe.stages}, '
+                     f'virtual_stages={pipe.virtual_stages}, '
+                     f'num_microbatches={pipe.num_microbatches}): {message}')
+
+  if model_config.num_layers % pipe.num_chunks:
+    fail(f'num_layers={model_config.num_layers} is not divisible by stage x '
+         f'virtual_stages = {pipe.num_chunks} chunks.')
+  if batch_size % pipe.num_microbatches:
+    fail(f'the batch of {batch_size} rows does not split into '
+         f'{pipe.num_microbatches} microbatches.')
+  if (batch_size // pipe.num_microbatches) % data_shards:
+    fail(f'a microbatch of {batch_size // pipe.num_microbatches} rows does not split '
+         f'over the {data_shards} data-parallel devices.')
+  if pipe.virtual_stages > 1 and pipe.num_microbatches < pipe.stages:
+    fail('the interleaved schedule needs num_microbatches >= stage (a microbatch '
+         'returns to stage 0 for its next virtual stage after P iterations).')
+  if pipe.transfer not in sharding.PIPELINE_TRANSFERS:
+    fail(f'pipeline_transfer must be one of {sharding.PIPELINE_TRANSFERS}.')
+  if model_config.residual != 'standard' and model_config.ablations:
+    fail('the depth-read ablations are not pipelined.')
+
+
+# -- the schedule (static) ------------------------------------------------------------
+
+
+def schedule_table(pipe: PipelineConfig) -> list[list[tuple[int, int] | None]]:
+  """[iteration][stage] -> (microbatch, virtual stage) or None (idle)."""
+  num_stages, num_virtual = pipe.stages, pipe.virtual_stages
+  num_micro = pipe.num_microbatches
+  table = []
+  for t in range(pipe.num_iterations):
+    row = []
+    for p in range(num_stages):
+      k = t - p
+      busy = 0 <= k < num_micro * num_virtual
+      row.append((k % num_micro, k // num_micro) if busy else None)
+    table.append(row)
+  return table
+
+
+def bubble_fraction(pipe: PipelineConfig) -> float:
+  """Idle (stage, iteration) slots over all slots of the schedule."""
+  slots = [s for row in schedule_table(pipe) for s in row]
+  return sum(s is None for s in slots) / len(slots)
+
+
+# -- what a transition sends (static) -------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class TransferPlan:
+  """The AttnRes buffer slots each transition sends (chunk c -> chunk c + 1).
+
+  `needed[c]`: the slot range [lo, hi) the receiver lacks; `starts[c]`: where the
+  fixed-width window of `width` slots that carries it starts (clamped to the buffer).
+  """
+  num_slots: int                       # K: the embedding + one per block
+  width: int                           # W slots per cached message
+  needed: tuple[tuple[int, int], ...]  # per transition c = 0 .. C - 2
+  starts: tuple[int, ...]              # per chunk c = 0 .. C - 1 (the last: unused)
+
+  def block_transmissions(self) -> tuple[int, int]:
+    """(naive, cached) block sums sent over all transitions of one microbatch, not
+    counting the embedding (the paper's count): naive sends every block so far."""
+    naive = sum(hi - 1 for _, hi in self.needed)
+    cached = sum(hi - max(lo, 1) for lo, hi in self.needed)
+    return naive, cached
+
+
+def transfer_plan(model_config, pipe: PipelineConfig) -> TransferPlan:
+  block_size = config_lib.effective_block_size(model_config)
+  num_sublayers = config_lib.num_sublayers(model_config)
+  num_slots = depth.num_slots(num_sublayers, block_size)
+  sublayers_per_chunk = num_sublayers // pipe.num_chunks
+  num_stages, num_chunks = pipe.stages, pipe.num_chunks
+
+  def touched(c):  # the slots chunk c writes: [first, last + 1)
+    first = c * sublayers_per_chunk
+    return (depth.output_slot(first, block_size),
+            depth.output_slot(first + sublayers_per_chunk - 1, block_size) + 1)
+
+  needed = []
+  for c in range(num_chunks - 1):
+    hi = touched(c)[1]
+    # The receiver runs chunk c + 1; it last received this microbatch's state before
+    # chunk c + 1 - P (its previous virtual stage), so it lacks what chunks
+    # c + 1 - P .. c wrote; in its first virtual stage, everything.
+    lo = 0 if c + 1 < num_stages else touched(c + 1 - num_stages)[0]
+    needed.append((lo, hi))
+  width = max([hi - lo for lo, hi in needed] or [num_slots])
+  starts = tuple(min(lo, num_slots - width) for lo, _ in needed) + (0,)
+  return TransferPlan(num_slots, width, tuple(needed), starts)
+
+
+# -- running one chunk of layers from a carry -----------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Resume(residual_lib.Residual):
+  """`base` resumed from `carry`, its segments numbered from `segment_offset` on: lets
+  `stack.run_layers` run a chunk of the layers in the middle of the model."""
+
+  base: Any
+  carry: Any
+  segment_offset: Any
+
+  @property
+  def segment_layers(self):
+    return self.base.segment_layers
+
+  def init(self, x_BTD):
+    del x_BTD
+    return self.carry
+
+  def begin_segment(self, carry, params, segment):
+    return self.base.begin_segment(carry, params, segment + self.segment_offset)
+
+  def read(self, inner, params, per_layer, layer_in_segment, which):
+    return self.base.read(inner, params, per_layer, layer_in_segment, which)
+
+  def write(self, inner, params, per_layer, layer_in_segment, which, out_BTD):
+    return self.base.write(inner, params, per_layer, layer_in_segment, which, out_BTD)
+
+  def end_segment(self, carry, inner, segment):
+    return self.base.end_segment(carry, inner, segment + self.segment_offset)
+
+  def final(self, carry, params):
+    return self.base.final(carry, params)
+
+
+@dataclasses.dataclass(frozen=True)
+class _AttnResSegments(residual_lib.AttnResResidual):
+  """The block schedule with a given segment length (one that divides the chunk)."""
+
+  layers_per_segment: int = 1
+
+  @property
+  def segment_layers(self) -> int:
+    return self.layers_per_segment
+
+
+@dataclasses.dataclass(frozen=True)
+class BufferReads(residual_lib.AttnResResidual):
+  """AttnRes one layer at a time, every read one softmax over the buffer as it stands
+  (the running partial sum in place): for chunks that start inside a block, where no
+  block-schedule segment can start. Same carry as `AttnResResidual`."""
+
+  @property
+  def segment_layers(self) -> int:
+    return 1
+
+  def begin_segment(self, carry, params, segment):
+    return (*carry, segment), None  # segment = the (global) layer index
+
+  def read(self, inner, params, per_layer, layer_in_segment, which):
+    buffer_KBTD, inv_rms_KBT, layer = inner
+    sublayer = 2 * layer + which
+    return residual_lib.read_one_shot(
+        self.cfg, buffer_KBTD, depth.num_valid_sources(sublayer, self.block_size),
+        params.query[...][which], params.gain[...][which], inv_rms_KBT=inv_rms_KBT)
+
+  def write(self, inner, params, per_layer, layer_in_segment, which, out_BTD):
+    buffer_KBTD, inv_rms_KBT, layer = inner
+    slot = depth.output_slot(2 * layer + which, self.block_size)
+    buffer_KBTD, written_BTD = residual_lib.add_to_slot(buffer_KBTD, slot, out_BTD)
+    inv_rms_KBT = jax.lax.dynamic_update_index_in_dim(
+        inv_rms_KBT, depth.rms_inverse(written_BTD, self.cfg.attn_res_eps), slot, 0)
+    return sharding.constrain(buffer_KBTD, sharding.DEPTH_BUFFER), inv_rms_KBT, layer
+
+  def end_segment(self, carry, inner, segment):
+    return inner[:2]
+
+
+def chunk_residual(model_config, layers_per_chunk: int):
+  """(the residual that runs one chunk, its segments per chunk)."""
+  base = residual_lib.make_residual(model_config)
+  if isinstance(base, residual_lib.StandardResidual):
+    return base, layers_per_chunk
+  block_size = base.block_size
+  if (2 * layers_per_chunk) % block_size:  # a block spans a chunk boundary
+    return BufferReads(model_config), layers_per_chunk
+  # The configured segment, or the longest shorter one that divides the chunk and
+  # covers whole blocks (`unit` layers always do: the chunk starts on a block).
+  unit = block_size // 2 if block_size % 2 == 0 else block_size
+  size = base.segment_layers
+  if layers_per_chunk % size:
+    size = max(d for d in range(unit, size + 1, unit) if layers_per_chunk % d == 0)
+  return (_AttnResSegments(model_config, layers_per_segment=size),
+          layers_per_chunk // size)
+
+
+def run_chunk(residual, graphdef, chunk_state, carry, segment_offset, positions_BT,
+              *, model_config, layers_per_chunk: int):
+  """The carry after one chunk's layers (`chunk_state`: their stacked parameters)."""
+  chunk_config = types.SimpleNamespace(num_layers=layers_per_chunk,
+                                       remat=model_config.remat,
+                                       scan_layers=model_config.scan_layers)
+  resumed = _Resume(residual, carry, segment_offset)
+  carry, _ = stack_lib.run_layers(resumed, graphdef, chunk_state, None, positions_BT,
+                                  cfg=chunk_config)
+  return carry
+
+
+# -- the transfers ----------------------------------------------------------------------
+
+
+def _select(condition, on_true, on_false):
+  return jax.tree.map(lambda a, b: jnp.where(condition, a, b), on_true, on_false)
+
+
+class NaiveTransfer:
+  """The whole carry crosses every stage boundary."""
+
+  def send(self, carry, chunk):
+    del chunk
+    return carry
+
+  def receive(self, message, base, chunk):
+    del base, chunk
+    return message
+
+
+class CachedTransfer:
+  """A window of the AttnRes buffer crosses, merged into the receiver's cache."""
+
+  def __init__(self, plan: TransferPlan):
+    self.plan = plan
+    self.starts = jnp.asarray(plan.starts, jnp.int32)
+
+  def send(self, carry, chunk):
+    start = self.starts[chunk]
+    return tuple(jax.lax.dynamic_slice_in_dim(x, start, self.plan.width, 0)
+                 for x in carry)
+
+  def receive(self, message, base, chunk):
+    """`chunk`: the sender's chunk; `base`: the receiver's cached carry."""
+    start = self.starts[chunk]
+    return tuple(jax.lax.dynamic_update_slice_in_dim(b, w, start, 0)
+                 for b, w in zip(base, message))
+
+
+def _carry_axes(attn_res: bool):
+  """The logical axis names of the carry's leaves (of a message's, too)."""
+  if attn_res:
+    return (sharding.DEPTH_BUFFER, sharding.DEPTH_BUFFER[:-1])
+  return sharding.HIDDEN
+
+
+def _constrain_stages(tree, axes, leading: int = 0):
+  """Splits the leading axis of every leaf (a stacked carry, message or output with
+  `leading` more axes before the carry's own `axes`) over `stage`; the rest as the
+  carry's logical names say (the batch over the data axes, ...)."""
+  if tree is None:
+    return None
+  is_axes = lambda x: isinstance(x, tuple) and all(isinstance(a, str) for a in x)
+  return jax.tree.map(
+      lambda names, x: sharding.constrain(x, ('stages',) + (None,) * leading + names),
+      axes, tree, is_leaf=is_axes)
+
+
+def pipeline_hidden(model, x_MBTD, positions_BT, pipe: PipelineConfig):
+  """The input of the final norm, [M, B/M, T, D], for the embedded microbatches
+  `x_MBTD`, the layers run through the pipeline."""
+  cfg = model.cfg
+  num_stages, num_virtual = pipe.stages, pipe.virtual_stages
+  num_micro, num_chunks = pipe.num_microbatches, pipe.num_chunks
+  layers_per_chunk = cfg.num_layers // num_chunks
+  residual, segments_per_chunk = chunk_residual(cfg, layers_per_chunk)
+  attn_res = not isinstance(residual, residual_lib.StandardResidual)
+  cached = attn_res and pipe.transfer == 'cached'
+  transfer = (CachedTransfer(transfer_plan(cfg, pipe)) if cached else NaiveTransfer())
+  keeps_cache = cached and num_virtual > 1  # else a stage sees each microbatch once
+  graphdef, layer_state = nnx.split(model.layers)
+  final_params = model.final_residual
+
+  # [L, ...] -> [P, V, layers_per_chunk, ...]: chunk c = v P + p on stage p.
+  # Each stage's chunks where the stage is; the other axes as the parameters' names say.
+  is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)
+  stage_state = jax.tree.map(
+      lambda x, spec: sharding.constrain(
+          x.reshape(num_virtual, num_stages, layers_per_chunk, *x.shape[1:])
+          .swapaxes(0, 1),
+          ('stages', None, None) + tuple(spec)[1:]),
+      layer_state, nnx.get_partition_spec(layer_state), is_leaf=is_spec)
+
+  zero_carry = jax.tree.map(jnp.zeros_like, residual.init(x_MBTD[0]))
+  zero_message = transfer.send(zero_carry, 0)
+  stacked = lambda tree, *n: jax.tree.map(
+      lambda x: jnp.zeros((*n, *x.shape), x.dtype), tree)
+  state = dict(
+      inbox=stacked(zero_message, num_stages),
+      outputs=jnp.zeros((num_stages, *x_MBTD.shape), x_MBTD.dtype),
+      wrap=stacked(zero_message, num_stages, num_micro) if num_virtual > 1 else None,
+      cache=stacked(zero_carry, num_stages, num_micro) if keeps_cache else None)
+  carry_axes = _carry_axes(attn_res)
+
+  def constrain_state(state):
+    return dict(inbox=_constrain_stages(state['inbox'], carry_axes),
+                outputs=_constrain_stages(state['outputs'], sharding.HIDDEN, 1),
+                wrap=_constrain_stages(state['wrap'], carry_axes, 1),
+                cache=_constrain_stages(state['cache'], carry_axes, 1))
+
+  def stage_step(stage, virtual_states, inbox, outputs, wrap, cache, t):
+    """One iteration of one stage: receive, run its chunk, emit."""
+    k = t - stage
+    valid = (k >= 0) & (k < num_micro * num_virtual)
+    k = jnp.clip(k, 0, num_micro * num_virtual - 1)
+    micro, virtual = k % num_micro, k // num_micro
+    chunk = virtual * num_stages + stage
+    first = (stage == 0) & (virtual == 0)
+    message = inbox
+    if num_virtual > 1:  # stage 0 stores what the last stage sent, reads its own
+      arrived = (t - num_stages) % num_micro
+      wrap = jax.tree.map(
+          lambda w, x: w.at[arrived].set(jnp.where(stage == 0, x, w[arrived])),
+          wrap, inbox)
+      message = _select(stage == 0, jax.tree.map(lambda w: w[micro], wrap), inbox)
+    base = (jax.tree.map(lambda c: c[micro], cache) if keeps_cache else zero_carry)
+    received = transfer.receive(message, base, jnp.maximum(chunk - 1, 0))
+    carry = _select(first, residual.init(x_MBTD[micro]), received)
+    if keeps_cache:  # what this stage had of the microbatch, for its next visit
+      cache = jax.tree.map(lambda c, x: c.at[micro].set(jnp.where(valid, x, c[micro])),
+                           cache, carry)
+    chunk_state = jax.tree.map(lambda x: x[virtual], virtual_states)
+    carry = run_chunk(residual, graphdef, chunk_state, carry,
+                      chunk * segments_per_chunk, positions_BT, model_config=cfg,
+                      layers_per_chunk=layers_per_chunk)
+    h_BTD, _ = residual.final(carry, final_params)
+    outputs = outputs.at[micro].set(
+        jnp.where(valid & (chunk == num_chunks - 1), h_BTD, outputs[micro]))
+    return transfer.send(carry, chunk), outputs, wrap, cache
+
+  stages_step = jax.vmap(stage_step, in_axes=(0, 0, 0, 0, 0, 0, None),
+                         spmd_axis_name=sharding.STAGE_AXIS)
+
+  def iteration(state, t):
+    sent, outputs, wrap, cache = stages_step(
+        jnp.arange(num_stages), stage_state, state['inbox'], state['outputs'],
+        state['wrap'], state['cache'], t)
+    # Stage p's message goes to stage p + 1 (and stage P - 1's to stage 0).
+    inbox = jax.tree.map(lambda x: jnp.roll(x, 1, axis=0), sent)
+    return constrain_state(dict(inbox=inbox, outputs=outputs, wrap=wrap,
+                                cache=cache)), None
+
+  state, _ = jax.lax.scan(iteration, constrain_state(state),
+                          jnp.arange(pipe.num_iterations))
+  return state['outputs'][num_stages - 1]
+
+
+def split_microbatches(tree, num_microbatches: int):
+  """[B, ...] -> [M, B / M, ...], microbatch m = rows m, m + M, ... (as train.py's
+  gradient accumulation splits)."""
+  return jax.tree.map(
+      lambda x: x.reshape(x.shape[0] // num_microbatches, num_microbatches,
+                          *x.shape[1:]).swapaxes(0, 1), tree)
+
+
+def loss_sums(params, batch, *, graphdef, pipe: PipelineConfig):
+  """`train.loss_sums` with the layers pipelined: (sum of weighted token
+  cross-entropies, sum of weights) of the batch."""
+  model = nnx.merge(graphdef, params)
+  micro = split_microbatches(batch, pipe.num_microbatches)
+  length = micro['inputs'].shape[-1]
+  positions_BT = jnp.broadcast_to(jnp.arange(length), micro['inputs'].shape[1:])
+  x_MBTD = jax.vmap(model.embed)(micro['inputs'])
+  h_MBTD = pipeline_hidden(model, x_MBTD, positions_BT, pipe)
+
+  def microbatch_sums(h_BTD, targets_BT, weights_BT):
+    logits_BTV = model.head(h_BTD)
+    losses_BT = optax.softmax_cross_entropy_with_integer_labels(
+        logits_BTV.astype(jnp.float32), targets_BT)
+    weights_BT = weights_BT.astype(jnp.float32)
+    return jnp.sum(losses_BT * weights_BT), jnp.sum(weights_BT)
+
+  loss_MB, weight_MB = jax.vmap(microbatch_sums)(h_MBTD, micro['targets'],
+                                                 micro['weights'])
+  return jnp.sum(loss_MB), jnp.sum(weight_MB)
+
+
+def make_loss_fn(pipe: PipelineConfig | None):
+  """A drop-in for `train.loss_sums(params, batch, *, graphdef)`, or None."""
+  if pipe is None:
+    return None
+  return functools.partial(loss_sums, pipe=pipe)
+
+
+# -- measuring the transfers in compiled HLO ------------------------------------------
+
+_ITEMSIZE = {'f64': 8, 'f32': 4, 'bf16': 2, 'f16': 2, 's32': 4, 'u32': 4, 'pred': 1}
+
+
+def collective_permutes(hlo_text: str) -> list[dict[str, Any]]:
+  """Every collective-permute of a compiled module's text: its result shapes (per
+  device), bytes per device, and whether it sits inside a loop body (not in the
+  entry computation): the pipeline's transitions are the ones inside the schedule's
+  loop (forward) and its transpose (backward)."""
+  found, in_entry = [], False
+  op = re.compile(r'= (.*?) collective-permute(?:-start)?\(')
+  for line in hlo_text.splitlines():
+    if line and not line[0].isspace() and line.rstrip().endswith('{'):
+      in_entry = line.startswith('ENTRY')
+    match = op.search(line)
+    if not match:
+      continue
+    shapes, total = [], 0
+    for dtype, dims in re.findall(r'(\w+)\[([\d,]*)\]', match.group(1)):
+      if dtype in _ITEMSIZE:
+        dims = tuple(int(d) for d in dims.split(',') if d)
+        shapes.append(dims)
+        total += math.prod(dims) * _ITEMSIZE[dtype]
+    found.append(dict(shapes=shapes, bytes=total, in_loop=not in_entry))
+  return found
+
+
+def transition_bytes(hlo_text: str) -> int:
+  """Bytes one device sends per stage transition: the collective-permutes inside the
+  loop bodies of a forward-only module (one loop: the schedule)."""
+  return sum(c['bytes'] for c in collective_permutes(hlo_text) if c['in_loop'])
