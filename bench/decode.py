@@ -23,7 +23,7 @@ Block AttnRes uses the paper's setting of about `--num_blocks` (8) blocks: the b
 size is S = round(L / 8) sublayers (L = 2 * layers), so S = 2 at 8 layers and S = 4
 at 16 layers.
 
-  python bench/decode.py                 # the issue's grid, about 5-10 min on 2 cores
+  python bench/decode.py                 # the full grid, about 5-10 min on 2 cores
   python bench/decode.py --quick         # a smoke run (seconds)
   python bench/decode.py --sizes=512x16 --batches=1 --repeats=9
 """
@@ -44,7 +44,6 @@ import numpy as np
 from flax import nnx
 
 import attnres_jax as ar
-from attnres_jax import config as config_lib
 
 # Flag names differ from bench/memory.py's, so both modules can load in one process.
 FLAGS = flags.FLAGS
