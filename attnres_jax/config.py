@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import ml_collections
 
-RESIDUAL_MODES = ('standard', 'full', 'block')
+RESIDUAL_MODES = ('standard', 'full', 'block', 'hc', 'mhc')
+HYPER_CONNECTIONS = ('hc', 'mhc')  # residuals of m parallel streams (hyper_connections.py)
 REMAT_POLICIES = ('none', 'sublayer', 'layer')
 DTYPES = ('float32', 'bfloat16')
 DEPTH_READS = ('one_shot', 'two_phase')
@@ -28,7 +29,7 @@ def model_config(**overrides) -> ml_collections.ConfigDict:
       num_layers=4,            # Transformer blocks; L = 2 * num_layers sublayers
       num_heads=4,
       mlp_dim=384,             # SwiGLU hidden width
-      residual='block',        # 'standard' | 'full' | 'block'
+      residual='block',        # 'standard' | 'full' | 'block' | 'hc' | 'mhc'
       block_size=2,            # S: sublayers per AttnRes block ('block' only)
       tie_embeddings=True,
       rope_theta=10_000.0,
@@ -57,6 +58,12 @@ def model_config(**overrides) -> ml_collections.ConfigDict:
       depth_mixing='attention',  # 'attention' | 'scalars' (DenseFormer-style weights)
       depth_window=0,            # > 0: the embedding + the last W sources only
       depth_heads=1,             # > 1: per channel-group depth weights
+      # Hyper-Connections ('hc', Zhu et al.) and mHC ('mhc', DeepSeek): see
+      # docs/comparators.md. m residual streams; the input-dependent (dynamic) part of
+      # the mixing weights on or off; Sinkhorn-Knopp iterations of mHC's projection.
+      hc_streams=4,
+      hc_dynamic=True,
+      sinkhorn_iters=20,
   ))
   cfg.update(overrides)
   return cfg
@@ -139,6 +146,19 @@ def validate_model_config(cfg) -> None:
          f'whole blocks of block_size={cfg.block_size} sublayers; use a multiple of '
          f'{cfg.block_size // 2 if cfg.block_size % 2 == 0 else cfg.block_size} '
          'layers, num_layers, or 0.')
+  if cfg.residual in HYPER_CONNECTIONS:
+    streams, iters = cfg.get('hc_streams'), cfg.get('sinkhorn_iters')
+    if not isinstance(streams, int) or isinstance(streams, bool) or streams < 1:
+      fail(f'hc_streams is the number of residual streams (expansion rate m) and must '
+           f'be an integer >= 1, got {streams!r}.')
+    if not isinstance(cfg.get('hc_dynamic'), bool):
+      fail(f'hc_dynamic must be True or False, got {cfg.get("hc_dynamic")!r}.')
+    if (cfg.residual == 'mhc' and (not isinstance(iters, int) or isinstance(iters, bool)
+                                   or iters < 1)):
+      fail(f'sinkhorn_iters must be an integer >= 1, got {iters!r}.')
+    if variants:
+      fail(f'the depth-read ablations {variants} apply to AttnRes, not to '
+           f'residual={cfg.residual!r}.')
   if cfg.remat not in REMAT_POLICIES:
     fail(f'remat must be one of {REMAT_POLICIES}, got {cfg.remat!r}.')
   for name in ('norm_eps', 'attn_res_eps'):

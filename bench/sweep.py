@@ -41,10 +41,10 @@ from attnres_jax import train  # pylint: disable=g-import-not-at-top
 from configs import sweep as sweep_config  # pylint: disable=g-import-not-at-top
 
 GROUPS = {'modes': sweep_config.MODES, 'ablations': sweep_config.ABLATIONS,
-          'depths': sweep_config.DEPTHS}
+          'depths': sweep_config.DEPTHS, 'comparators': sweep_config.COMPARATORS}
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list('groups', list(GROUPS), 'Run groups: modes, ablations, depths.')
+flags.DEFINE_list('groups', list(GROUPS), 'Run groups: ' + ', '.join(GROUPS) + '.')
 flags.DEFINE_list('runs', [], 'Explicit run names (overrides --groups).')
 flags.DEFINE_list('seeds', ['0', '1', '2'], 'Seeds (model init and data order).')
 flags.DEFINE_string('root', 'runs/sweep', 'Where the run directories go.')

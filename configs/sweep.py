@@ -41,7 +41,14 @@ for _layers, _width in ((2, 176), (8, 96)):
     DEPTHS[f'depth_l{_layers}_{_mode}'] = dict(
         _extra, num_layers=_layers, d_model=_width, mlp_dim=3 * _width)
 
-RUNS = {**MODES, **ABLATIONS, **DEPTHS}
+# ... and the paper's comparators (Table 2/4): Hyper-Connections and mHC with m = 4
+# streams, static and dynamic parts (attnres_jax/hyper_connections.py).
+COMPARATORS = {
+    'mhc': dict(residual='mhc', hc_streams=4),
+    'hc': dict(residual='hc', hc_streams=4),
+}
+
+RUNS = {**MODES, **ABLATIONS, **DEPTHS, **COMPARATORS}
 
 
 def get_config(arg: str = 'block_s2') -> ml_collections.ConfigDict:
