@@ -338,3 +338,15 @@ def test_sharded_step_equals_one_device(sharded_children, residual):
   test_sharding, children = sharded_children
   test_sharding.test_sharded_step_equals_one_device(children, residual)
   test_sharding.test_parameter_shardings_follow_logical_axes(children, residual)
+
+
+@pytest.mark.parametrize('residual', ['hc', 'mhc'])
+def test_weight_decay_spares_static_weights_and_gates(residual):
+  from attnres_jax import optim  # pylint: disable=g-import-not-at-top
+  params = nnx.state(make_model(residual), nnx.Param)
+  mask = {jax.tree_util.keystr(p): m for p, m in
+          jax.tree_util.tree_leaves_with_path(optim.decay_mask(params))}
+  residual_mask = {k: v for k, v in mask.items() if "'residual'" in k}
+  # Decayed: exactly the input-dependent projections (matrices, as in AttnRes).
+  assert {k for k, v in residual_mask.items() if v} == {
+      k for k in residual_mask if "_proj'" in k}
