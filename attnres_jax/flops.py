@@ -9,8 +9,17 @@ Per token, forward pass (Kaplan et al. 2020 conventions, plus the depth read):
                + d per sublayer for the Block partial sum
 
 A read of sublayer l weighs depth.num_valid_sources(l, S) sources and the final read
-N + 1, so Full costs O(L^2 d) and Block O(L N d) per token (paper, Section 3). A
-training step is 3x the forward pass (the backward pass costs twice the forward).
+N + 1, so Full costs O(L^2 d) and Block O(L N d) per token (paper, Section 3).
+
+Hyper-Connections / mHC with m streams (the same 'depth_read' term: the residual's own
+arithmetic), per sublayer:
+  read 2 m d, mixing 2 m^2 d, write 2 m d;
+  dynamic HC: per-stream RMS 3 m d, projections 2 m d (m + 2);
+  dynamic mHC: RMS of the m d concatenation 3 m d, projections 2 m d (m^2 + 2 m);
+  mHC's Sinkhorn: ~8 m^2 per iteration plus 3 m^2 (independent of d);
+plus (m - 1) d for the final sum of the streams. O(L m^2 d) per token.
+
+A training step is 3x the forward pass (the backward pass costs twice the forward).
 The depth-read term is what separates the residual modes; for the 4-layer, d = 128
 models of configs/sweep.py it is 0.9% (Block, S = 8) to 2.1% (Full) of the total.
 """
@@ -25,7 +34,7 @@ READ_FLOPS_PER_SOURCE_AND_CHANNEL = 7
 
 def depth_read_sources(model_cfg) -> int:
   """Sources weighed by all reads of one token (0 for the standard residual)."""
-  if model_cfg.residual == 'standard':
+  if model_cfg.residual not in ('full', 'block'):
     return 0
   num_sublayers = config_lib.num_sublayers(model_cfg)
   size = config_lib.effective_block_size(model_cfg)
@@ -34,6 +43,20 @@ def depth_read_sources(model_cfg) -> int:
   if model_cfg.get('depth_window', 0):
     reads = [min(n, model_cfg.depth_window + 1) for n in reads]
   return sum(reads)
+
+
+def hyper_connection_flops(model_cfg) -> float:
+  """Forward FLOPs per token of HC/mHC's stream arithmetic (0 for other residuals)."""
+  if model_cfg.residual not in config_lib.HYPER_CONNECTIONS:
+    return 0.0
+  m, d = model_cfg.hc_streams, model_cfg.d_model
+  per_sublayer = 2 * m * d + 2 * m * m * d + 2 * m * d
+  if model_cfg.hc_dynamic:
+    outputs = m * m + 2 * m if model_cfg.residual == 'mhc' else m + 2
+    per_sublayer += 3 * m * d + 2 * m * d * outputs
+  if model_cfg.residual == 'mhc':
+    per_sublayer += 8 * m * m * model_cfg.sinkhorn_iters + 3 * m * m
+  return float(config_lib.num_sublayers(model_cfg) * per_sublayer + (m - 1) * d)
 
 
 def forward_flops_per_token(model_cfg, seq_len: int) -> dict[str, float]:
@@ -47,6 +70,7 @@ def forward_flops_per_token(model_cfg, seq_len: int) -> dict[str, float]:
   }
   if model_cfg.residual == 'block':
     terms['depth_read'] += d * config_lib.num_sublayers(model_cfg)
+  terms['depth_read'] += hyper_connection_flops(model_cfg)
   if model_cfg.get('depth_query_input', False):
     terms['depth_read'] += 2.0 * d * d * (config_lib.num_sublayers(model_cfg) + 1)
   terms['total'] = sum(terms.values())

@@ -29,3 +29,23 @@ def test_forward_flops_terms():
   full = flops.forward_flops_per_token(full_cfg, seq_len=32)
   assert full['depth_read'] == 7 * 64 * (sum(range(1, 5)) + 5)
   assert full['total'] > terms['total']
+
+
+def test_hyper_connection_flops_by_hand():
+  # m = 2 streams, d = 8, 1 layer (2 sublayers), dynamic, 3 Sinkhorn iterations.
+  common = dict(d_model=8, num_heads=2, mlp_dim=16, num_layers=1, hc_streams=2,
+                sinkhorn_iters=3)
+  hc = ar.model_config(residual='hc', **common)
+  # read 2*2*8 + mixing 2*4*8 + write 2*2*8 = 128; norm 3*2*8 = 48; projections
+  # W_m, W_r, W_beta: 2*2*8*(1 + 2 + 1) = 128; per sublayer 304; final sum 1*8.
+  assert flops.hyper_connection_flops(hc) == 2 * 304 + 8
+  mhc = ar.model_config(residual='mhc', **common)
+  # projections phi_pre, phi_post, phi_res: 2*16*(2 + 2 + 4) = 256; Sinkhorn
+  # 8*4*3 + 3*4 = 108; per sublayer 128 + 48 + 256 + 108 = 540.
+  assert flops.hyper_connection_flops(mhc) == 2 * 540 + 8
+  static = ar.model_config(residual='hc', hc_dynamic=False, **common)
+  assert flops.hyper_connection_flops(static) == 2 * 128 + 8
+  assert flops.depth_read_sources(hc) == 0
+  terms = flops.forward_flops_per_token(mhc, seq_len=4)
+  assert terms['depth_read'] == 2 * 540 + 8
+  assert flops.hyper_connection_flops(ar.model_config(residual='full')) == 0
