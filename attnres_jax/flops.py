@@ -82,3 +82,52 @@ def training_flops(config) -> float:
   per_token = forward_flops_per_token(config.model, config.train.seq_len)['total']
   tokens = config.train.num_steps * config.train.batch_size * config.train.seq_len
   return 3.0 * per_token * tokens
+
+
+def residual_io_per_sublayer(model_cfg) -> dict[str, float]:
+  """Memory I/O of the residual (not of the sublayers), per token and sublayer, in
+  units of d elements, averaged over the L sublayers with the final read included:
+  a counted model of this implementation's forward pass where every residual step
+  reads each of its inputs once and writes each output once (scalars such as mixing
+  coefficients, softmax statistics and inverse RMS are left out).
+
+  standard  write: read h and f(h), write h'                       -> 2 read, 1 write
+  hc, mhc   read: read the m streams, write h; write: read the m streams and f(h),
+            write m streams; final: read m, write 1                -> 2m + 1, m + 1
+  full, block (two-phase schedule): Phase 1, once per schedule segment, reads the
+            completed slots and writes each of the segment's 2G sublayers a partial
+            output o (d wide); Phase 2 reads o and the segment's valid local slots and
+            writes h; the write reads f(h) (and the partial sum it adds to) and writes
+            the slot; the final read reads every slot and writes h.
+  One-shot AttnRes reads read every valid slot and write h.
+  """
+  num_sublayers = config_lib.num_sublayers(model_cfg)
+  read = write = 0.0
+  if model_cfg.residual == 'standard':
+    read, write = 2.0 * num_sublayers, 1.0 * num_sublayers
+  elif model_cfg.residual in config_lib.HYPER_CONNECTIONS:
+    m = model_cfg.hc_streams
+    read = (2 * m + 1) * num_sublayers + m
+    write = (m + 1) * num_sublayers + 1
+  else:
+    from attnres_jax import residual as residual_lib  # pylint: disable=g-import-not-at-top
+    res = residual_lib.AttnResResidual(model_cfg)
+    size, layers_per_segment = res.block_size, res.segment_layers
+    for l in range(num_sublayers):
+      layer, which = divmod(l, 2)
+      segment, layer_in_segment = divmod(layer, layers_per_segment)
+      index, num_local_valid = res.local_index(layer_in_segment, which)
+      first = 1 + segment * (2 * layers_per_segment // size)  # completed slots
+      if res.two_phase:
+        if layer_in_segment == 0 and which == 0:  # Phase 1 of the segment
+          queries = 2 * min(layers_per_segment, model_cfg.num_layers - layer)
+          read, write = read + first, write + queries
+        read, write = read + 1 + num_local_valid, write + 1  # Phase 2
+      else:
+        read, write = read + first + num_local_valid, write + 1
+      adds = l % size != 0  # a partial sum: the slot is read, then written
+      read, write = read + 1 + adds, write + 1
+    slots = depth.num_slots(num_sublayers, size)
+    read, write = read + slots, write + 1  # the final read
+  return {'read': read / num_sublayers, 'write': write / num_sublayers,
+          'total': (read + write) / num_sublayers}

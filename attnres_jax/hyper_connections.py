@@ -302,3 +302,40 @@ def stream_statistics(model, tokens_BT) -> dict[str, jax.Array]:
     return stats
 
   return run(layer_state, model.embed(tokens_BT))
+
+
+def plot_streams(model, token_batches, path: str, title: str = '') -> str:
+  """Per-stream magnitudes, read and write weights across depth (means over the
+  tokens of `token_batches`, arrays [B, T]), saved to `path`."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  per_batch = [jax.device_get(stream_statistics(model, jnp.asarray(t, jnp.int32)))
+               for t in token_batches]
+  if not per_batch:
+    raise ValueError('No batches for the stream statistics.')
+  stats = jax.tree.map(lambda *x: np.mean(np.stack(x), axis=0), *per_batch)
+  m, num_sub = model.cfg.hc_streams, 2 * model.cfg.num_layers
+  labels = [f'{"AM"[k % 2]}{k // 2}' for k in range(num_sub)]
+  fig, axes = plt.subplots(1, 3, figsize=(16, 4), layout='constrained')
+  rms = stats['stream_rms'].reshape(num_sub, m)
+  for i in range(m):
+    axes[0].plot(list(range(num_sub)) + [num_sub],
+                 list(rms[:, i]) + [stats['final_stream_rms'][i]], 'o-',
+                 label=f'stream {i}')
+  axes[0].set_yscale('log')
+  axes[0].set_xticks(range(num_sub + 1), labels + ['final'], fontsize=7)
+  axes[0].set_ylabel('RMS before the sublayer (mean over tokens)')
+  axes[0].legend(fontsize=8)
+  for ax, key, name in ((axes[1], 'read_weights', 'read weights a (stream -> input)'),
+                        (axes[2], 'write_weights', 'write weights b (output -> stream)')):
+    image = ax.imshow(stats[key].reshape(num_sub, m).T, aspect='auto', cmap='viridis')
+    ax.set_xticks(range(num_sub), labels, fontsize=7)
+    ax.set_yticks(range(m), [f'stream {i}' for i in range(m)])
+    ax.set_title(name)
+    fig.colorbar(image, ax=ax)
+  fig.suptitle(title or model.cfg.residual)
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return path

@@ -10,6 +10,11 @@ same run.
   python bench/memory.py                       # the issue's grid (d=256, T=256, B=8)
   python bench/memory.py --layers=4,8 --steps=2 --out=/tmp/memory_quick.jsonl
   python bench/memory.py --linear_memory_backward=false   # plain autodiff, for contrast
+  python bench/memory.py --modes=standard,full,block:4,hc,mhc --layers=4 --d_model=128
+  python bench/memory.py --io        # the residual's memory I/O per sublayer (counted)
+
+Modes: 'standard', 'full', 'block:S', 'hc:m', 'mhc:m' (Hyper-Connections / mHC with m
+streams, default 4).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import optax
 from flax import nnx
 
 import attnres_jax as ar
+from attnres_jax import flops
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list('layers', ['4', '8', '16', '32'], 'Transformer layers to measure.')
@@ -41,17 +47,22 @@ flags.DEFINE_integer('steps', 3, 'Timed rounds (after one warm-up round); each r
 flags.DEFINE_string('remat', 'none', 'Remat policy, the same for every row.')
 flags.DEFINE_bool('linear_memory_backward', True, 'AttnRes custom backward pass.')
 flags.DEFINE_string('out', 'bench/results/memory.jsonl', 'JSON output (one record per row).')
+flags.DEFINE_bool('io', False, 'Only print and write (to --io_out) the residual memory I/O '
+                  'table: a counted model (attnres_jax.flops.residual_io_per_sublayer) '
+                  'next to the paper\'s Table 1.')
+flags.DEFINE_string('io_out', 'bench/results/residual_io.json', 'JSON output of --io.')
 
 
 def model_config(mode: str, num_layers: int):
   """'standard', 'full', 'block:S'; '@G' appends a schedule segment of G layers."""
   mode, _, segment = mode.partition('@')
   residual, _, size = mode.partition(':')
+  streams = dict(hc_streams=int(size or 4)) if residual in ('hc', 'mhc') else {}
   return ar.model_config(
-      d_model=FLAGS.d_model, num_heads=FLAGS.d_model // 64, mlp_dim=4 * FLAGS.d_model,
-      num_layers=num_layers, residual=residual, block_size=int(size or 1),
-      schedule_layers=int(segment or 0), remat=FLAGS.remat,
-      linear_memory_backward=FLAGS.linear_memory_backward)
+      d_model=FLAGS.d_model, num_heads=max(1, FLAGS.d_model // 64),
+      mlp_dim=4 * FLAGS.d_model, num_layers=num_layers, residual=residual,
+      block_size=int(size or 1) if not streams else 2, schedule_layers=int(segment or 0),
+      remat=FLAGS.remat, linear_memory_backward=FLAGS.linear_memory_backward, **streams)
 
 
 def compile_step(mode: str, num_layers: int):
@@ -82,8 +93,8 @@ def compile_step(mode: str, num_layers: int):
       mode=mode, num_layers=num_layers, num_sublayers=2 * num_layers,
       d_model=FLAGS.d_model, seq_len=FLAGS.seq_len, batch_size=FLAGS.batch_size,
       remat=FLAGS.remat, linear_memory_backward=FLAGS.linear_memory_backward,
-      depth_read=cfg.depth_read, schedule_layers=ar.residual.segment_layers(cfg)
-      if cfg.residual != 'standard' else 1,
+      depth_read=cfg.depth_read,
+      schedule_layers=ar.residual.make_residual(cfg).segment_layers,
       temp_bytes=memory.temp_size_in_bytes,
       argument_bytes=memory.argument_size_in_bytes,
       output_bytes=memory.output_size_in_bytes,
@@ -108,8 +119,61 @@ def time_interleaved(steps: dict, rounds: int) -> dict:
   return {key: (statistics.median(t), float(loss)) for key, t in times.items()}
 
 
+# The paper's Table 1 (per-layer memory I/O per token) as far as we have it: mHC with
+# m = 4 streams and Block AttnRes (at the paper's block count). Rows we do not have
+# are left blank rather than guessed; see docs/comparators.md.
+PAPER_TABLE_1 = {'mhc:4': '34d', 'block': '5.5d'}
+
+
+def _paper_entry(mode: str) -> str:
+  residual, _, size = mode.partition('@')[0].partition(':')
+  if residual in ('hc', 'mhc'):
+    return PAPER_TABLE_1.get(f'{residual}:{size or 4}', '')
+  return PAPER_TABLE_1.get(residual, '')
+
+
+def forward_bytes_accessed(mode: str, num_layers: int) -> float:
+  """XLA's 'bytes accessed' of the compiled forward pass (all ops, after fusion)."""
+  cfg = model_config(mode, num_layers)
+  graphdef, state = nnx.split(ar.Transformer(cfg, rngs=nnx.Rngs(0)))
+  tokens_BT = jnp.zeros((FLAGS.batch_size, FLAGS.seq_len), jnp.int32)
+  compiled = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x)).lower(
+      state, tokens_BT).compile()
+  cost = compiled.cost_analysis()
+  return float((cost[0] if isinstance(cost, list) else cost)['bytes accessed'])
+
+
+def io_table() -> None:
+  """The memory I/O of each mode's residual per sublayer, for each depth: counted,
+  and measured as the compiled forward pass's bytes accessed beyond the standard
+  model's, per sublayer and token, plus the standard residual's counted 3d."""
+  rows = []
+  print(f"{'mode':>9} {'layers':>6} {'read/d':>7} {'write/d':>7} {'total/d':>7} "
+        f"{'HLO/d':>7}  paper")
+  token_d_bytes = FLAGS.batch_size * FLAGS.seq_len * FLAGS.d_model * 4  # float32
+  for num_layers in map(int, FLAGS.layers):
+    standard = forward_bytes_accessed('standard', num_layers)
+    for mode in FLAGS.modes:
+      io = flops.residual_io_per_sublayer(model_config(mode, num_layers))
+      extra = forward_bytes_accessed(mode, num_layers) - standard
+      io['hlo_total'] = extra / (2 * num_layers) / token_d_bytes + 3.0
+      paper = _paper_entry(mode)
+      rows.append(dict(mode=mode, num_layers=num_layers, paper_table_1=paper,
+                       d_model=FLAGS.d_model, seq_len=FLAGS.seq_len,
+                       batch_size=FLAGS.batch_size, backend=jax.default_backend(), **io))
+      print(f"{mode:>9} {num_layers:>6} {io['read']:>7.2f} {io['write']:>7.2f} "
+            f"{io['total']:>7.2f} {io['hlo_total']:>7.2f}  {paper}", flush=True)
+  os.makedirs(os.path.dirname(FLAGS.io_out) or '.', exist_ok=True)
+  with open(FLAGS.io_out, 'w') as f:
+    json.dump(rows, f, indent=1)
+  print(f'wrote {len(rows)} records to {FLAGS.io_out}')
+
+
 def main(argv):
   del argv
+  if FLAGS.io:
+    io_table()
+    return
   rows = []
   header = (f"{'mode':>9} {'layers':>6} {'temp MiB':>9} {'total MiB':>9} "
             f"{'step s':>7} {'compile s':>9} {'temp/std':>8} {'total/std':>9} "

@@ -49,3 +49,24 @@ def test_hyper_connection_flops_by_hand():
   terms = flops.forward_flops_per_token(mhc, seq_len=4)
   assert terms['depth_read'] == 2 * 540 + 8
   assert flops.hyper_connection_flops(ar.model_config(residual='full')) == 0
+
+
+def test_residual_io_by_hand():
+  io = lambda **kw: flops.residual_io_per_sublayer(ar.model_config(num_layers=2, **kw))
+  assert io(residual='standard') == {'read': 2.0, 'write': 1.0, 'total': 3.0}
+  # m = 4, L = 4: reads 9 per sublayer + 4 for the final sum; writes 5 + 1.
+  assert io(residual='mhc', hc_streams=4) == {
+      'read': (4 * 9 + 4) / 4, 'write': (4 * 5 + 1) / 4, 'total': (40 + 21) / 4}
+  # Block S = 2, L = 4, segments of 1 layer (2 sublayers, one block each).
+  # Segment 0: Phase 1 reads slot 0, writes 2 o's; sublayer 0: Phase 2 reads o (no
+  # local slot), writes h; write reads f, writes the slot. Sublayer 1: Phase 2 reads
+  # o + the partial, writes h; write reads f and the partial, writes it.
+  # Segment 1: the same with 2 completed slots. Final read: 3 slots, writes h.
+  reads = (1 + 1 + 1 + 2 + 2) + (2 + 1 + 1 + 2 + 2) + 3
+  writes = (2 + 1 + 1 + 1 + 1) + (2 + 1 + 1 + 1 + 1) + 1
+  got = io(residual='block', block_size=2)
+  assert got['read'] == reads / 4 and got['write'] == writes / 4
+  # One-shot Full: sublayer l reads its l + 1 slots, then f; the final read 5.
+  one_shot = io(residual='full', depth_read='one_shot')
+  assert one_shot['read'] == (sum(l + 1 + 1 for l in range(4)) + 5) / 4
+  assert one_shot['write'] == (2 * 4 + 1) / 4

@@ -350,3 +350,15 @@ def test_weight_decay_spares_static_weights_and_gates(residual):
   # Decayed: exactly the input-dependent projections (matrices, as in AttnRes).
   assert {k for k, v in residual_mask.items() if v} == {
       k for k in residual_mask if "_proj'" in k}
+
+
+def test_analysis_figures(tmp_path):
+  from attnres_jax import analysis  # pylint: disable=g-import-not-at-top
+  model = randomize(make_model('mhc'))
+  x = np.asarray(tokens(length=9))
+  batch = {'inputs': x[:, :-1], 'targets': x[:, 1:],
+           'weights': np.ones(x[:, 1:].shape, np.float32)}
+  result = analysis.analyze(model, [batch], str(tmp_path), grad_batches=1)
+  names = {os.path.basename(f) for f in result['files']}
+  assert {'streams.png', 'magnitudes.png', 'grad_norms.png'} <= names
+  assert result['arrays']['depth_weights'].shape == (TINY['num_layers'], 2, 4)
