@@ -11,13 +11,13 @@ MLP, each with its own PreNorm inside f):
 The embedding starts every stream and the final norm reads their sum. Equations,
 initialisation and every choice the papers leave open: `docs/comparators.md`.
 
-HC (paper Eq. 2-5, dynamic Eq. 10-13): a = A_m, R = A_r, b = B, each static plus, when
-`hc_dynamic`, s * tanh(norm(H_i) W) from each stream's own RMS-normalised state.
+HC (static and dynamic hyper-connections): a = A_m, R = A_r, b = B, each static plus,
+when `hc_dynamic`, s * tanh(norm(H_i) W) from each stream's own RMS-normalised state.
 
-mHC (paper Eq. 7-8): from the RMS-normalised concatenation x = vec(H) / rms(vec(H)) of
-all streams, pre = sigmoid(alpha_pre x phi_pre + b_pre), post = 2 sigmoid(alpha_post x
-phi_post + b_post), res = SinkhornKnopp(alpha_res mat(x phi_res) + b_res); a = pre,
-b = post, and the mixing is R = res^T (the paper writes x_{l+1} = res x_l).
+mHC: from the RMS-normalised concatenation x = vec(H) / rms(vec(H)) of all streams,
+pre = sigmoid(alpha_pre x phi_pre + b_pre), post = 2 sigmoid(alpha_post x phi_post +
+b_post), res = SinkhornKnopp(alpha_res mat(x phi_res) + b_res); a = pre, b = post, and
+the mixing is R = res^T (the paper writes x_{l+1} = res x_l).
 
 Initialisation (both): the standard residual. Every stream holds the same state, the
 read of sublayer k takes stream k mod m, mixing is the identity and every stream adds

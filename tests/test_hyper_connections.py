@@ -69,7 +69,7 @@ def layer(model, k):
 
 
 def reference_sinkhorn(logits, iters):
-  """mHC Eq. 9 as printed: M = exp(logits), then columns and rows normalised in turn."""
+  """Sinkhorn-Knopp as mHC states it: M = exp(logits), then columns and rows normalised in turn."""
   matrix = jnp.exp(logits)
   for _ in range(iters):
     matrix = matrix / jnp.sum(matrix, axis=-2, keepdims=True)
@@ -83,7 +83,7 @@ def rms_rows(x, eps):
 
 def hc_step(p, which, k, H, f, cfg):
   """Hyper-Connections (Zhu et al.): h0 = A_m^T H, H' = B^T f(h0) + A_r^T H, with the
-  dynamic parts (Eq. 10-13) from norm(H). H: [B, T, m, D]."""
+  dynamic parts from norm(H). H: [B, T, m, D]."""
   m = cfg.hc_streams
   A_m = jax.nn.one_hot(k % m, m) + p.static_read[...][which]      # [m]
   A_r = p.static_mix[...][which]                                   # [m, m]
@@ -101,7 +101,7 @@ def hc_step(p, which, k, H, f, cfg):
 
 
 def mhc_step(p, which, k, H, f, cfg):
-  """mHC (DeepSeek, Eq. 7-8): x_{l+1} = H_res x_l + H_post^T f(H_pre x_l)."""
+  """mHC (DeepSeek): x_{l+1} = H_res x_l + H_post^T f(H_pre x_l)."""
   m, d = cfg.hc_streams, cfg.d_model
   selected = jax.nn.one_hot(k % m, m)
   b_pre = hcl.MHC_LOGIT * (2 * selected - 1) + p.pre_bias[...][which]
