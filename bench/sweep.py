@@ -42,10 +42,13 @@ from attnres_jax import train  # pylint: disable=g-import-not-at-top
 from configs import sweep as sweep_config  # pylint: disable=g-import-not-at-top
 
 GROUPS = {'modes': sweep_config.MODES, 'ablations': sweep_config.ABLATIONS,
-          'depths': sweep_config.DEPTHS, 'comparators': sweep_config.COMPARATORS}
+          'depths': sweep_config.DEPTHS, 'comparators': sweep_config.COMPARATORS,
+          'scaling': sweep_config.SCALING}
+PANELS = ('modes', 'ablations', 'depths', 'comparators')  # loss-vs-compute panels
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list('groups', list(GROUPS), 'Run groups: ' + ', '.join(GROUPS) + '.')
+flags.DEFINE_list('groups', list(PANELS), 'Run groups: ' + ', '.join(GROUPS) + ' (the '
+                  'compute ladder for bench/scaling.py; not run by default).')
 flags.DEFINE_list('runs', [], 'Explicit run names (overrides --groups).')
 flags.DEFINE_list('seeds', ['0', '1', '2'], 'Seeds (model init and data order).')
 flags.DEFINE_string('root', 'runs/sweep', 'Where the run directories go.')
@@ -208,8 +211,8 @@ def report(names: list[str], seeds: list[int]) -> None:
   references = {'modes': [], 'ablations': ['standard', 'full'],
                 'depths': ['standard', 'block_s2'],
                 'comparators': ['standard', 'full', 'block_s4']}
-  fig, axes = plt.subplots(1, len(GROUPS), figsize=(6.3 * len(GROUPS), 4.5))
-  for ax, group in zip(axes, GROUPS):
+  fig, axes = plt.subplots(1, len(PANELS), figsize=(6.3 * len(PANELS), 4.5))
+  for ax, group in zip(axes, PANELS):
     for name in [*references[group], *GROUPS[group]]:
       if name not in by_name:
         continue

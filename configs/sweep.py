@@ -48,7 +48,26 @@ COMPARATORS = {
     'hc': dict(residual='hc', hc_streams=4),
 }
 
-RUNS = {**MODES, **ABLATIONS, **DEPTHS, **COMPARATORS}
+# ... and a compute ladder for the scaling fit L = A C^-alpha (bench/scaling.py): the
+# same 4 layers at other widths (head dim 32, MLP 3d); the d = 128 rung is the runs
+# above (`scaling_run(name, 128) == name`).
+BASE_WIDTH = 128
+SCALING_WIDTHS = (64, 96, BASE_WIDTH, 192)
+SCALING_RESIDUALS = ('standard', 'full', 'block_s4', 'mhc', 'hc')
+
+
+def scaling_run(name: str, width: int) -> str:
+  return name if width == BASE_WIDTH else f'{name}_d{width}'
+
+
+SCALING = {
+    scaling_run(_name, _width): dict(
+        {**MODES, **COMPARATORS}[_name], d_model=_width, num_heads=_width // 32,
+        mlp_dim=3 * _width)
+    for _name in SCALING_RESIDUALS for _width in SCALING_WIDTHS
+    if _width != BASE_WIDTH}
+
+RUNS = {**MODES, **ABLATIONS, **DEPTHS, **COMPARATORS, **SCALING}
 
 
 def get_config(arg: str = 'block_s2') -> ml_collections.ConfigDict:
