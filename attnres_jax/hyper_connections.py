@@ -146,7 +146,8 @@ class HyperConnectionResidual(residual_lib.Residual):
   Carry between layers: the streams [m, B, T, D]. Inner carry within a segment: the
   streams and the index of the segment's first layer (for the initial read one-hot).
   The read and the write of a sublayer compute its coefficients from the same
-  streams; under jit the second computation is the first one, reused.
+  streams (the interface passes nothing from read to write); they are identical
+  expressions, which XLA's common-subexpression elimination may merge.
   """
 
   cfg: Any
