@@ -1,7 +1,8 @@
 """The paper's scaling analysis on the sweep's compute ladder: L = A C^-alpha per residual,
 and the compute-equivalent advantage of each residual over the standard one.
 
-  python bench/sweep.py --groups=scaling,modes,comparators --seeds=0,1,2   # the ladder
+  python bench/sweep.py --groups=scaling --seeds=0,1,2      # the ladder (d != 128)
+  python bench/sweep.py --runs=standard,full,block_s4,mhc,hc --seeds=0,1,2  # d = 128
   python bench/scaling.py --root=runs/sweep --residuals=standard,block_s4,full
 
 For every residual and ladder width (configs/sweep.py: SCALING_WIDTHS; the d = 128 rung
