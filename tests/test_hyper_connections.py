@@ -308,6 +308,8 @@ def test_config_errors_are_readable(overrides, message):
 
 
 # -- sharding: the children of tests/test_sharding.py, judged by its own test ---------
+# mHC only: HC runs through the same residual class, streams and parameter axes, and a
+# child costs ~35 s of CPU (five compiled train steps on 8 simulated devices).
 
 
 @pytest.fixture(scope='module')
@@ -317,7 +319,7 @@ def sharded_children():
   procs = {residual: subprocess.Popen(
       [sys.executable, os.path.join(ROOT, 'tests', 'test_sharding.py'), residual],
       cwd=ROOT, env=test_sharding.child_env(8), stdout=subprocess.PIPE,
-      stderr=subprocess.PIPE, text=True) for residual in ('hc', 'mhc')}
+      stderr=subprocess.PIPE, text=True) for residual in ('mhc',)}
   results = {}
 
   def result(residual):
@@ -333,7 +335,7 @@ def sharded_children():
       proc.kill()
 
 
-@pytest.mark.parametrize('residual', ['hc', 'mhc'])
+@pytest.mark.parametrize('residual', ['mhc'])
 def test_sharded_step_equals_one_device(sharded_children, residual):
   test_sharding, children = sharded_children
   test_sharding.test_sharded_step_equals_one_device(children, residual)
