@@ -148,6 +148,7 @@ def step_memory(name: str, config) -> int:
   compiled = jax.jit(train_step, donate_argnums=(0, 1)).lower(
       params, optimizer.init(params), tokens).compile()
   temp = int(compiled.memory_analysis().temp_size_in_bytes)
+  os.makedirs(os.path.dirname(cache), exist_ok=True)
   with open(cache, 'w', encoding='utf-8') as f:
     json.dump({'temp_bytes': temp}, f)
   return temp
