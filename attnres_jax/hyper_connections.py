@@ -262,8 +262,9 @@ def _rms_normalize(x, eps):
 # -- statistics for the analysis ----------------------------------------------------
 
 
-def stream_statistics(model, tokens_BT) -> dict[str, jax.Array]:
-  """Per-stream statistics of an HC/mHC model on a batch, means over tokens:
+def stream_statistics(model, tokens_BT, weights_BT=None) -> dict[str, jax.Array]:
+  """Per-stream statistics of an HC/mHC model on a batch, means over its tokens
+  (weighted by `weights_BT`, e.g. 0 on padding; default uniform):
 
     stream_rms     [num_layers, 2, m]     RMS of each stream before each sublayer
     read_weights   [num_layers, 2, m]     a: how much each stream feeds the sublayer
@@ -280,43 +281,51 @@ def stream_statistics(model, tokens_BT) -> dict[str, jax.Array]:
                      f'{cfg.residual!r}.')
   graphdef, layer_state = nnx.split(model.layers)
   positions_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
-  token_mean = lambda x: jnp.mean(x, axis=(-2, -1))
+  if weights_BT is None:
+    weights_BT = jnp.ones(tokens_BT.shape, jnp.float32)
 
-  def apply_sublayer(which, layer_in_segment, state_k, h_BTD, inner, extra):
-    del extra
-    layer = nnx.merge(graphdef, state_k)
-    coeffs = residual.coefficients(inner, layer.residual, layer_in_segment, which)
-    saved = dict(
-        stream_rms=token_mean(1.0 / depth.rms_inverse(inner[0], 0.0)),
-        read_weights=token_mean(coeffs.read_MBT),
-        mix_weights=token_mean(coeffs.mix_MMBT).T,
-        write_weights=token_mean(coeffs.write_MBT))
-    return layer.sublayer(which, h_BTD, positions_BT), saved
+  def token_mean(x_XBT, weights_BT):  # leading axes kept
+    flat = x_XBT.reshape(-1, *x_XBT.shape[-2:])
+    means = jax.vmap(lambda x: stack_lib.token_mean(x, weights_BT))(flat)
+    return means.reshape(x_XBT.shape[:-2])
 
-  @jax.jit
-  def run(layer_state, x_BTD):
+  def run(layer_state, x_BTD, weights_BT):
+    def apply_sublayer(which, layer_in_segment, state_k, h_BTD, inner, extra):
+      del extra
+      layer = nnx.merge(graphdef, state_k)
+      coeffs = residual.coefficients(inner, layer.residual, layer_in_segment, which)
+      saved = dict(
+          stream_rms=token_mean(1.0 / depth.rms_inverse(inner[0], 0.0), weights_BT),
+          read_weights=token_mean(coeffs.read_MBT, weights_BT),
+          mix_weights=token_mean(coeffs.mix_MMBT, weights_BT).T,
+          write_weights=token_mean(coeffs.write_MBT, weights_BT))
+      return layer.sublayer(which, h_BTD, positions_BT), saved
+
     carry, ys = stack_lib.run_layers(residual, graphdef, layer_state, x_BTD,
                                      positions_BT, cfg=cfg, apply_sublayer=apply_sublayer)
     attention, mlp = stack_lib.join_layers(ys)[0]
     stats = jax.tree.map(lambda a, b: jnp.stack([a, b], axis=1), attention, mlp)
-    stats['final_stream_rms'] = token_mean(1.0 / depth.rms_inverse(carry, 0.0))
+    stats['final_stream_rms'] = token_mean(1.0 / depth.rms_inverse(carry, 0.0),
+                                           weights_BT)
     return stats
 
-  return run(layer_state, model.embed(tokens_BT))
+  return jax.jit(run)(layer_state, model.embed(tokens_BT),
+                      jnp.asarray(weights_BT, jnp.float32))
 
 
-def plot_streams(model, token_batches, path: str, title: str = '') -> str:
-  """Per-stream magnitudes, read and write weights across depth (means over the
-  tokens of `token_batches`, arrays [B, T]), saved to `path`."""
+def plot_streams(model, batches, path: str, title: str = '') -> str:
+  """Per-stream magnitudes, read and write weights across depth (token-weighted means
+  over `batches`, dicts with 'inputs' and 'weights' [B, T]), saved to `path`."""
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
-  per_batch = [jax.device_get(stream_statistics(model, jnp.asarray(t, jnp.int32)))
-               for t in token_batches]
-  if not per_batch:
+  batches = list(batches)  # one compiled call on all of them (stream_statistics jits)
+  if not batches:
     raise ValueError('No batches for the stream statistics.')
-  stats = jax.tree.map(lambda *x: np.mean(np.stack(x), axis=0), *per_batch)
+  stats = jax.device_get(stream_statistics(
+      model, jnp.asarray(np.concatenate([b['inputs'] for b in batches]), jnp.int32),
+      np.concatenate([np.asarray(b['weights'], np.float32) for b in batches])))
   m, num_sub = model.cfg.hc_streams, 2 * model.cfg.num_layers
   labels = [f'{"AM"[k % 2]}{k // 2}' for k in range(num_sub)]
   fig, axes = plt.subplots(1, 3, figsize=(16, 4), layout='constrained')

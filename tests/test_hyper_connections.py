@@ -280,7 +280,10 @@ def test_cached_decoding_equals_recomputation(residual):
 
 def test_stream_statistics():
   model = randomize(make_model('mhc'))
-  stats = hcl.stream_statistics(model, tokens())
+  x = tokens()
+  weights = np.ones(x.shape, np.float32)
+  weights[0, 5:] = 0  # padding: left out of the means
+  stats = hcl.stream_statistics(model, x, weights)
   m, layers = model.cfg.hc_streams, TINY['num_layers']
   assert stats['stream_rms'].shape == (layers, 2, m)
   assert stats['read_weights'].shape == (layers, 2, m)
@@ -290,8 +293,13 @@ def test_stream_statistics():
   # Columns: Sinkhorn's 20 iterations on these logits (off-diagonal -8 +- the random
   # parts) leave a gap, measured 5.5e-3; see test_sinkhorn_extreme_logits.
   np.testing.assert_allclose(stats['mix_weights'].sum(-2), 1.0, atol=2e-2)
+  # The weighted means are those of the unpadded tokens alone.
+  kept = hcl.stream_statistics(model, x[1:], None)
+  both = hcl.stream_statistics(model, x, np.concatenate([np.zeros((1, 12)),
+                                                         np.ones((1, 12))]))
+  np.testing.assert_allclose(both['stream_rms'], kept['stream_rms'], rtol=1e-5)
   # At initialisation the streams are all equal to the standard residual stream.
-  fresh = hcl.stream_statistics(make_model('hc'), tokens())
+  fresh = hcl.stream_statistics(make_model('hc'), x)
   np.testing.assert_allclose(fresh['stream_rms'],
                              np.broadcast_to(fresh['stream_rms'][..., :1], (layers, 2, m)),
                              rtol=1e-5)
