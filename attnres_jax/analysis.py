@@ -77,6 +77,11 @@ def analyze(model: nnx.Module, batches: Iterable[Batch], out_dir: str, *,
   arrays = metrics.pop('stats')
   arrays.update(statistics.gradient_norms(model, batches, max_batches=grad_batches))
   files = write_analysis(arrays, model.cfg, out_dir, title=title)
+  if model.cfg.residual in config_lib.HYPER_CONNECTIONS:  # per-stream weights, magnitudes
+    from attnres_jax import hyper_connections  # pylint: disable=g-import-not-at-top
+    files.append(hyper_connections.plot_streams(
+        model, list(batches)[:4], os.path.join(out_dir, 'streams.png'),
+        (f'{title}: ' if title else '') + statistics.mode_name(model.cfg)))
   return {'metrics': metrics, 'arrays': arrays, 'files': files}
 
 

@@ -20,7 +20,8 @@ import ml_collections
 
 from attnres_jax import sharding
 
-RESIDUAL_MODES = ('standard', 'full', 'block')
+RESIDUAL_MODES = ('standard', 'full', 'block', 'hc', 'mhc')
+HYPER_CONNECTIONS = ('hc', 'mhc')  # residuals of m parallel streams (hyper_connections.py)
 REMAT_POLICIES = ('none', 'sublayer', 'layer')
 DTYPES = ('float32', 'bfloat16')
 DEPTH_READS = ('one_shot', 'two_phase')
@@ -68,6 +69,9 @@ class ModelConfig:
   depth_mixing: str = 'attention'
   depth_window: int = 0
   depth_heads: int = 1
+  hc_streams: int = 4
+  hc_dynamic: bool = True
+  sinkhorn_iters: int = 20
 
   def __post_init__(self):
     _validate_model(self)
@@ -179,6 +183,18 @@ def _validate_model(cfg: ModelConfig) -> None:
          f'whole blocks of block_size={cfg.block_size} sublayers; use a multiple of '
          f'{cfg.block_size // 2 if cfg.block_size % 2 == 0 else cfg.block_size} '
          'layers, num_layers, or 0.')
+  if cfg.residual in HYPER_CONNECTIONS:
+    if not _is_int(cfg.hc_streams) or cfg.hc_streams < 1:
+      fail(f'hc_streams is the number of residual streams (expansion rate m) and must '
+           f'be an integer >= 1, got {cfg.hc_streams!r}.')
+    if not isinstance(cfg.hc_dynamic, bool):
+      fail(f'hc_dynamic must be True or False, got {cfg.hc_dynamic!r}.')
+    if cfg.residual == 'mhc' and (not _is_int(cfg.sinkhorn_iters)
+                                  or cfg.sinkhorn_iters < 1):
+      fail(f'sinkhorn_iters must be an integer >= 1, got {cfg.sinkhorn_iters!r}.')
+    if cfg.ablations:
+      fail(f'the depth-read ablations {cfg.ablations} apply to AttnRes, not to '
+           f'residual={cfg.residual!r}.')
   if cfg.remat not in REMAT_POLICIES:
     fail(f'remat must be one of {REMAT_POLICIES}, got {cfg.remat!r}.')
   for name in ('norm_eps', 'attn_res_eps'):

@@ -27,9 +27,14 @@ from attnres_jax import config as config_lib
 # Parameters (by their own name, the last key of the path) that are never decayed.
 NO_DECAY = frozenset({'scale'})
 # Within a residual's parameters (`layers/residual`, `final_residual`): the AttnRes
-# pseudo-queries, key gains and mixing scalars. Matrices there are decayed.
+# pseudo-queries, key gains and mixing scalars; the static stream weights and gates of
+# HC/mHC (decay would pull HC's identity mixing to zero). Projections are decayed.
 RESIDUAL_MODULES = frozenset({'residual', 'final_residual'})
-RESIDUAL_NO_DECAY = frozenset({'query', 'gain', 'mix'})
+RESIDUAL_NO_DECAY = frozenset({
+    'query', 'gain', 'mix',
+    'static_read', 'static_mix', 'static_write', 'read_scale', 'write_scale',  # HC
+    'pre_bias', 'post_bias', 'res_bias', 'pre_scale', 'post_scale', 'res_scale',  # mHC
+})
 EMBEDDINGS = frozenset({'embedding'})
 
 

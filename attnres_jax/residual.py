@@ -17,8 +17,9 @@ consecutive layers and calls, in this order:
 (the stack keeps them as `layer.residual`, stacked over layers like every layer
 parameter; `params_GL` holds a whole segment's), `final_params(cfg)` the final read's
 (`model.final_residual`). A residual with a memory-lean backward pass of its own
-offers it as `custom_stack`. Adding a residual is one new class here; nothing else in
-the stack or the layers branches on the kind.
+offers it as `custom_stack`. Adding a residual is one new class (here, or in its own
+module like `hyper_connections.py`) and a line in `make_residual`; nothing else in the
+stack or the layers branches on the kind.
 """
 
 from __future__ import annotations
@@ -336,4 +337,7 @@ def make_residual(cfg, *, one_shot: bool = False) -> Residual:
   """The residual of a model config (`one_shot`: AttnRes reads as one softmax each)."""
   if cfg.residual == 'standard':
     return StandardResidual()
+  if cfg.residual in config_lib.HYPER_CONNECTIONS:
+    from attnres_jax import hyper_connections  # pylint: disable=g-import-not-at-top
+    return hyper_connections.HyperConnectionResidual(cfg)
   return AttnResResidual(cfg, one_shot=one_shot)

@@ -37,7 +37,7 @@ Batch = Mapping[str, np.ndarray]
 
 
 def is_attnres(cfg) -> bool:
-  return cfg.residual != 'standard'
+  return cfg.residual in ('full', 'block')
 
 
 def valid_source_mask(cfg) -> tuple[np.ndarray, np.ndarray]:
@@ -68,7 +68,9 @@ def sublayer_labels(cfg) -> list[str]:
 def mode_name(cfg) -> str:
   if cfg.residual == 'block':
     return f'Block AttnRes (S={cfg.block_size})'
-  return {'standard': 'Standard residual', 'full': 'Full AttnRes'}[cfg.residual]
+  return {'standard': 'Standard residual', 'full': 'Full AttnRes',
+          'hc': f'Hyper-Connections (m={cfg.hc_streams})',
+          'mhc': f'mHC (m={cfg.hc_streams})'}[cfg.residual]
 
 
 

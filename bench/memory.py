@@ -1,31 +1,45 @@
 """Train-step memory and time of Standard, Full and Block AttnRes across depth.
 
-For every (mode, depth) it compiles one training step (loss, gradients, AdamW update)
-and reads XLA's `memory_analysis()` of the compiled executable: temporary bytes (what
-autodiff keeps alive: activations, the AttnRes buffers), argument and output bytes. It
+For every (mode, depth) it compiles the training step of `train.py` (loss, gradients,
+clipping, AdamW update) and reads XLA's `memory_analysis()` of the compiled
+executable: temporary bytes (what autodiff keeps alive: activations, the AttnRes
+buffers), argument and output bytes. It
 then times the modes of one depth interleaved (a step of each in turn, per round; the
 median per mode). Ratios are to the standard model at the same depth, measured in the
 same run.
 
-  python bench/memory.py                       # the issue's grid (d=256, T=256, B=8)
+  python bench/memory.py                       # the full grid (d=256, T=256, B=8)
   python bench/memory.py --layers=4,8 --steps=2 --out=/tmp/memory_quick.jsonl
   python bench/memory.py --linear_memory_backward=false   # plain autodiff, for contrast
+  python bench/memory.py --modes=standard,full,block:4,hc,mhc --layers=4 --d_model=128
+  python bench/memory.py --io        # the residual's memory I/O per sublayer (counted)
+
+Modes: 'standard', 'full', 'block:S', 'hc:m', 'mhc:m' (Hyper-Connections / mHC with m
+streams, default 4).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import statistics
+import sys
 import time
 
 from absl import app, flags
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 
-import attnres_jax as ar
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)  # configs/
+
+import attnres_jax as ar  # pylint: disable=g-import-not-at-top,wrong-import-position
+from attnres_jax import flops  # pylint: disable=g-import-not-at-top
+from attnres_jax import optim  # pylint: disable=g-import-not-at-top
+from attnres_jax import train  # pylint: disable=g-import-not-at-top
+from configs import default as default_config  # pylint: disable=g-import-not-at-top
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list('layers', ['4', '8', '16', '32'], 'Transformer layers to measure.')
@@ -41,56 +55,55 @@ flags.DEFINE_integer('steps', 3, 'Timed rounds (after one warm-up round); each r
 flags.DEFINE_string('remat', 'none', 'Remat policy, the same for every row.')
 flags.DEFINE_bool('linear_memory_backward', True, 'AttnRes custom backward pass.')
 flags.DEFINE_string('out', 'bench/results/memory.jsonl', 'JSON output (one record per row).')
+flags.DEFINE_bool('io', False, 'Only print and write (to --io_out) the residual memory I/O '
+                  'table: a counted model (attnres_jax.flops.residual_io_per_sublayer) '
+                  'next to the paper\'s Table 1.')
+flags.DEFINE_string('io_out', 'bench/results/residual_io.json', 'JSON output of --io.')
 
 
 def model_config(mode: str, num_layers: int):
   """'standard', 'full', 'block:S'; '@G' appends a schedule segment of G layers."""
   mode, _, segment = mode.partition('@')
   residual, _, size = mode.partition(':')
+  streams = dict(hc_streams=int(size or 4)) if residual in ('hc', 'mhc') else {}
   return ar.model_config(
-      d_model=FLAGS.d_model, num_heads=FLAGS.d_model // 64, mlp_dim=4 * FLAGS.d_model,
-      num_layers=num_layers, residual=residual, block_size=int(size or 1),
-      schedule_layers=int(segment or 0), remat=FLAGS.remat,
-      linear_memory_backward=FLAGS.linear_memory_backward)
+      d_model=FLAGS.d_model, num_heads=max(1, FLAGS.d_model // 64),
+      mlp_dim=4 * FLAGS.d_model, num_layers=num_layers, residual=residual,
+      block_size=int(size or 1) if not streams else 2, schedule_layers=int(segment or 0),
+      remat=FLAGS.remat, linear_memory_backward=FLAGS.linear_memory_backward, **streams)
 
 
 def compile_step(mode: str, num_layers: int):
-  """(compiled step, its arguments, a record of memory and compile time)."""
+  """(compiled step, its arguments, a record of memory and compile time): the real
+  training step (`train.train_step`: loss, gradients, clipping, the AdamW update of
+  configs/default.py's optimizer), jitted with the state donated."""
   cfg = model_config(mode, num_layers)
-  model = ar.Transformer(cfg, rngs=nnx.Rngs(0))
-  optimizer = optax.adamw(1e-3)
-  graphdef, params = nnx.split(model, nnx.Param)
-  opt_state = optimizer.init(params)
-
-  def train_step(params, opt_state, tokens_BT):
-    def loss_fn(params):
-      logits = nnx.merge(graphdef, params)(tokens_BT[:, :-1])
-      return optax.softmax_cross_entropy_with_integer_labels(
-          logits, tokens_BT[:, 1:]).mean()
-    loss, grads = jax.value_and_grad(loss_fn)(params)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
-
+  tx, schedule = optim.make_optimizer(default_config.get_config().train)
+  state = train.init_train_state(cfg, tx, seed=0)
+  graphdef = nnx.graphdef(ar.Transformer(cfg, rngs=nnx.Rngs(0)))
   tokens_BT = jax.random.randint(jax.random.key(0),
                                  (FLAGS.batch_size, FLAGS.seq_len + 1), 0, 256)
-  step = jax.jit(train_step, donate_argnums=(0, 1))
+  batch = {'inputs': tokens_BT[:, :-1], 'targets': tokens_BT[:, 1:],
+           'weights': jnp.ones((FLAGS.batch_size, FLAGS.seq_len), jnp.float32)}
+  step = jax.jit(functools.partial(train.train_step, graphdef=graphdef, tx=tx,
+                                   schedule=schedule), donate_argnums=0)
   start = time.perf_counter()
-  compiled = step.lower(params, opt_state, tokens_BT).compile()
+  compiled = step.lower(state, batch).compile()
   compile_s = time.perf_counter() - start
   memory = compiled.memory_analysis()
   record = dict(
       mode=mode, num_layers=num_layers, num_sublayers=2 * num_layers,
       d_model=FLAGS.d_model, seq_len=FLAGS.seq_len, batch_size=FLAGS.batch_size,
       remat=FLAGS.remat, linear_memory_backward=FLAGS.linear_memory_backward,
-      depth_read=cfg.depth_read, schedule_layers=ar.residual.segment_layers(cfg)
-      if cfg.residual != 'standard' else 1,
+      depth_read=cfg.depth_read,
+      schedule_layers=ar.residual.make_residual(cfg).segment_layers,
       temp_bytes=memory.temp_size_in_bytes,
       argument_bytes=memory.argument_size_in_bytes,
       output_bytes=memory.output_size_in_bytes,
       total_bytes=(memory.temp_size_in_bytes + memory.argument_size_in_bytes
                    + memory.output_size_in_bytes),
       compile_s=compile_s, backend=jax.default_backend())
-  return compiled, [params, opt_state, tokens_BT], record
+  return compiled, [state, batch], record
 
 
 def time_interleaved(steps: dict, rounds: int) -> dict:
@@ -100,16 +113,69 @@ def time_interleaved(steps: dict, rounds: int) -> dict:
   for round_index in range(rounds + 1):  # round 0 warms up
     for key, (compiled, args, _) in steps.items():
       start = time.perf_counter()
-      params, opt_state, loss = compiled(*args)
-      loss.block_until_ready()
-      args[:2] = params, opt_state  # donated: use the new ones
+      state, metrics = compiled(*args)
+      loss = metrics['loss'].block_until_ready()
+      args[0] = state  # donated: use the new one
       if round_index:
         times[key].append(time.perf_counter() - start)
   return {key: (statistics.median(t), float(loss)) for key, t in times.items()}
 
 
+# The paper's Table 1 (per-layer memory I/O per token) as far as we have it: mHC with
+# m = 4 streams and Block AttnRes (at the paper's block count). Rows we do not have
+# are left blank rather than guessed; see docs/comparators.md.
+PAPER_TABLE_1 = {'mhc:4': '34d', 'block': '5.5d'}
+
+
+def _paper_entry(mode: str) -> str:
+  residual, _, size = mode.partition('@')[0].partition(':')
+  if residual in ('hc', 'mhc'):
+    return PAPER_TABLE_1.get(f'{residual}:{size or 4}', '')
+  return PAPER_TABLE_1.get(residual, '')
+
+
+def forward_bytes_accessed(mode: str, num_layers: int) -> float:
+  """XLA's 'bytes accessed' of the compiled forward pass (all ops, after fusion)."""
+  cfg = model_config(mode, num_layers)
+  graphdef, state = nnx.split(ar.Transformer(cfg, rngs=nnx.Rngs(0)))
+  tokens_BT = jnp.zeros((FLAGS.batch_size, FLAGS.seq_len), jnp.int32)
+  compiled = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x)).lower(
+      state, tokens_BT).compile()
+  cost = compiled.cost_analysis()
+  return float((cost[0] if isinstance(cost, list) else cost)['bytes accessed'])
+
+
+def io_table() -> None:
+  """The memory I/O of each mode's residual per sublayer, for each depth: counted,
+  and measured as the compiled forward pass's bytes accessed beyond the standard
+  model's, per sublayer and token, plus the standard residual's counted 3d."""
+  rows = []
+  print(f"{'mode':>9} {'layers':>6} {'read/d':>7} {'write/d':>7} {'total/d':>7} "
+        f"{'HLO/d':>7}  paper")
+  token_d_bytes = FLAGS.batch_size * FLAGS.seq_len * FLAGS.d_model * 4  # float32
+  for num_layers in map(int, FLAGS.layers):
+    standard = forward_bytes_accessed('standard', num_layers)
+    for mode in FLAGS.modes:
+      io = flops.residual_io_per_sublayer(model_config(mode, num_layers))
+      extra = forward_bytes_accessed(mode, num_layers) - standard
+      io['hlo_total'] = extra / (2 * num_layers) / token_d_bytes + 3.0
+      paper = _paper_entry(mode)
+      rows.append(dict(mode=mode, num_layers=num_layers, paper_table_1=paper,
+                       d_model=FLAGS.d_model, seq_len=FLAGS.seq_len,
+                       batch_size=FLAGS.batch_size, backend=jax.default_backend(), **io))
+      print(f"{mode:>9} {num_layers:>6} {io['read']:>7.2f} {io['write']:>7.2f} "
+            f"{io['total']:>7.2f} {io['hlo_total']:>7.2f}  {paper}", flush=True)
+  os.makedirs(os.path.dirname(FLAGS.io_out) or '.', exist_ok=True)
+  with open(FLAGS.io_out, 'w') as f:
+    json.dump(rows, f, indent=1)
+  print(f'wrote {len(rows)} records to {FLAGS.io_out}')
+
+
 def main(argv):
   del argv
+  if FLAGS.io:
+    io_table()
+    return
   rows = []
   header = (f"{'mode':>9} {'layers':>6} {'temp MiB':>9} {'total MiB':>9} "
             f"{'step s':>7} {'compile s':>9} {'temp/std':>8} {'total/std':>9} "

@@ -12,9 +12,10 @@ its last checkpoint, so the sweep can be stopped and restarted at any time.
 `--parallel=N` runs N processes at once (on 2 cores, 1 is fastest overall).
 
 Writes <root>/results.json (one record per run), <root>/results.md (held-out bits per
-byte, mean +- std over seeds, the change against the standard residual, and compute in
-FLOPs from `attnres_jax.flops`, all from each run's saved config.json, i.e. what
-actually ran), <root>/loss_vs_compute.png and <root>/depth.png.
+byte, mean +- std over seeds, the change against the standard residual, compute in
+FLOPs from `attnres_jax.flops`, the median step time and the train step's temporary
+memory with their ratios to the standard run, all from each run's saved config.json,
+i.e. what actually ran), <root>/loss_vs_compute.png and <root>/depth.png.
 """
 
 from __future__ import annotations
@@ -42,14 +43,19 @@ from attnres_jax import train  # pylint: disable=g-import-not-at-top
 from configs import default as default_config  # pylint: disable=g-import-not-at-top
 
 GROUPS = default_config.SWEEP_GROUPS
+PANELS = ('modes', 'ablations', 'depths', 'comparators')  # loss-vs-compute panels
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list('groups', list(GROUPS), 'Run groups: modes, ablations, depths.')
+flags.DEFINE_list('groups', list(PANELS), 'Run groups: ' + ', '.join(GROUPS) + ' (the '
+                  'compute ladder for bench/scaling.py; not run by default).')
 flags.DEFINE_list('runs', [], 'Explicit run names (overrides --groups).')
 flags.DEFINE_list('seeds', ['0', '1', '2'], 'Seeds (model init and data order).')
 flags.DEFINE_string('root', 'runs/sweep', 'Where the run directories go.')
 flags.DEFINE_integer('parallel', 1, 'Training processes at once.')
 flags.DEFINE_bool('report_only', False, 'Only aggregate what has finished.')
+flags.DEFINE_bool('memory', True, 'Report the temporary memory of each run\'s compiled '
+                  'train step (XLA memory_analysis; compiled once per run, cached in '
+                  '<root>/<run>/step_memory.json).')
 flags.DEFINE_multi_string('set', [], 'A config override KEY=VALUE for every run, passed '
                           'to train.py as --config.KEY=VALUE (repeatable).')
 
@@ -98,6 +104,8 @@ def summarize(name: str, seeds: list[int]) -> dict | None:
       results.append(json.load(f))
   config = checkpointing.load_config(run_dir(name, done[0]))
   bpb = np.array([r['bits_per_byte'] for r in results])
+  step_times = [np.median([r['train/step_time'] for r in metrics_lib.read_jsonl(
+      run_dir(name, seed)) if 'train/step_time' in r]) for seed in done]
   per_token = flops.forward_flops_per_token(config.model, config.train.seq_len)
   return dict(
       run=name, seeds=len(results), bits_per_byte_mean=float(bpb.mean()),
@@ -105,10 +113,45 @@ def summarize(name: str, seeds: list[int]) -> dict | None:
       bits_per_byte=bpb.tolist(),
       train_loss_mean=float(np.mean([r['train_loss'] for r in results])),
       run_seconds_mean=float(np.mean([r['run_seconds'] for r in results])),
+      step_time_median=float(np.median(step_times)),
+      temp_bytes=step_memory(name, config) if FLAGS.memory else None,
       training_flops=flops.training_flops(config),
       depth_read_share=per_token['depth_read'] / per_token['total'],
       num_layers=config.model.num_layers, d_model=config.model.d_model,
       num_steps=config.train.num_steps, model=config.model.to_dict())
+
+
+def step_memory(name: str, config) -> int:
+  """Temporary bytes of the run's compiled train step (loss, gradients, AdamW update)
+  at its batch shape: what autodiff keeps alive. Cached beside the seeds."""
+  cache = os.path.join(FLAGS.root, name, 'step_memory.json')
+  if os.path.exists(cache):
+    with open(cache, encoding='utf-8') as f:
+      return json.load(f)['temp_bytes']
+  import jax  # pylint: disable=g-import-not-at-top
+  import optax  # pylint: disable=g-import-not-at-top
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from attnres_jax import model as model_lib  # pylint: disable=g-import-not-at-top
+  graphdef, params = nnx.split(model_lib.Transformer(config.model, rngs=nnx.Rngs(0)),
+                               nnx.Param)
+  optimizer = optax.adamw(1e-3)
+
+  def train_step(params, opt_state, tokens_BT):
+    loss_fn = lambda p: optax.softmax_cross_entropy_with_integer_labels(
+        nnx.merge(graphdef, p)(tokens_BT[:, :-1]), tokens_BT[:, 1:]).mean()
+    grads = jax.grad(loss_fn)(params)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  tokens = jax.ShapeDtypeStruct((config.train.batch_size, config.train.seq_len + 1),
+                                'int32')
+  compiled = jax.jit(train_step, donate_argnums=(0, 1)).lower(
+      params, optimizer.init(params), tokens).compile()
+  temp = int(compiled.memory_analysis().temp_size_in_bytes)
+  os.makedirs(os.path.dirname(cache), exist_ok=True)
+  with open(cache, 'w', encoding='utf-8') as f:
+    json.dump({'temp_bytes': temp}, f)
+  return temp
 
 
 def loss_curve(name: str, seeds: list[int], flops_per_step: float):
@@ -137,20 +180,29 @@ def report(names: list[str], seeds: list[int]) -> None:
     baseline = by_name.get(standard_baseline(row['run']))
     row['vs_standard'] = (row['bits_per_byte_mean'] / baseline['bits_per_byte_mean'] - 1
                           if baseline else None)
+    row['time_vs_standard'] = (row['step_time_median'] / baseline['step_time_median']
+                               if baseline else None)
+    row['memory_vs_standard'] = (row['temp_bytes'] / baseline['temp_bytes']
+                                 if baseline and row['temp_bytes'] else None)
   os.makedirs(FLAGS.root, exist_ok=True)
   with open(os.path.join(FLAGS.root, 'results.json'), 'w', encoding='utf-8') as f:
     json.dump(rows, f, indent=1)
+  ratio = lambda x: '' if x is None else f'{x:.2f}'
   lines = ['| run | layers x d | held-out bits/byte (mean +- std) | vs standard | seeds | '
-           'train FLOPs | depth-read share | s/run |',
-           '|---|---|---|---|---|---|---|---|']
+           'train FLOPs | residual share | s/run | median s/step | time/std | '
+           'step temp MiB | memory/std |',
+           '|---|---|---|---|---|---|---|---|---|---|---|---|']
   for row in rows:
     change = ('' if row['vs_standard'] is None
               else f"{100 * row['vs_standard']:+.2f}%")
+    memory = '' if row['temp_bytes'] is None else f"{row['temp_bytes'] / 2**20:.1f}"
     lines.append(
         f"| {row['run']} | {row['num_layers']} x {row['d_model']} | "
         f"{row['bits_per_byte_mean']:.4f} +- {row['bits_per_byte_std']:.4f} | "
         f"{change} | {row['seeds']} | {row['training_flops']:.3g} | "
-        f"{100 * row['depth_read_share']:.2f}% | {row['run_seconds_mean']:.0f} |")
+        f"{100 * row['depth_read_share']:.2f}% | {row['run_seconds_mean']:.0f} | "
+        f"{row['step_time_median']:.3f} | {ratio(row['time_vs_standard'])} | "
+        f"{memory} | {ratio(row['memory_vs_standard'])} |")
   table = '\n'.join(lines)
   with open(os.path.join(FLAGS.root, 'results.md'), 'w', encoding='utf-8') as f:
     f.write(table + '\n')
@@ -158,9 +210,10 @@ def report(names: list[str], seeds: list[int]) -> None:
 
   # The ablations and depths panels repeat their reference runs, dashed.
   references = {'modes': [], 'ablations': ['standard', 'full'],
-                'depths': ['standard', 'block_s2']}
-  fig, axes = plt.subplots(1, 3, figsize=(19, 4.5))
-  for ax, group in zip(axes, GROUPS):
+                'depths': ['standard', 'block_s2'],
+                'comparators': ['standard', 'full', 'block_s4']}
+  fig, axes = plt.subplots(1, len(PANELS), figsize=(6.3 * len(PANELS), 4.5))
+  for ax, group in zip(axes, PANELS):
     for name in [*references[group], *GROUPS[group]]:
       if name not in by_name:
         continue
@@ -169,7 +222,7 @@ def report(names: list[str], seeds: list[int]) -> None:
       if curve is None:
         continue
       if name in references[group]:  # black and grey, leaving the colours to the group
-        ax.plot(*curve, '--', color=('k', '0.55')[references[group].index(name)],
+        ax.plot(*curve, '--', color=('k', '0.55', '0.75')[references[group].index(name)],
                 label=name)
       else:
         ax.plot(*curve, label=name)

@@ -47,9 +47,31 @@ SWEEP_DEPTHS = {
     for mode, extra in (('standard', dict(residual='standard')),
                         ('block', dict(residual='block', block_size=2)))
 }
+# The paper's comparators (Tables 2 and 4): Hyper-Connections and mHC, m = 4 streams.
+SWEEP_COMPARATORS = {
+    'mhc': dict(residual='mhc', hc_streams=4),
+    'hc': dict(residual='hc', hc_streams=4),
+}
+# A compute ladder for the scaling fit L = A C^-alpha (bench/scaling.py): the same 4
+# layers at other widths (head dim 32, MLP 3d); the d = 128 rung is the runs above.
+SCALING_BASE_WIDTH = 128
+SCALING_WIDTHS = (64, 96, SCALING_BASE_WIDTH, 192)
+SCALING_RESIDUALS = ('standard', 'full', 'block_s4', 'mhc', 'hc')
+
+
+def scaling_run(name: str, width: int) -> str:
+  return name if width == SCALING_BASE_WIDTH else f'{name}_d{width}'
+
+
+SWEEP_SCALING = {
+    scaling_run(name, width): dict({**SWEEP_MODES, **SWEEP_COMPARATORS}[name],
+                                   d_model=width, num_heads=width // 32, mlp_dim=3 * width)
+    for name in SCALING_RESIDUALS for width in SCALING_WIDTHS
+    if width != SCALING_BASE_WIDTH}
 SWEEP_GROUPS = {'modes': SWEEP_MODES, 'ablations': SWEEP_ABLATIONS,
-                'depths': SWEEP_DEPTHS}
-SWEEP_RUNS = {**SWEEP_MODES, **SWEEP_ABLATIONS, **SWEEP_DEPTHS}
+                'depths': SWEEP_DEPTHS, 'comparators': SWEEP_COMPARATORS,
+                'scaling': SWEEP_SCALING}
+SWEEP_RUNS = {name: run for group in SWEEP_GROUPS.values() for name, run in group.items()}
 
 SUBWORD_VOCAB_SIZE = 1024
 SUBWORD_SEQ_LEN = 56  # ~128 bytes at the 2.29 bytes per token of the training split
@@ -65,7 +87,7 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
       num_layers=4,              # Transformer layers; 2 sublayers each (attention, MLP)
       num_heads=4,               # attention heads (head width D / heads, even for RoPE)
       mlp_dim=384,               # SwiGLU hidden width
-      residual='block',          # 'standard' | 'full' (AttnRes) | 'block' (Block AttnRes)
+      residual='block',          # 'standard' | 'full' | 'block' (AttnRes) | 'hc' | 'mhc'
       block_size=2,              # S: sublayers per block ('block'; 1 = Full)
       tie_embeddings=True,       # the output layer is the embedding table
       rope_theta=10_000.0,       # rotary embedding base
@@ -84,6 +106,9 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
       depth_mixing='attention',  # ablation: 'attention' | 'scalars' (DenseFormer-style)
       depth_window=0,            # ablation: > 0 reads the embedding + the last W sources
       depth_heads=1,             # ablation: > 1 = per channel-group depth weights
+      hc_streams=4,              # 'hc' / 'mhc': residual streams m (expansion rate)
+      hc_dynamic=True,           # 'hc' / 'mhc': input-dependent part of the mixing on
+      sinkhorn_iters=20,         # 'mhc': Sinkhorn-Knopp iterations of the projection
   ))
 
   config.data = ml_collections.ConfigDict(dict(

@@ -29,3 +29,65 @@ def test_forward_flops_terms():
   full = flops.forward_flops_per_token(full_cfg, seq_len=32)
   assert full['depth_read'] == 7 * 64 * (sum(range(1, 5)) + 5)
   assert full['total'] > terms['total']
+
+
+def test_hyper_connection_flops_by_hand():
+  # m = 2 streams, d = 8, 1 layer (2 sublayers), dynamic, 3 Sinkhorn iterations.
+  common = dict(d_model=8, num_heads=2, mlp_dim=16, num_layers=1, hc_streams=2,
+                sinkhorn_iters=3)
+  hc = ar.model_config(residual='hc', **common)
+  # read 2*2*8 + mixing 2*4*8 + write 2*2*8 = 128; norm 3*2*8 = 48; projections
+  # W_m, W_r, W_beta: 2*2*8*(1 + 2 + 1) = 128; per sublayer 304; final sum 1*8.
+  assert flops.hyper_connection_flops(hc) == 2 * 304 + 8
+  mhc = ar.model_config(residual='mhc', **common)
+  # projections phi_pre, phi_post, phi_res: 2*16*(2 + 2 + 4) = 256; Sinkhorn
+  # 8*4*3 + 3*4 = 108; per sublayer 128 + 48 + 256 + 108 = 540.
+  assert flops.hyper_connection_flops(mhc) == 2 * 540 + 8
+  static = ar.model_config(residual='hc', hc_dynamic=False, **common)
+  assert flops.hyper_connection_flops(static) == 2 * 128 + 8
+  assert flops.depth_read_sources(hc) == 0
+  terms = flops.forward_flops_per_token(mhc, seq_len=4)
+  assert terms['depth_read'] == 2 * 540 + 8
+  assert flops.hyper_connection_flops(ar.model_config(residual='full')) == 0
+
+
+def test_residual_io_by_hand():
+  io = lambda **kw: flops.residual_io_per_sublayer(ar.model_config(num_layers=2, **kw))
+  assert io(residual='standard') == {'read': 2.0, 'write': 1.0, 'total': 3.0}
+  # m = 4, L = 4: reads 9 per sublayer + 4 for the final sum; writes 5 + 1.
+  assert io(residual='mhc', hc_streams=4) == {
+      'read': (4 * 9 + 4) / 4, 'write': (4 * 5 + 1) / 4, 'total': (40 + 21) / 4}
+  # Block S = 2, L = 4, segments of 1 layer (2 sublayers, one block each).
+  # Segment 0: Phase 1 reads slot 0, writes 2 o's; sublayer 0: Phase 2 reads o (no
+  # local slot), writes h; write reads f, writes the slot. Sublayer 1: Phase 2 reads
+  # o + the partial, writes h; write reads f and the partial, writes it.
+  # Segment 1: the same with 2 completed slots. Final read: 3 slots, writes h.
+  reads = (1 + 1 + 1 + 2 + 2) + (2 + 1 + 1 + 2 + 2) + 3
+  writes = (2 + 1 + 1 + 1 + 1) + (2 + 1 + 1 + 1 + 1) + 1
+  got = io(residual='block', block_size=2)
+  assert got['read'] == reads / 4 and got['write'] == writes / 4
+  # One-shot Full: sublayer l reads its l + 1 slots, then f; the final read 5.
+  one_shot = io(residual='full', depth_read='one_shot')
+  assert one_shot['read'] == (sum(l + 1 + 1 for l in range(4)) + 5) / 4
+  assert one_shot['write'] == (2 * 4 + 1) / 4
+
+
+def test_memory_io_table_smoke(tmp_path):
+  """bench/memory.py --io: the counted model and XLA's bytes accessed per mode."""
+  import json  # pylint: disable=g-import-not-at-top
+  import os  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  out = tmp_path / 'io.json'
+  subprocess.run(
+      [sys.executable, os.path.join(root, 'bench', 'memory.py'), '--io', '--layers=1',
+       '--modes=standard,hc:2', '--d_model=64', '--seq_len=8', '--batch_size=2',
+       f'--io_out={out}'],
+      check=True, cwd=root, timeout=300,
+      env={**os.environ, 'PYTHONPATH': root + os.pathsep + os.environ.get('PYTHONPATH', '')})
+  rows = {row['mode']: row for row in json.load(open(out))}
+  assert rows['standard']['total'] == 3.0 and rows['standard']['hlo_total'] == 3.0
+  # HC with m = 2 streams, 2 sublayers: counted (2m + 1) + m / L read, (m + 1) + 1 / L.
+  assert rows['hc:2']['read'] == 5 + 2 / 2 and rows['hc:2']['write'] == 3 + 1 / 2
+  assert rows['hc:2']['hlo_total'] > 3.0  # the streams cost XLA more than one stream

@@ -1,0 +1,351 @@
+"""Hyper-Connections (HC, Zhu et al. 2024, arXiv 2409.19606) and manifold-constrained
+Hyper-Connections (mHC, DeepSeek-AI 2025, arXiv 2512.24880) as residuals.
+
+Both widen the residual stream into m parallel streams H [m, B, T, D] (the carry, with
+a leading axis like the AttnRes depth buffer). Around every sublayer f (attention or
+MLP, each with its own PreNorm inside f):
+
+    read:   h   = sum_i a_i H_i                   (a: m read weights)
+    write:  H'_j = sum_i R_ij H_i + b_j f(h)       (R: m x m mixing, b: m write weights)
+
+The embedding starts every stream and the final norm reads their sum. Equations,
+initialisation and every choice the papers leave open: `docs/comparators.md`.
+
+HC (static and dynamic hyper-connections): a = A_m, R = A_r, b = B, each static plus,
+when `hc_dynamic`, s * tanh(norm(H_i) W) from each stream's own RMS-normalised state.
+
+mHC: from the RMS-normalised concatenation x = vec(H) / rms(vec(H)) of all streams,
+pre = sigmoid(alpha_pre x phi_pre + b_pre), post = 2 sigmoid(alpha_post x phi_post +
+b_post), res = SinkhornKnopp(alpha_res mat(x phi_res) + b_res); a = pre, b = post, and
+the mixing is R = res^T (the paper writes x_{l+1} = res x_l).
+
+Initialisation (both): the standard residual. Every stream holds the same state, the
+read of sublayer k takes stream k mod m, mixing is the identity and every stream adds
+f(h) (HC exactly; mHC up to sigmoid(-8) = 3e-4 and Sinkhorn's projection of a
+near-identity), so the streams stay equal and each equals the standard residual
+stream, and PreNorm and the final norm remove the factor m of the sum.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from attnres_jax import depth
+from attnres_jax import residual as residual_lib
+from attnres_jax import sharding
+
+STREAMS = sharding.DEPTH_BUFFER  # [m, B, T, D]: the streams shard like the depth buffer
+STREAM_AXIS = STREAMS[0]  # the logical name of a stream axis in parameters (never split)
+# Initial gate of the input-dependent part: HC's s_alpha, s_beta and mHC's alpha.
+DYNAMIC_SCALE_INIT = 0.01
+# mHC's static logits at initialisation: the selected stream / the diagonal get 0 or
+# +8, the others -8 (sigmoid(-8) = 3.4e-4), so the start is close to HC's.
+MHC_LOGIT = 8.0
+
+
+def sinkhorn(logits_XNN, iters: int):
+  """Sinkhorn-Knopp: exp(logits) scaled to a doubly stochastic matrix (the last two
+  axes), in float32 and in the log domain so that extreme logits neither overflow nor
+  underflow. Each iteration normalises the columns, then the rows (the paper's
+  M <- T_r(T_c(M))): the rows of the result sum to one up to rounding, the columns to
+  within the iteration's convergence."""
+  log_m = logits_XNN.astype(jnp.float32)
+
+  def iteration(_, log_m):
+    log_m = log_m - jax.nn.logsumexp(log_m, axis=-2, keepdims=True)
+    return log_m - jax.nn.logsumexp(log_m, axis=-1, keepdims=True)
+
+  matrix = jnp.exp(jax.lax.fori_loop(0, iters, iteration, log_m))
+  # The last row normalisation once more, in the linear domain (exactly a no-op in
+  # real arithmetic): in the log domain an entry's relative rounding error is that of
+  # its log, ~2^-24 times the logits' magnitude, 1e-5 already for logits of 100.
+  return matrix / jnp.sum(matrix, axis=-1, keepdims=True)
+
+
+def _param(init, shape, axes, dtype):
+  return residual_lib._param(init, shape, axes, dtype)  # pylint: disable=protected-access
+
+
+def _constant(value):
+  return lambda shape, dtype: jnp.full(shape, value, dtype)
+
+
+class HyperConnectionParams(nnx.Module):
+  """HC parameters for `rows` sublayers: static read offsets (A_m minus its initial
+  one-hot e_{k mod m}, which depends on the sublayer index k and is added when read),
+  mixing A_r (identity) and write weights B (ones); dynamic projections W (zero) and
+  gates s_alpha, s_beta (0.01). No random numbers."""
+
+  def __init__(self, cfg, rows: tuple[int, ...], row_axes: tuple[str, ...]):
+    pdt = jnp.dtype(cfg.param_dtype)
+    m, d = cfg.hc_streams, cfg.d_model
+    eye = lambda shape, dtype: jnp.broadcast_to(jnp.eye(m, dtype=dtype), shape)
+    self.static_read = _param(jnp.zeros, (*rows, m), (*row_axes, STREAM_AXIS), pdt)
+    self.static_mix = _param(eye, (*rows, m, m), (*row_axes, STREAM_AXIS, STREAM_AXIS),
+                             pdt)
+    self.static_write = _param(jnp.ones, (*rows, m), (*row_axes, STREAM_AXIS), pdt)
+    if cfg.hc_dynamic:
+      self.read_proj = _param(jnp.zeros, (*rows, d), (*row_axes, 'embed'), pdt)
+      self.mix_proj = _param(jnp.zeros, (*rows, d, m), (*row_axes, 'embed', STREAM_AXIS),
+                             pdt)
+      self.write_proj = _param(jnp.zeros, (*rows, d), (*row_axes, 'embed'), pdt)
+      self.read_scale = _param(_constant(DYNAMIC_SCALE_INIT), rows, row_axes, pdt)
+      self.write_scale = _param(_constant(DYNAMIC_SCALE_INIT), rows, row_axes, pdt)
+    else:
+      self.read_proj = self.mix_proj = self.write_proj = None
+      self.read_scale = self.write_scale = None
+
+
+class ManifoldHyperConnectionParams(nnx.Module):
+  """mHC parameters for `rows` sublayers: biases b_pre (offset from the initial +-8
+  logits selecting stream k mod m), b_post (0: H_post = 1), b_res (0 on the diagonal,
+  -8 off it); dynamic projections phi [m, D, .] (zero) and gates alpha (0.01)."""
+
+  def __init__(self, cfg, rows: tuple[int, ...], row_axes: tuple[str, ...]):
+    pdt = jnp.dtype(cfg.param_dtype)
+    m, d = cfg.hc_streams, cfg.d_model
+    res_init = lambda shape, dtype: jnp.broadcast_to(
+        MHC_LOGIT * (jnp.eye(m, dtype=dtype) - 1), shape)
+    self.pre_bias = _param(jnp.zeros, (*rows, m), (*row_axes, STREAM_AXIS), pdt)
+    self.post_bias = _param(jnp.zeros, (*rows, m), (*row_axes, STREAM_AXIS), pdt)
+    self.res_bias = _param(res_init, (*rows, m, m),
+                           (*row_axes, STREAM_AXIS, STREAM_AXIS), pdt)
+    if cfg.hc_dynamic:
+      proj = lambda k: _param(jnp.zeros, (*rows, m, d, k),
+                              (*row_axes, STREAM_AXIS, 'embed', STREAM_AXIS), pdt)
+      self.pre_proj, self.post_proj, self.res_proj = proj(m), proj(m), proj(m * m)
+      self.pre_scale, self.post_scale, self.res_scale = (
+          _param(_constant(DYNAMIC_SCALE_INIT), rows, row_axes, pdt) for _ in range(3))
+    else:
+      self.pre_proj = self.post_proj = self.res_proj = None
+      self.pre_scale = self.post_scale = self.res_scale = None
+
+
+def _row(param, which):
+  return None if param is None else param[...][which].astype(jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Coefficients:
+  """One sublayer's stream weights, per token: read a [m, B, T], mixing R [m, m, B, T]
+  (R[i, j]: from stream i to stream j), write b [m, B, T]. float32."""
+  read_MBT: jax.Array
+  mix_MMBT: jax.Array
+  write_MBT: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class HyperConnectionResidual(residual_lib.Residual):
+  """HC (`cfg.residual == 'hc'`) or mHC ('mhc') over `cfg.hc_streams` streams.
+
+  Carry between layers: the streams [m, B, T, D]. Inner carry within a segment: the
+  streams and the index of the segment's first layer (for the initial read one-hot).
+  The read and the write of a sublayer compute its coefficients from the same
+  streams (the interface passes nothing from read to write); they are identical
+  expressions, which XLA's common-subexpression elimination may merge.
+  """
+
+  cfg: Any
+  segment_layers: int = 1
+
+  @property
+  def manifold(self) -> bool:
+    return self.cfg.residual == 'mhc'
+
+  @property
+  def num_streams(self) -> int:
+    return self.cfg.hc_streams
+
+  def layer_params(self, cfg):
+    module = ManifoldHyperConnectionParams if self.manifold else HyperConnectionParams
+    return module(cfg, (2,), ('sublayers',))
+
+  def init(self, x_BTD):
+    streams_MBTD = jnp.broadcast_to(x_BTD, (self.num_streams,) + x_BTD.shape)
+    return sharding.constrain(streams_MBTD, STREAMS)
+
+  def begin_segment(self, carry, params, segment):
+    return (carry, jnp.asarray(segment * self.segment_layers, jnp.int32)), None
+
+  def end_segment(self, carry, inner, segment):
+    return inner[0]
+
+  def selected(self, first_layer, layer_in_segment, which):
+    """One-hot [m] of stream k mod m, k the model-wide sublayer index."""
+    k = 2 * (first_layer + layer_in_segment) + which
+    return jax.nn.one_hot(k % self.num_streams, self.num_streams, dtype=jnp.float32)
+
+  def coefficients(self, inner, params, layer_in_segment, which) -> Coefficients:
+    streams_MBTD, first_layer = inner
+    selected_M = self.selected(first_layer, layer_in_segment, which)
+    if self.manifold:
+      return self._mhc_coefficients(streams_MBTD, params, selected_M, which)
+    return self._hc_coefficients(streams_MBTD, params, selected_M, which)
+
+  def _hc_coefficients(self, streams_MBTD, params, selected_M, which):
+    read_M = selected_M + _row(params.static_read, which)
+    mix_MM = _row(params.static_mix, which)
+    write_M = _row(params.static_write, which)
+    batch = streams_MBTD.shape[1:3]
+    read_MBT = jnp.broadcast_to(read_M[:, None, None], read_M.shape + batch)
+    mix_MMBT = jnp.broadcast_to(mix_MM[..., None, None], mix_MM.shape + batch)
+    write_MBT = jnp.broadcast_to(write_M[:, None, None], write_M.shape + batch)
+    if params.read_proj is not None:  # dynamic: from each stream's own normalised state
+      normed_MBTD = _rms_normalize(streams_MBTD, self.cfg.norm_eps)
+      s_alpha, s_beta = _row(params.read_scale, which), _row(params.write_scale, which)
+      read_MBT += s_alpha * jnp.tanh(
+          jnp.einsum('mbtd,d->mbt', normed_MBTD, _row(params.read_proj, which)))
+      mix_MMBT += s_alpha * jnp.tanh(
+          jnp.einsum('mbtd,dn->mnbt', normed_MBTD, _row(params.mix_proj, which)))
+      write_MBT += s_beta * jnp.tanh(
+          jnp.einsum('mbtd,d->mbt', normed_MBTD, _row(params.write_proj, which)))
+    return Coefficients(read_MBT, mix_MMBT, write_MBT)
+
+  def _mhc_coefficients(self, streams_MBTD, params, selected_M, which):
+    pre_BTM = MHC_LOGIT * (2 * selected_M - 1) + _row(params.pre_bias, which)
+    post_BTM = _row(params.post_bias, which)
+    res_BTMM = _row(params.res_bias, which)
+    batch = streams_MBTD.shape[1:3]
+    pre_BTM = jnp.broadcast_to(pre_BTM, batch + pre_BTM.shape[-1:])
+    post_BTM = jnp.broadcast_to(post_BTM, batch + post_BTM.shape[-1:])
+    res_BTMM = jnp.broadcast_to(res_BTMM, batch + res_BTMM.shape[-2:])
+    if params.pre_proj is not None:  # dynamic: from all streams, flattened and normed
+      # RMSNorm(vec(H)) over the m * D features of a token (no gain: phi absorbs it).
+      inv_rms_BT = jax.lax.rsqrt(
+          jnp.mean(jnp.square(streams_MBTD.astype(jnp.float32)), axis=(0, 3))
+          + self.cfg.norm_eps)
+      normed_MBTD = streams_MBTD.astype(jnp.float32) * inv_rms_BT[None, ..., None]
+      project = lambda proj: jnp.einsum('mbtd,mdk->btk', normed_MBTD,
+                                        _row(proj, which))
+      pre_BTM = pre_BTM + _row(params.pre_scale, which) * project(params.pre_proj)
+      post_BTM = post_BTM + _row(params.post_scale, which) * project(params.post_proj)
+      res_flat = _row(params.res_scale, which) * project(params.res_proj)
+      res_BTMM = res_BTMM + res_flat.reshape(*res_flat.shape[:-1], self.num_streams,
+                                             self.num_streams)
+    h_res_BTMM = sinkhorn(res_BTMM, self.cfg.sinkhorn_iters)  # [i, j]: to i from j
+    return Coefficients(
+        read_MBT=jnp.moveaxis(jax.nn.sigmoid(pre_BTM), -1, 0),
+        mix_MMBT=jnp.transpose(h_res_BTMM, (3, 2, 0, 1)),  # [from, to, B, T]
+        write_MBT=jnp.moveaxis(2 * jax.nn.sigmoid(post_BTM), -1, 0))
+
+  def read(self, inner, params, per_layer, layer_in_segment, which):
+    streams_MBTD = inner[0]
+    coeffs = self.coefficients(inner, params, layer_in_segment, which)
+    h_BTD = jnp.einsum('mbt,mbtd->btd', coeffs.read_MBT,
+                       streams_MBTD.astype(jnp.float32))
+    return sharding.constrain(h_BTD.astype(streams_MBTD.dtype), sharding.HIDDEN), \
+        coeffs.read_MBT
+
+  def write(self, inner, params, per_layer, layer_in_segment, which, out_BTD):
+    streams_MBTD, first_layer = inner
+    coeffs = self.coefficients(inner, params, layer_in_segment, which)
+    mixed_MBTD = jnp.einsum('mnbt,mbtd->nbtd', coeffs.mix_MMBT,
+                            streams_MBTD.astype(jnp.float32))
+    new_MBTD = mixed_MBTD + coeffs.write_MBT[..., None] * out_BTD.astype(jnp.float32)[None]
+    return (sharding.constrain(new_MBTD.astype(streams_MBTD.dtype), STREAMS),
+            first_layer)
+
+  def final(self, carry, params):
+    """The sum of the streams (both papers); the final norm removes the factor m."""
+    return jnp.sum(carry.astype(jnp.float32), axis=0).astype(carry.dtype), None
+
+
+def _rms_normalize(x, eps):
+  return x.astype(jnp.float32) * depth.rms_inverse(x, eps)[..., None]
+
+
+# -- statistics for the analysis ----------------------------------------------------
+
+
+def stream_statistics(model, tokens_BT, weights_BT=None) -> dict[str, jax.Array]:
+  """Per-stream statistics of an HC/mHC model on a batch, means over its tokens
+  (weighted by `weights_BT`, e.g. 0 on padding; default uniform):
+
+    stream_rms     [num_layers, 2, m]     RMS of each stream before each sublayer
+    read_weights   [num_layers, 2, m]     a: how much each stream feeds the sublayer
+    mix_weights    [num_layers, 2, m, m]  [i, j]: the weight of stream j in the new
+                                          stream i (mHC's H_res; HC's A_r transposed)
+    write_weights  [num_layers, 2, m]     b: how much of the output each stream gets
+    final_stream_rms [m]                  the streams the final norm reads (summed)
+  """
+  from attnres_jax import stack as stack_lib  # pylint: disable=g-import-not-at-top
+  cfg = model.cfg
+  residual = residual_lib.make_residual(cfg)
+  if not isinstance(residual, HyperConnectionResidual):
+    raise ValueError(f'stream statistics need residual "hc" or "mhc", got '
+                     f'{cfg.residual!r}.')
+  graphdef, layer_state = nnx.split(model.layers)
+  positions_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
+  if weights_BT is None:
+    weights_BT = jnp.ones(tokens_BT.shape, jnp.float32)
+
+  def token_mean(x_XBT, weights_BT):  # leading axes kept
+    flat = x_XBT.reshape(-1, *x_XBT.shape[-2:])
+    means = jax.vmap(lambda x: stack_lib.token_mean(x, weights_BT))(flat)
+    return means.reshape(x_XBT.shape[:-2])
+
+  def run(layer_state, x_BTD, weights_BT):
+    def apply_sublayer(which, layer_in_segment, state_k, h_BTD, inner, extra):
+      del extra
+      layer = nnx.merge(graphdef, state_k)
+      coeffs = residual.coefficients(inner, layer.residual, layer_in_segment, which)
+      saved = dict(
+          stream_rms=token_mean(1.0 / depth.rms_inverse(inner[0], 0.0), weights_BT),
+          read_weights=token_mean(coeffs.read_MBT, weights_BT),
+          mix_weights=token_mean(coeffs.mix_MMBT, weights_BT).T,
+          write_weights=token_mean(coeffs.write_MBT, weights_BT))
+      return layer.sublayer(which, h_BTD, positions_BT), saved
+
+    carry, ys = stack_lib.run_layers(residual, graphdef, layer_state, x_BTD,
+                                     positions_BT, cfg=cfg, apply_sublayer=apply_sublayer)
+    attention, mlp = stack_lib.join_layers(ys)[0]
+    stats = jax.tree.map(lambda a, b: jnp.stack([a, b], axis=1), attention, mlp)
+    stats['final_stream_rms'] = token_mean(1.0 / depth.rms_inverse(carry, 0.0),
+                                           weights_BT)
+    return stats
+
+  return jax.jit(run)(layer_state, model.embed(tokens_BT),
+                      jnp.asarray(weights_BT, jnp.float32))
+
+
+def plot_streams(model, batches, path: str, title: str = '') -> str:
+  """Per-stream magnitudes, read and write weights across depth (token-weighted means
+  over `batches`, dicts with 'inputs' and 'weights' [B, T]), saved to `path`."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  batches = list(batches)  # one compiled call on all of them (stream_statistics jits)
+  if not batches:
+    raise ValueError('No batches for the stream statistics.')
+  stats = jax.device_get(stream_statistics(
+      model, jnp.asarray(np.concatenate([b['inputs'] for b in batches]), jnp.int32),
+      np.concatenate([np.asarray(b['weights'], np.float32) for b in batches])))
+  m, num_sub = model.cfg.hc_streams, 2 * model.cfg.num_layers
+  labels = [f'{"AM"[k % 2]}{k // 2}' for k in range(num_sub)]
+  fig, axes = plt.subplots(1, 3, figsize=(16, 4), layout='constrained')
+  rms = stats['stream_rms'].reshape(num_sub, m)
+  for i in range(m):
+    axes[0].plot(list(range(num_sub)) + [num_sub],
+                 list(rms[:, i]) + [stats['final_stream_rms'][i]], 'o-',
+                 label=f'stream {i}')
+  axes[0].set_yscale('log')
+  axes[0].set_xticks(range(num_sub + 1), labels + ['final'], fontsize=7)
+  axes[0].set_ylabel('RMS before the sublayer (mean over tokens)')
+  axes[0].legend(fontsize=8)
+  for ax, key, name in ((axes[1], 'read_weights', 'read weights a (stream -> input)'),
+                        (axes[2], 'write_weights', 'write weights b (output -> stream)')):
+    image = ax.imshow(stats[key].reshape(num_sub, m).T, aspect='auto', cmap='viridis')
+    ax.set_xticks(range(num_sub), labels, fontsize=7)
+    ax.set_yticks(range(m), [f'stream {i}' for i in range(m)])
+    ax.set_title(name)
+    fig.colorbar(image, ax=ax)
+  fig.suptitle(title or model.cfg.residual)
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return path
