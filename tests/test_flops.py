@@ -15,7 +15,7 @@ def test_depth_read_sources_by_hand():
   assert flops.depth_read_sources(ar.model_config(residual='standard')) == 0
   # A window of 2 caps each read, the final one too, at the embedding + 2 sources.
   window = ar.model_config(num_layers=3, residual='full', depth_window=2,
-                           linear_memory_backward=False)
+                           depth_read='one_shot')
   assert flops.depth_read_sources(window) == 1 + 2 + 3 + 3 + 3 + 3 + 3
 
 
