@@ -19,9 +19,8 @@ def sources(seed=0, count=6):
 
 
 def config(**variant):
-  variant = {'residual': 'full', **variant}
-  return ar.model_config(d_model=D, num_heads=2, mlp_dim=32, num_layers=2,
-                         depth_read='one_shot', **variant)
+  variant = {'residual': 'full', 'depth_read': 'one_shot', **variant}
+  return ar.model_config(d_model=D, num_heads=2, mlp_dim=32, num_layers=2, **variant)
 
 
 QUERY = jax.random.normal(jax.random.key(7), (D,))

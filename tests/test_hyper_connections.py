@@ -105,7 +105,8 @@ def mhc_step(p, which, k, H, f, cfg):
   m, d = cfg.hc_streams, cfg.d_model
   selected = jax.nn.one_hot(k % m, m)
   b_pre = hcl.MHC_LOGIT * (2 * selected - 1) + p.pre_bias[...][which]
-  pre, post, res = b_pre, p.post_bias[...][which], p.res_bias[...][which]
+  pre, post, res = (jnp.broadcast_to(v, H.shape[:2] + v.shape) for v in (
+      b_pre, p.post_bias[...][which], p.res_bias[...][which]))  # per token
   if cfg.hc_dynamic:
     x = H.reshape(*H.shape[:2], m * d)                              # vec(x_l)
     x = rms_rows(x, cfg.norm_eps)
@@ -171,7 +172,7 @@ def test_sinkhorn_extreme_logits(scale):
     errors.append(float(jnp.mean(jnp.abs(matrix.sum(-2) - 1))))
   # Sinkhorn's L1 marginal error is non-increasing (allow float32 rounding).
   assert errors[0] + 1e-6 >= errors[1] and errors[1] + 1e-6 >= errors[2], errors
-  grads = jax.grad(lambda x: jnp.sum(hcl.sinkhorn(x, 20) * jnp.arange(16.).reshape(4, 4)))(
+  grads = jax.grad(lambda x: jnp.sum(hcl.sinkhorn(x, 20) * jnp.arange(16.).reshape(1, 4, 4)))(
       logits)
   assert bool(jnp.all(jnp.isfinite(grads)))
 
@@ -312,7 +313,7 @@ def test_stream_statistics():
 ])
 def test_config_errors_are_readable(overrides, message):
   with pytest.raises(ValueError, match=message):
-    ar.validate_model_config(ar.model_config(**{**TINY, **overrides}))
+    ar.model_config(**{**TINY, **overrides})  # validated when made
 
 
 # -- sharding: the children of tests/test_sharding.py, judged by its own test ---------
