@@ -163,7 +163,7 @@ def test_causal(residual, block_size):
     return model.forward_embeddings(embeddings)[0, t].sum()
 
   embeddings = model.embed(tokens(1, length))
-  grads = jax.grad(logits_at_t)(embeddings)
+  grads = jax.jit(jax.grad(logits_at_t))(embeddings)  # jitted: eager ops are slow
   assert jnp.all(grads[:, t + 1:] == 0)
   assert jnp.any(grads[:, :t + 1] != 0)
 
@@ -172,7 +172,7 @@ def test_causal(residual, block_size):
 def test_gradients_are_finite(residual, block_size):
   model = randomize_depth_params(make_model(residual, block_size))
   x = tokens()
-  grads = nnx.grad(lambda m: jnp.mean(jax.nn.log_softmax(m(x))[..., 0]))(model)
+  grads = nnx.jit(nnx.grad(lambda m: jnp.mean(jax.nn.log_softmax(m(x))[..., 0])))(model)
   for path, g in jax.tree_util.tree_leaves_with_path(grads):
     assert jnp.all(jnp.isfinite(g)), path
   if residual != 'standard':
