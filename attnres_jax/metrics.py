@@ -21,6 +21,7 @@ import json
 import math
 import os
 import struct
+import time
 from collections.abc import Mapping
 
 import jax
@@ -149,3 +150,30 @@ def say(message: str, bar=None) -> None:
   logging.info(message)
   if jax.process_index() == 0:
     (bar.write if bar is not None else print)(message)
+
+
+class IntervalStats:
+  """The training steps since the last record: their losses, gradient norms and tokens
+  (means go into the record), and the time of the steps that were timed."""
+
+  def __init__(self):
+    self.reset()
+    self.last_time = None
+
+  def reset(self):
+    self.losses, self.grad_norms, self.tokens = [], [], []
+    self.timed_steps, self.timed_seconds = 0, 0.0
+
+  def add(self, loss, grad_norm, tokens):
+    now = time.perf_counter()
+    if self.last_time is not None:  # the first step of a run includes compilation
+      self.timed_steps += 1
+      self.timed_seconds += now - self.last_time
+    self.last_time = now
+    self.losses.append(loss)
+    self.grad_norms.append(grad_norm)
+    self.tokens.append(tokens)
+
+  def pause(self):
+    """Excludes host-side work (eval, checkpointing) from the next step time."""
+    self.last_time = None

@@ -39,6 +39,7 @@ from attnres_jax import metrics as metrics_lib
 from attnres_jax import model as model_lib
 from attnres_jax import optim
 from attnres_jax import pipeline
+from attnres_jax import pipeline_plan
 from attnres_jax import sharding
 from attnres_jax import workdir as workdir_lib
 
@@ -199,32 +200,6 @@ def jit_eval_step(layout: sharding.Layout, *, graphdef, collect_stats: bool = Fa
 # -- the host loop --------------------------------------------------------------------
 
 
-class _Interval:
-  """Means over the steps since the last record, and step time of timed steps."""
-
-  def __init__(self):
-    self.reset()
-    self.last_time = None
-
-  def reset(self):
-    self.losses, self.grad_norms, self.tokens = [], [], []
-    self.timed_steps, self.timed_seconds = 0, 0.0
-
-  def add(self, loss, grad_norm, tokens):
-    now = time.perf_counter()
-    if self.last_time is not None:  # the first step of a run includes compilation
-      self.timed_steps += 1
-      self.timed_seconds += now - self.last_time
-    self.last_time = now
-    self.losses.append(loss)
-    self.grad_norms.append(grad_norm)
-    self.tokens.append(tokens)
-
-  def pause(self):
-    """Excludes host-side work (eval, checkpointing) from the next step time."""
-    self.last_time = None
-
-
 def train_and_evaluate(
     config: ml_collections.ConfigDict, workdir: str, *, max_steps: int | None = None,
     on_metrics: Callable[[int, dict[str, float]], None] | None = None,
@@ -246,7 +221,7 @@ def train_and_evaluate(
   """
   run_start = time.perf_counter()
   config_lib.validate(config)
-  pipeline.validate(pipeline.from_mesh_config(config.mesh), config.model,
+  pipeline_plan.validate(pipeline_plan.from_mesh_config(config.mesh), config.model,
                     config.train.batch_size // config.train.grad_accum_steps)
   workdir_lib.resolve_allowed(allow_config_change, workdir_lib.flatten(
       json.loads(config.to_json())))  # a misspelt field fails here, not after locking
@@ -304,8 +279,8 @@ def _train(config: ml_collections.ConfigDict, workdir: str, *, changed: set[str]
     raise ValueError(f'The microbatch of {tc.batch_size // tc.grad_accum_steps} rows '
                      f'(batch_size / grad_accum_steps) does not split over the '
                      f'{data_shards} data-parallel devices.')
-  pipe = pipeline.from_mesh_config(config.mesh)
-  pipeline.validate(pipe, config.model, tc.batch_size // tc.grad_accum_steps, data_shards)
+  pipe = pipeline_plan.from_mesh_config(config.mesh)
+  pipeline_plan.validate(pipe, config.model, tc.batch_size // tc.grad_accum_steps, data_shards)
 
   tx, schedule = optim.make_optimizer(tc)
   graphdef, _ = checkpointing.abstract_model(config.model)
@@ -357,7 +332,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, *, changed: set[str]
     tokens_per_step = tc.batch_size * tc.seq_len
     bar = tqdm.tqdm(total=num_steps, initial=start, desc='train', unit='step',
                     dynamic_ncols=True, disable=jax.process_index() != 0)
-    interval = _Interval()
+    interval = metrics_lib.IntervalStats()
 
     def run_eval(step, log=True):
       result = evaluate_lib.evaluate(p_eval_step, state.params, datasets.eval_batches(),

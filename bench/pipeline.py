@@ -41,6 +41,7 @@ from attnres_jax import checkpointing
 from attnres_jax import config as config_lib
 from attnres_jax import optim
 from attnres_jax import pipeline
+from attnres_jax import pipeline_plan
 from attnres_jax import sharding
 from attnres_jax import train
 
@@ -112,16 +113,16 @@ def communication() -> list[dict]:
           rules = sharding.rules_from_config(mesh_cfg)
           layout = train.make_layout(cfg, optim.make_optimizer(
               default_config.get_config().train)[0], mesh, rules)
-          pipe = pipeline.from_mesh_config(mesh_cfg)
+          pipe = pipeline_plan.from_mesh_config(mesh_cfg)
           loss = functools.partial(pipeline.loss_sums, graphdef=graphdef, pipe=pipe)
           with sharding.logical_rules(mesh, rules):
             compiled = jax.jit(loss, in_shardings=(layout.state.params, layout.batch)
                                ).lower(params, batch).compile()
           hlo = compiled.as_text()
-          loop = [c for c in pipeline.collective_permutes(hlo) if c['in_loop']]
+          loop = [c for c in pipeline_plan.collective_permutes(hlo) if c['in_loop']]
           row[f'{transfer}_bytes'] = sum(c['bytes'] for c in loop)
           row[f'{transfer}_shapes'] = [s for c in loop for s in c['shapes']]
-        plan = pipeline.transfer_plan(cfg, pipe)
+        plan = pipeline_plan.transfer_plan(cfg, pipe)
         row['num_slots'], row['cached_slots'] = plan.num_slots, plan.width
         row['blocks_naive'], row['blocks_cached'] = plan.block_transmissions()
         row['ratio'] = row['naive_bytes'] / row['cached_bytes']
@@ -131,8 +132,8 @@ def communication() -> list[dict]:
               f"{row['cached_bytes'] / 1024:>10.1f} {row['ratio']:>12.2f} "
               f"{row['blocks_naive']:>12} {row['blocks_cached']:>13}", flush=True)
   # The paper's Fig. 3: P = 4, V = 2, one block per chunk.
-  plan = pipeline.transfer_plan(config_lib.model_config(num_layers=8, block_size=2),
-                                pipeline.PipelineConfig(4, 2))
+  plan = pipeline_plan.transfer_plan(config_lib.model_config(num_layers=8, block_size=2),
+                                pipeline_plan.PipelineConfig(4, 2))
   naive, cached = plan.block_transmissions()
   print(f'Fig. 3 setting (P=4, V=2, 8 chunks of one block): {naive} block '
         f'transmissions naive, {cached} cached: {naive - cached} removed.')
@@ -150,7 +151,7 @@ def compile_step(cfg, mesh_cfg, batch):
   graphdef, _ = checkpointing.abstract_model(cfg)
   step = train.jit_train_step(
       layout, graphdef=graphdef, tx=tx, schedule=schedule,
-      loss_fn=pipeline.make_loss_fn(pipeline.from_mesh_config(mesh_cfg)))
+      loss_fn=pipeline.make_loss_fn(pipeline_plan.from_mesh_config(mesh_cfg)))
   start = time.perf_counter()
   compiled = step.lower(state, global_batch).compile()
   compile_s = time.perf_counter() - start
@@ -167,7 +168,7 @@ def step_times() -> list[dict]:
   configs = {'data-parallel 8': (sharding.default_mesh_config(shape=(-1, 1, 1)), None)}
   for stages, virtual, micro in ((2, 1, 4), (4, 1, 4), (2, 2, 4), (4, 2, 4)):
     for transfer in ('naive', 'cached'):
-      pipe = pipeline.PipelineConfig(stages, virtual, micro, transfer)
+      pipe = pipeline_plan.PipelineConfig(stages, virtual, micro, transfer)
       configs[f'P={stages} V={virtual} M={micro} {transfer}'] = (
           mesh_config(stages, virtual, micro, transfer), pipe)
   steps = {name: compile_step(cfg, mesh_cfg, batch)
@@ -192,7 +193,7 @@ def step_times() -> list[dict]:
     row = dict(part='time', configuration=name, model=f'block N=8 S={cfg.block_size}',
                num_layers=cfg.num_layers, d_model=cfg.d_model, seq_len=FLAGS.seq_len,
                batch_size=FLAGS.time_batch,
-               bubble=pipeline.bubble_fraction(pipe) if pipe else 0.0,
+               bubble=pipeline_plan.bubble_fraction(pipe) if pipe else 0.0,
                step_s=step_s, time_ratio=step_s / base, load_average=load,
                cpu_count=os.cpu_count(), jax_version=jax.__version__,
                backend=jax.default_backend(), **record)

@@ -26,6 +26,7 @@ from tests.test_sharding import child_env  # pylint: disable=g-import-not-at-top
 
 from attnres_jax import config as config_lib  # pylint: disable=g-import-not-at-top
 from attnres_jax import pipeline  # pylint: disable=g-import-not-at-top
+from attnres_jax import pipeline_plan  # pylint: disable=g-import-not-at-top
 from attnres_jax import sharding  # pylint: disable=g-import-not-at-top
 
 CHILD_TIMEOUT_S = 600
@@ -99,7 +100,7 @@ def run_checks(group: str) -> dict:
 
   def train_on(model_config, mesh_overrides):
     mesh_config, layout = setup(model_config, mesh_overrides)
-    pipe = pipeline.from_mesh_config(mesh_config)
+    pipe = pipeline_plan.from_mesh_config(mesh_config)
     graphdef, _ = checkpointing.abstract_model(model_config)
     state = train.create_train_state(model_config, tx, 0, layout)
     global_batch = layout.to_global(batch)
@@ -117,7 +118,7 @@ def run_checks(group: str) -> dict:
     mesh_config, layout = setup(model_config, mesh_overrides)
     loss_fn = functools.partial(
         pipeline.loss_sums, graphdef=checkpointing.abstract_model(model_config)[0],
-        pipe=pipeline.from_mesh_config(mesh_config))
+        pipe=pipeline_plan.from_mesh_config(mesh_config))
     with sharding.logical_rules(layout.mesh, layout.rules):
       sums = jax.jit(loss_fn)(jax.device_put(params, layout.state.params),
                               layout.to_global(batch))
@@ -136,7 +137,7 @@ def run_checks(group: str) -> dict:
       leaves = list(zip(jax.tree.leaves(a), jax.tree.leaves(b)))
       diffs[what] = max(float(np.max(np.abs(x - y))) for x, y in leaves)
       diffs[what + '_scale'] = max(float(np.max(np.abs(y))) for _, y in leaves)
-    permutes = [c for c in pipeline.collective_permutes(got['hlo']) if c['in_loop']]
+    permutes = [c for c in pipeline_plan.collective_permutes(got['hlo']) if c['in_loop']]
     out[name] = dict(
         metrics=got['metrics'], reference=reference['metrics'], max_abs_diff=diffs,
         loop_permute_bytes=sum(c['bytes'] for c in permutes),
@@ -246,7 +247,7 @@ def test_cached_transfer_is_bitwise_equal_and_sends_less(children):
              for a, b in zip(cached['params'], naive['params']))
   assert diff <= 1e-6, diff
   model = config_lib.model_config(**MODEL, residual='block', block_size=2)
-  plan = pipeline.transfer_plan(model, pipeline.PipelineConfig(2, 2, 4))
+  plan = pipeline_plan.transfer_plan(model, pipeline_plan.PipelineConfig(2, 2, 4))
   assert (plan.num_slots, plan.width) == (5, 2)  # embedding + 4 blocks; 2 per message
   # Positive control: the naive loop sends the whole buffer [1 stage, K, B/M, T, D]
   # (batch rows per device: 8 / 4 microbatches / 2 data-parallel devices).
@@ -276,9 +277,9 @@ def test_checkpoints_move_between_pipelined_and_plain_meshes(children):
 @pytest.mark.parametrize('stages,virtual,micro', [(2, 1, 3), (4, 1, 4), (2, 2, 2),
                                                   (4, 2, 6), (2, 4, 3)])
 def test_schedule_runs_every_chunk_once_in_order(stages, virtual, micro):
-  pipe = pipeline.PipelineConfig(stages, virtual, micro)
+  pipe = pipeline_plan.PipelineConfig(stages, virtual, micro)
   when = {}
-  for t, row in enumerate(pipeline.schedule_table(pipe)):
+  for t, row in enumerate(pipeline_plan.schedule_table(pipe)):
     for p, slot in enumerate(row):
       if slot is not None:
         m, v = slot
@@ -290,13 +291,13 @@ def test_schedule_runs_every_chunk_once_in_order(stages, virtual, micro):
     if chunk:  # the previous chunk ran earlier (its message arrives one later)
       assert when[m, chunk - 1] < t
   idle = stages * (stages - 1)  # the fill and drain triangles
-  assert pipeline.bubble_fraction(pipe) == idle / (stages * pipe.num_iterations)
+  assert pipeline_plan.bubble_fraction(pipe) == idle / (stages * pipe.num_iterations)
 
 
 def test_transfer_plan_reproduces_the_papers_figure_3_count():
   # P = 4, V = 2: 8 chunks of one block each (8 layers, 2 sublayers per block).
   model = config_lib.model_config(num_layers=8, residual='block', block_size=2)
-  plan = pipeline.transfer_plan(model, pipeline.PipelineConfig(4, 2))
+  plan = pipeline_plan.transfer_plan(model, pipeline_plan.PipelineConfig(4, 2))
   naive, cached = plan.block_transmissions()
   # Naive: transition c sends blocks 1..c+1: 1 + 2 + ... + 7.
   assert naive == 28
@@ -315,8 +316,8 @@ def test_transfer_plan_window_covers_every_new_slot():
       ('block', 8, 16, 2, 4)]:
     model = config_lib.model_config(num_layers=layers, residual=residual,
                                     block_size=block_size)
-    pipe = pipeline.PipelineConfig(stages, virtual)
-    plan = pipeline.transfer_plan(model, pipe)
+    pipe = pipeline_plan.PipelineConfig(stages, virtual)
+    plan = pipeline_plan.transfer_plan(model, pipe)
     size = config_lib.effective_block_size(model)
     per_chunk = 2 * layers // pipe.num_chunks
     for c in range(pipe.num_chunks - 1):
@@ -334,13 +335,13 @@ def test_transfer_plan_window_covers_every_new_slot():
 def test_invalid_pipelines_fail_before_compiling():
   model = config_lib.model_config(num_layers=4)
   with pytest.raises(ValueError, match='not divisible by stage x virtual_stages'):
-    pipeline.validate(pipeline.PipelineConfig(3, 1, 1), model, 8)
+    pipeline_plan.validate(pipeline_plan.PipelineConfig(3, 1, 1), model, 8)
   with pytest.raises(ValueError, match='does not split into 3 microbatches'):
-    pipeline.validate(pipeline.PipelineConfig(2, 1, 3), model, 8)
+    pipeline_plan.validate(pipeline_plan.PipelineConfig(2, 1, 3), model, 8)
   with pytest.raises(ValueError, match='num_microbatches >= stage'):
-    pipeline.validate(pipeline.PipelineConfig(2, 2, 1), model, 8)
+    pipeline_plan.validate(pipeline_plan.PipelineConfig(2, 2, 1), model, 8)
   with pytest.raises(ValueError, match='data-parallel'):
-    pipeline.validate(pipeline.PipelineConfig(2, 1, 4), model, 8, data_shards=4)
+    pipeline_plan.validate(pipeline_plan.PipelineConfig(2, 1, 4), model, 8, data_shards=4)
   for bad in (dict(stage=0), dict(virtual_stages=2),
               dict(stage=2, pipeline_transfer='cache'),
               dict(axis_names=('data', 'fsdp', 'stage'))):

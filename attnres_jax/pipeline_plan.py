@@ -1,0 +1,178 @@
+"""The static side of pipeline parallelism (`pipeline.py` runs it): the pipeline's
+configuration and its validation, the schedule table and its bubble, which AttnRes
+buffer slots each stage transition sends (the cross-stage cache's plan), and the bytes
+of the collective-permutes in compiled HLO. Design and measurements: docs/pipeline.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any
+
+from attnres_jax import config as config_lib
+from attnres_jax import depth
+from attnres_jax import sharding
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+  stages: int                 # P
+  virtual_stages: int = 1     # V
+  num_microbatches: int = 1   # M
+  transfer: str = 'cached'    # 'naive' | 'cached' (AttnRes only)
+
+  @property
+  def num_chunks(self) -> int:
+    return self.stages * self.virtual_stages
+
+  @property
+  def num_iterations(self) -> int:
+    return self.num_microbatches * self.virtual_stages + self.stages - 1
+
+
+def from_mesh_config(mesh_config) -> PipelineConfig | None:
+  """The pipeline of a mesh config section; None without one (stage = 1)."""
+  if mesh_config.get('stage', 1) == 1:
+    return None
+  return PipelineConfig(stages=mesh_config.stage,
+                        virtual_stages=mesh_config.get('virtual_stages', 1),
+                        num_microbatches=mesh_config.get('num_microbatches', 1),
+                        transfer=mesh_config.get('pipeline_transfer', 'cached'))
+
+
+def validate(pipe: PipelineConfig | None, model_config, batch_size: int,
+             data_shards: int = 1) -> None:
+  """Raises ValueError (before anything compiles) for a pipeline that cannot run."""
+  if pipe is None:
+    return
+  model_config = config_lib.ModelConfig.from_config(model_config)
+
+  def fail(message):
+    raise ValueError(f'Invalid pipeline (mesh.stage={pipe.stages}, '
+                     f'virtual_stages={pipe.virtual_stages}, '
+                     f'num_microbatches={pipe.num_microbatches}): {message}')
+
+  if model_config.num_layers % pipe.num_chunks:
+    fail(f'num_layers={model_config.num_layers} is not divisible by stage x '
+         f'virtual_stages = {pipe.num_chunks} chunks.')
+  if batch_size % pipe.num_microbatches:
+    fail(f'the batch of {batch_size} rows does not split into '
+         f'{pipe.num_microbatches} microbatches.')
+  if (batch_size // pipe.num_microbatches) % data_shards:
+    fail(f'a microbatch of {batch_size // pipe.num_microbatches} rows does not split '
+         f'over the {data_shards} data-parallel devices.')
+  if pipe.virtual_stages > 1 and pipe.num_microbatches < pipe.stages:
+    fail('the interleaved schedule needs num_microbatches >= stage (a microbatch '
+         'returns to stage 0 for its next virtual stage after P iterations).')
+  if pipe.transfer not in sharding.PIPELINE_TRANSFERS:
+    fail(f'pipeline_transfer must be one of {sharding.PIPELINE_TRANSFERS}.')
+  if model_config.residual != 'standard' and model_config.ablations:
+    fail('the depth-read ablations are not pipelined.')
+
+
+# -- the schedule (static) ------------------------------------------------------------
+
+
+def schedule_table(pipe: PipelineConfig) -> list[list[tuple[int, int] | None]]:
+  """[iteration][stage] -> (microbatch, virtual stage) or None (idle)."""
+  num_stages, num_virtual = pipe.stages, pipe.virtual_stages
+  num_micro = pipe.num_microbatches
+  table = []
+  for t in range(pipe.num_iterations):
+    row = []
+    for p in range(num_stages):
+      k = t - p
+      busy = 0 <= k < num_micro * num_virtual
+      row.append((k % num_micro, k // num_micro) if busy else None)
+    table.append(row)
+  return table
+
+
+def bubble_fraction(pipe: PipelineConfig) -> float:
+  """Idle (stage, iteration) slots over all slots of the schedule."""
+  slots = [s for row in schedule_table(pipe) for s in row]
+  return sum(s is None for s in slots) / len(slots)
+
+
+# -- what a transition sends (static) -------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class TransferPlan:
+  """The AttnRes buffer slots each transition sends (chunk c -> chunk c + 1).
+
+  `needed[c]`: the slot range [lo, hi) the receiver lacks; `starts[c]`: where the
+  fixed-width window of `width` slots that carries it starts (clamped to the buffer).
+  """
+  num_slots: int                       # K: the embedding + one per block
+  width: int                           # W slots per cached message
+  needed: tuple[tuple[int, int], ...]  # per transition c = 0 .. C - 2
+  starts: tuple[int, ...]              # per chunk c = 0 .. C - 1 (the last: unused)
+
+  def block_transmissions(self) -> tuple[int, int]:
+    """(naive, cached) block sums sent over all transitions of one microbatch, not
+    counting the embedding (the paper's count): naive sends every block so far."""
+    naive = sum(hi - 1 for _, hi in self.needed)
+    cached = sum(hi - max(lo, 1) for lo, hi in self.needed)
+    return naive, cached
+
+
+def transfer_plan(model_config, pipe: PipelineConfig) -> TransferPlan:
+  block_size = config_lib.effective_block_size(model_config)
+  num_sublayers = config_lib.num_sublayers(model_config)
+  num_slots = depth.num_slots(num_sublayers, block_size)
+  sublayers_per_chunk = num_sublayers // pipe.num_chunks
+  num_stages, num_chunks = pipe.stages, pipe.num_chunks
+
+  def touched(c):  # the slots chunk c writes: [first, last + 1)
+    first = c * sublayers_per_chunk
+    return (depth.output_slot(first, block_size),
+            depth.output_slot(first + sublayers_per_chunk - 1, block_size) + 1)
+
+  needed = []
+  for c in range(num_chunks - 1):
+    hi = touched(c)[1]
+    # The receiver runs chunk c + 1; it last received this microbatch's state before
+    # chunk c + 1 - P (its previous virtual stage), so it lacks what chunks
+    # c + 1 - P .. c wrote; in its first virtual stage, everything.
+    lo = 0 if c + 1 < num_stages else touched(c + 1 - num_stages)[0]
+    needed.append((lo, hi))
+  width = max([hi - lo for lo, hi in needed] or [num_slots])
+  starts = tuple(min(lo, num_slots - width) for lo, _ in needed) + (0,)
+  return TransferPlan(num_slots, width, tuple(needed), starts)
+
+
+# -- measuring the transfers in compiled HLO ------------------------------------------
+
+_ITEMSIZE = {'f64': 8, 'f32': 4, 'bf16': 2, 'f16': 2, 's32': 4, 'u32': 4, 'pred': 1}
+
+
+def collective_permutes(hlo_text: str) -> list[dict[str, Any]]:
+  """Every collective-permute of a compiled module's text: its result shapes (per
+  device), bytes per device, and whether it sits inside a loop body (not in the
+  entry computation): the pipeline's transitions are the ones inside the schedule's
+  loop (forward) and its transpose (backward)."""
+  found, in_entry = [], False
+  op = re.compile(r'= (.*?) collective-permute(?:-start)?\(')
+  for line in hlo_text.splitlines():
+    if line and not line[0].isspace() and line.rstrip().endswith('{'):
+      in_entry = line.startswith('ENTRY')
+    match = op.search(line)
+    if not match:
+      continue
+    shapes, total = [], 0
+    for dtype, dims in re.findall(r'(\w+)\[([\d,]*)\]', match.group(1)):
+      if dtype in _ITEMSIZE:
+        dims = tuple(int(d) for d in dims.split(',') if d)
+        shapes.append(dims)
+        total += math.prod(dims) * _ITEMSIZE[dtype]
+    found.append(dict(shapes=shapes, bytes=total, in_loop=not in_entry))
+  return found
+
+
+def transition_bytes(hlo_text: str) -> int:
+  """Bytes one device sends per stage transition: the collective-permutes inside the
+  loop bodies of a forward-only module (one loop: the schedule)."""
+  return sum(c['bytes'] for c in collective_permutes(hlo_text) if c['in_loop'])
