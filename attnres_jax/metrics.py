@@ -87,6 +87,16 @@ class MetricWriter:
     self.close()
 
 
+def write_jsonl(path: str, records) -> None:
+  """One JSON record per line into `path` (its directory created); prints what it wrote.
+  For the benchmarks' result files."""
+  os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
+  with open(path, 'w', encoding='utf-8') as f:
+    for record in records:
+      f.write(json.dumps(record) + '\n')
+  print(f'wrote {len(records)} records to {path}')
+
+
 def read_jsonl(workdir: str) -> list[dict]:
   """All records of `<workdir>/metrics.jsonl` (empty if there is none)."""
   path = os.path.join(workdir, JSONL)

@@ -44,6 +44,7 @@ import numpy as np
 from flax import nnx
 
 import attnres_jax as ar
+from attnres_jax import metrics as metrics_lib
 
 # Flag names differ from bench/memory.py's, so both modules can load in one process.
 FLAGS = flags.FLAGS
@@ -394,11 +395,7 @@ def prefill_memory() -> list[dict]:
               f"| {row['temp_mib_chunked']:.1f} | {row['temp_mib_one_shot']:.1f} "
               f"| {row['over_std_mib_chunked']:.1f} | {row['over_std_mib_one_shot']:.1f} |",
               flush=True)
-  os.makedirs(os.path.dirname(FLAGS.memory_jsonl_out) or '.', exist_ok=True)
-  with open(FLAGS.memory_jsonl_out, 'w') as f:
-    for row in rows:
-      f.write(json.dumps(row) + '\n')
-  print(f'wrote {len(rows)} records to {FLAGS.memory_jsonl_out}')
+  metrics_lib.write_jsonl(FLAGS.memory_jsonl_out, rows)
   return rows
 
 

@@ -37,6 +37,7 @@ sys.path.insert(0, REPO)  # configs/
 
 import attnres_jax as ar  # pylint: disable=g-import-not-at-top,wrong-import-position
 from attnres_jax import flops  # pylint: disable=g-import-not-at-top
+from attnres_jax import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
 from attnres_jax import optim  # pylint: disable=g-import-not-at-top
 from attnres_jax import train  # pylint: disable=g-import-not-at-top
 from configs import default as default_config  # pylint: disable=g-import-not-at-top
@@ -200,11 +201,7 @@ def main(argv):
             f"{row.get('total_ratio', float('nan')):>9.2f} "
             f"{row.get('time_ratio', float('nan')):>8.2f}", flush=True)
     del steps
-  os.makedirs(os.path.dirname(FLAGS.out) or '.', exist_ok=True)
-  with open(FLAGS.out, 'w') as f:
-    for row in rows:
-      f.write(json.dumps(row) + '\n')
-  print(f'wrote {len(rows)} records to {FLAGS.out}')
+  metrics_lib.write_jsonl(FLAGS.out, rows)
 
 
 if __name__ == '__main__':

@@ -28,7 +28,6 @@ if 'xla_force_host_platform_device_count' not in os.environ.get('XLA_FLAGS', '')
                              + ' --xla_force_host_platform_device_count=8')
 
 import functools  # pylint: disable=g-import-not-at-top,wrong-import-position
-import json
 import statistics
 import sys
 import time
@@ -39,6 +38,7 @@ import numpy as np
 
 from attnres_jax import checkpointing
 from attnres_jax import config as config_lib
+from attnres_jax import metrics as metrics_lib
 from attnres_jax import optim
 from attnres_jax import pipeline
 from attnres_jax import pipeline_plan
@@ -214,11 +214,7 @@ def main(argv):
     rows += communication()
   if 'time' in FLAGS.parts:
     rows += step_times()
-  os.makedirs(os.path.dirname(FLAGS.out) or '.', exist_ok=True)
-  with open(FLAGS.out, 'w') as f:
-    for row in rows:
-      f.write(json.dumps(row) + '\n')
-  print(f'wrote {len(rows)} records to {FLAGS.out}')
+  metrics_lib.write_jsonl(FLAGS.out, rows)
 
 
 if __name__ == '__main__':

@@ -5,6 +5,11 @@ Rank promotion raises in the test session: an implicit broadcast between arrays 
 different ranks is how a wrong axis goes unnoticed, so the library must never rely on it.
 """
 
+import json
+import os
+import subprocess
+import sys
+
 import jax
 import pytest
 from flax import nnx
@@ -15,6 +20,9 @@ from attnres_jax import model as model_lib
 from configs import default as default_config
 
 jax.config.update('jax_numpy_rank_promotion', 'raise')
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CHILD_TIMEOUT_S = 600
 
 # Small enough to compile in seconds, deep enough (3 layers = 6 sublayers) for partial
 # last blocks (S = 4), several schedule segments and a block spanning layers (S = 3).
@@ -71,3 +79,28 @@ def tfds_dir(tmp_path_factory) -> str:
   data_lib.build_datasets(cfg, seq_len=16, global_batch_size=2, seed=0,
                           process_index=0, process_count=1)
   return path
+
+
+def start_children(script: str, keys, env: dict[str, str]):
+  """Starts `python <script> <key>` for every key at once (they compile on both cores;
+  a device count is fixed when JAX starts, hence processes). Returns result(key) ->
+  (the JSON of the child's last stdout line, its stderr), waiting for that child, and
+  stop(), which kills the children still running."""
+  procs = {key: subprocess.Popen([sys.executable, script, key], cwd=ROOT, env=env,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+           for key in keys}
+  results = {}
+
+  def result(key):
+    if key not in results:
+      stdout, stderr = procs[key].communicate(timeout=CHILD_TIMEOUT_S)
+      assert procs[key].returncode == 0, f'child {key} failed:\n{stderr[-5000:]}'
+      results[key] = (json.loads(stdout.strip().splitlines()[-1]), stderr)
+    return results[key]
+
+  def stop():
+    for proc in procs.values():
+      if proc.poll() is None:
+        proc.kill()
+
+  return result, stop

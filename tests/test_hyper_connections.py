@@ -1,9 +1,7 @@
 """Hyper-Connections and mHC (attnres_jax/hyper_connections.py) against the papers'
 equations written out per token, plus the equivalences of the residual interface."""
 
-import json
 import os
-import subprocess
 import sys
 
 import jax
@@ -325,23 +323,11 @@ def test_config_errors_are_readable(overrides, message):
 def sharded_children():
   sys.path.insert(0, os.path.join(ROOT, 'tests'))
   import test_sharding  # pylint: disable=g-import-not-at-top
-  procs = {residual: subprocess.Popen(
-      [sys.executable, os.path.join(ROOT, 'tests', 'test_sharding.py'), residual],
-      cwd=ROOT, env=test_sharding.child_env(8), stdout=subprocess.PIPE,
-      stderr=subprocess.PIPE, text=True) for residual in ('mhc',)}
-  results = {}
-
-  def result(residual):
-    if residual not in results:
-      stdout, stderr = procs[residual].communicate(timeout=test_sharding.CHILD_TIMEOUT_S)
-      assert procs[residual].returncode == 0, f'child {residual} failed:\n{stderr[-5000:]}'
-      results[residual] = (json.loads(stdout.strip().splitlines()[-1]), stderr)
-    return results[residual]
-
+  from conftest import start_children  # pylint: disable=g-import-not-at-top
+  result, stop = start_children(os.path.join(ROOT, 'tests', 'test_sharding.py'), ('mhc',),
+                                test_sharding.child_env(8))
   yield test_sharding, result
-  for proc in procs.values():
-    if proc.poll() is None:
-      proc.kill()
+  stop()
 
 
 @pytest.mark.parametrize('residual', ['mhc'])

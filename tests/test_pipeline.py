@@ -13,7 +13,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import subprocess
 import sys
 import tempfile
 
@@ -29,7 +28,6 @@ from attnres_jax import pipeline  # pylint: disable=g-import-not-at-top
 from attnres_jax import pipeline_plan  # pylint: disable=g-import-not-at-top
 from attnres_jax import sharding  # pylint: disable=g-import-not-at-top
 
-CHILD_TIMEOUT_S = 600
 MODEL = dict(vocab_size=64, d_model=16, num_layers=4, num_heads=2, mlp_dim=32)
 BATCH, LENGTH = 8, 12
 TRAIN = dict(learning_rate=1e-2, warmup_steps=0, schedule='constant', eps=1e-3,
@@ -192,24 +190,10 @@ def checkpoint_round_trip(jax, grain, checkpointing, model_config, piped, plain,
 
 @pytest.fixture(scope='module')
 def children():
-  procs = {
-      group: subprocess.Popen(
-          [sys.executable, os.path.abspath(__file__), group], cwd=ROOT,
-          env=child_env(8), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-      for group in CASES}
-  results = {}
-
-  def result(group):
-    if group not in results:
-      stdout, stderr = procs[group].communicate(timeout=CHILD_TIMEOUT_S)
-      assert procs[group].returncode == 0, f'child {group} failed:\n{stderr[-5000:]}'
-      results[group] = json.loads(stdout.strip().splitlines()[-1])
-    return results[group]
-
-  yield result
-  for proc in procs.values():
-    if proc.poll() is None:
-      proc.kill()
+  from conftest import start_children  # pylint: disable=g-import-not-at-top
+  result, stop = start_children(os.path.abspath(__file__), CASES, child_env(8))
+  yield lambda group: result(group)[0]
+  stop()
 
 
 ALL_CASES = [(group, name) for group, cases in CASES.items() for name in cases]

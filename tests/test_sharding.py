@@ -22,7 +22,6 @@ import functools
 import json
 import os
 import re
-import subprocess
 import sys
 
 import numpy as np
@@ -33,7 +32,6 @@ RESIDUALS = ('standard', 'full', 'block')
 MESHES = ((8, 1, 1), (2, 2, 2), (1, 2, 4))
 # Compile with fewer LLVM passes: compile time dominates these tiny steps on CPU.
 FAST_COMPILE = '--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true'
-CHILD_TIMEOUT_S = 600
 
 # Divisible by every mesh axis above, so no dimension falls back to unsplit.
 MODEL = dict(vocab_size=256, d_model=32, num_layers=2, num_heads=4, mlp_dim=64,
@@ -185,24 +183,10 @@ def run_checks(residual: str) -> dict:
 @pytest.fixture(scope='module')
 def children():
   """One child per residual mode, started together (they compile on both cores)."""
-  procs = {
-      residual: subprocess.Popen(
-          [sys.executable, os.path.abspath(__file__), residual], cwd=ROOT,
-          env=child_env(8), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-      for residual in RESIDUALS}
-  results = {}
-
-  def result(residual):
-    if residual not in results:
-      stdout, stderr = procs[residual].communicate(timeout=CHILD_TIMEOUT_S)
-      assert procs[residual].returncode == 0, f'child {residual} failed:\n{stderr[-5000:]}'
-      results[residual] = (json.loads(stdout.strip().splitlines()[-1]), stderr)
-    return results[residual]
-
+  from conftest import start_children  # pylint: disable=g-import-not-at-top
+  result, stop = start_children(os.path.abspath(__file__), RESIDUALS, child_env(8))
   yield result
-  for proc in procs.values():
-    if proc.poll() is None:
-      proc.kill()
+  stop()
 
 
 @pytest.mark.parametrize('residual', RESIDUALS)
