@@ -98,15 +98,6 @@ class ModelConfig:
     return dataclasses.asdict(self)
 
   @property
-  def num_sublayers(self) -> int:
-    return 2 * self.num_layers
-
-  @property
-  def effective_block_size(self) -> int:
-    """S in sublayers: 1 for Full, the configured size for Block."""
-    return 1 if self.residual == 'full' else self.block_size
-
-  @property
   def ablations(self) -> list[str]:
     """The read ablations that differ from the paper's read."""
     paper = ModelConfig.__dataclass_fields__
