@@ -151,10 +151,13 @@ def report(result: dict, reference: str, root: str) -> str:
     axes[0].plot(grid, row['A'] * grid ** -row['alpha'], '-', color=line[0].get_color(),
                  label=f"{r}: {row['A']:.3g} C^-{row['alpha']:.4f}")
     adv = row['advantage']
-    axes[1].errorbar([a['flops'] for a in adv], [a['value'] for a in adv],
-                     yerr=[[a['value'] - a['low'] for a in adv],
-                           [a['high'] - a['value'] for a in adv]],
-                     fmt='o-', capsize=3, label=r)
+    # The interval is drawn from its own ends, not as +- offsets from the estimate: a
+    # bootstrap percentile interval need not contain the point estimate (and by float
+    # rounding it can miss it by 1e-15), where errorbar's offsets would be negative.
+    line = axes[1].plot([a['flops'] for a in adv], [a['value'] for a in adv], 'o-',
+                        label=r)
+    axes[1].vlines([a['flops'] for a in adv], [a['low'] for a in adv],
+                   [a['high'] for a in adv], color=line[0].get_color())
   for ax in axes:
     ax.set_xscale('log')
     ax.set_xlabel('training FLOPs')

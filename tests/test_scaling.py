@@ -45,3 +45,20 @@ def test_fit_recovers_a_power_law_and_the_advantage(tmp_path):
   table = scaling.report(result, 'standard', str(tmp_path))
   assert '1.250x' in table
   assert os.path.exists(tmp_path / 'scaling.png')
+
+
+def test_report_draws_an_estimate_that_lies_outside_its_interval(tmp_path):
+  # A bootstrap percentile interval need not contain the point estimate: with real seeds
+  # the estimate can sit below the 16% or above the 84% bootstrap value. The report must
+  # still draw and tabulate it (errorbar offsets would be negative and raise).
+  points = {64: dict(flops=1e12, bits_per_byte=[3.0, 3.1]),
+            128: dict(flops=4e12, bits_per_byte=[2.8, 2.9])}
+  row = dict(A=40.0, alpha=0.05, alpha_band=[0.04, 0.06], points=points,
+             advantage=[dict(flops=1e12, value=1.10, low=1.12, high=1.30),   # below
+                        dict(flops=4e12, value=1.40, low=1.05, high=1.30)])  # above
+  result = {'standard': dict(row, advantage=[dict(flops=c, value=1.0, low=1.0, high=1.0)
+                                             for c in (1e12, 4e12)]),
+            'block_s4': row}
+  table = scaling.report(result, 'standard', str(tmp_path))
+  assert '1.100x (1.120-1.300)' in table and '1.400x (1.050-1.300)' in table
+  assert os.path.getsize(tmp_path / 'scaling.png') > 0
