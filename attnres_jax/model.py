@@ -247,7 +247,7 @@ class Transformer(nnx.Module):
 
   def final_read(self, carry) -> tuple[Array, Array | None]:
     """The input of the final RMSNorm from the residual's final state, and the final
-    read's depth weights (None for the standard residual)."""
+    read's per-token weights (AttnRes: depth weights; HC/mHC: stream RMS; else None)."""
     return self.residual.final(carry, self.final_residual)
 
   def head(self, h_BTD: Array) -> Array:
@@ -310,7 +310,8 @@ class Transformer(nnx.Module):
 
     Statistics (for analysis) are means over tokens, weighted by `stats_weights_BT`
     (default: every token alike), returned stacked as [num_layers, 2, ...] (sublayer
-    order: attention, MLP) plus the final read's depth weights and input RMS.
+    order: attention, MLP; input and output RMS, and the residual's own, e.g. AttnRes
+    depth weights) plus the final read's (`Residual.final_statistics`) and input RMS.
     """
     return self.forward_embeddings(self.embed(tokens_BT), positions_BT,
                                    collect_stats=collect_stats,

@@ -87,8 +87,12 @@ def sublayer_grad_norms(layer_grads: Mapping[str, Any]) -> np.ndarray:
     squares = sum(
         np.sum(np.square(np.asarray(x, np.float64)).reshape(x.shape[0], -1), axis=1)
         for name in names for x in jax.tree.leaves(g[name]))
-    # The residual's parameters hold one row per sublayer: [num_layers, 2, ...].
+    # The residual's parameters hold one row per sublayer: [num_layers, 2, ...]
+    # (the contract of `Residual.layer_params`).
     for x in jax.tree.leaves(g.get('residual')):
+      if x.ndim < 2 or x.shape[1] != 2:
+        raise ValueError(f'A residual layer parameter of shape {x.shape} has no row per '
+                         'sublayer ([num_layers, 2, ...]): see Residual.layer_params.')
       row = np.asarray(x, np.float64)[:, which]
       squares = squares + np.sum(np.square(row).reshape(row.shape[0], -1), axis=1)
     rows.append(np.sqrt(squares))

@@ -25,6 +25,7 @@ from attnres_jax import pipeline
 from attnres_jax import pipeline_plan
 from attnres_jax import sharding
 from attnres_jax.residuals import attnres
+from configs import default as default_config
 
 MODEL = dict(vocab_size=64, d_model=16, num_layers=4, num_heads=2, mlp_dim=32)
 BATCH, LENGTH = 8, 12
@@ -338,6 +339,16 @@ def test_invalid_pipelines_fail_before_compiling():
   for residual in ('hc', 'mhc'):  # run (the children above), so accepted
     pipeline_plan.validate(pipeline_plan.PipelineConfig(2, 2, 2),
                            config_lib.model_config(num_layers=4, residual=residual), 8)
+  # The run config's one validation pass (train.py's) includes the pipeline and the
+  # batch split over the data-parallel devices.
+  config = default_config.get_config('tiny')  # 2 layers, batch 8
+  config.mesh.update(stage=2, num_microbatches=3)
+  with pytest.raises(ValueError, match='does not split into 3 microbatches'):
+    config_lib.validate(config)
+  config.mesh.update(num_microbatches=2, shape=(-1, 1, 1))  # 4 devices: 2 data shards
+  config_lib.validate(config, num_devices=4)
+  with pytest.raises(ValueError, match='does not split over the 3 data-parallel'):
+    config_lib.validate(config, num_devices=6)
   for bad in (dict(stage=0), dict(virtual_stages=2),
               dict(stage=2, pipeline_transfer='cache'),
               dict(axis_names=('data', 'fsdp', 'stage'))):
