@@ -13,19 +13,19 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 from flax import nnx
 
 from attnres_jax import checkpointing
-from attnres_jax import config as config_lib
 from attnres_jax import data as data_lib
 from attnres_jax import evaluate as evaluate_lib
 from attnres_jax import metrics as metrics_lib
 from attnres_jax import model as model_lib
 from attnres_jax import plots
+from attnres_jax import residuals
 from attnres_jax import statistics
 
 Batch = Mapping[str, np.ndarray]
@@ -43,45 +43,42 @@ def write_analysis(arrays: Mapping[str, np.ndarray], cfg, out_dir: str, *,
   """analysis.npz and the figures of one model's statistics; returns the paths."""
   os.makedirs(out_dir, exist_ok=True)
   arrays = dict(arrays)
-  if statistics.is_attnres(cfg):
+  residual = residuals.make(cfg)
+  if 'depth_weights' in residual.figures:
     arrays['valid_sources'] = statistics.valid_source_mask(cfg)[0]
   files = [os.path.join(out_dir, ANALYSIS_NPZ)]
   np.savez(files[0], **arrays)
-  name = (f'{title}: ' if title else '') + statistics.mode_name(cfg)
+  name = (f'{title}: ' if title else '') + residual.label
   files.append(plots.plot_magnitudes(arrays, cfg, os.path.join(out_dir, 'magnitudes.png'),
                                      f'{name}: magnitudes across depth'))
   files.append(plots.plot_grad_norms(arrays['grad_norm'], cfg,
                                      os.path.join(out_dir, 'grad_norms.png'),
                                      f'{name}: gradient norm per sublayer'))
-  if statistics.is_attnres(cfg):
-    files.append(plots.plot_depth_weights(arrays, cfg,
-                                          os.path.join(out_dir, 'depth_weights.png'), name))
-    files.append(plots.plot_depth_entropy(arrays, cfg,
-                                          os.path.join(out_dir, 'depth_entropy.png'),
-                                          f'{name}: depth-weight entropy'))
+  for figure in residual.figures:  # e.g. AttnRes depth weights, HC/mHC streams
+    draw, suffix = plots.FIGURES[figure]
+    files.append(draw(arrays, cfg, os.path.join(out_dir, f'{figure}.png'), name + suffix))
   return files
 
 
-def analyze(model: nnx.Module, batches: Iterable[Batch], out_dir: str, *,
-            max_batches: int | None = None, grad_batches: int | None = 8,
-            title: str | None = None) -> dict[str, Any]:
+def analyze(model: nnx.Module, batches: Iterable[Batch] | Callable[[], Iterable[Batch]],
+            out_dir: str, *, max_batches: int | None = None,
+            grad_batches: int | None = 8, title: str | None = None) -> dict[str, Any]:
   """Held-out metrics, statistics, gradient norms, figures and `analysis.npz` of one
-  model in `out_dir`, from a sequence of eval batches (it is read twice: once for the
-  evaluation, at most `max_batches`; once for the gradients, the first `grad_batches`).
+  model in `out_dir`: the one analysis path (`eval.py`, notebooks, benchmarks).
 
+  `batches`: eval batches, or a function returning a fresh pass over them; they are
+  read twice: once for the evaluation and the statistics (at most `max_batches`),
+  once for the gradients (the first `grad_batches`).
   Returns {'metrics': held-out metrics, 'arrays': the saved arrays, 'files': paths}.
   """
-  batches = list(batches) if iter(batches) is batches else batches
-  metrics = evaluate_lib.evaluate_model(model, batches, collect_stats=True,
+  if not callable(batches):
+    kept = list(batches) if iter(batches) is batches else batches
+    batches = lambda: kept
+  metrics = evaluate_lib.evaluate_model(model, batches(), collect_stats=True,
                                         max_batches=max_batches)
   arrays = metrics.pop('stats')
-  arrays.update(statistics.gradient_norms(model, batches, max_batches=grad_batches))
+  arrays.update(statistics.gradient_norms(model, batches(), max_batches=grad_batches))
   files = write_analysis(arrays, model.cfg, out_dir, title=title)
-  if model.cfg.residual in config_lib.HYPER_CONNECTIONS:  # per-stream weights, magnitudes
-    from attnres_jax import hyper_connections  # pylint: disable=g-import-not-at-top
-    files.append(hyper_connections.plot_streams(
-        model, list(batches)[:4], os.path.join(out_dir, 'streams.png'),
-        (f'{title}: ' if title else '') + statistics.mode_name(model.cfg)))
   return {'metrics': metrics, 'arrays': arrays, 'files': files}
 
 
@@ -209,12 +206,9 @@ def evaluate_and_analyze(workdir: str, step: int | None = None, *,
       seed=tc.seed, process_index=0, process_count=1, workdir=workdir)
   out_dir = output_dir or eval_dir(workdir, step)
   name = run_name(workdir)
-  metrics = evaluate_lib.evaluate_model(model, datasets.eval_batches(), collect_stats=True,
-                                        max_batches=max_eval_batches)
-  arrays = metrics.pop('stats')
-  arrays.update(statistics.gradient_norms(model, datasets.eval_batches(),
-                                          max_batches=grad_batches))
-  files = write_analysis(arrays, model.cfg, out_dir, title=name)
+  result = analyze(model, datasets.eval_batches, out_dir, max_batches=max_eval_batches,
+                   grad_batches=grad_batches, title=name)
+  metrics, arrays, files = result['metrics'], result['arrays'], result['files']
   cfg = config.model
   record = dict(
       metrics,
@@ -223,15 +217,14 @@ def evaluate_and_analyze(workdir: str, step: int | None = None, *,
       whole_split=max_eval_batches is None,
       split_tokens=int(datasets.num_eval_tokens),
       seq_len=int(tc.seq_len), batch_size=int(batch_size or tc.batch_size),
-      residual=cfg.residual,
-      block_size=(config_lib.effective_block_size(cfg)
-                  if statistics.is_attnres(cfg) else None),
+      residual=cfg.residual, block_size=None,
       num_layers=int(cfg.num_layers), d_model=int(cfg.d_model),
       num_params=int(model_lib.count_params(model)),
       grad_tokens=float(arrays['grad_tokens']),
       files=[os.path.basename(f) for f in files],
       seconds=time.perf_counter() - start,
   )
+  record.update(model.residual.describe())  # e.g. the AttnRes block size
   if record['whole_split'] and record['num_tokens'] != record['split_tokens']:
     raise AssertionError(
         f'Evaluated {record["num_tokens"]} tokens but the split has '

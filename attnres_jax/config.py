@@ -2,8 +2,9 @@
 config, raised before anything compiles.
 
 A run is read from one ml_collections file (`configs/default.py`, which lists every
-knob); the entry points turn its `model` section into a `ModelConfig`
-(`ModelConfig.from_config`), which the model stores. `validate(config)` checks every
+knob; its `model` section is `ModelConfig`'s fields, defined here); the entry points
+turn that section into a `ModelConfig` (`ModelConfig.from_config`), which the model
+stores. `validate(config)` checks every
 section of a run config with readable messages.
 """
 
@@ -18,10 +19,10 @@ from typing import Any
 
 import ml_collections
 
+from attnres_jax import pipeline_plan
+from attnres_jax import residuals
 from attnres_jax import sharding
 
-RESIDUAL_MODES = ('standard', 'full', 'block', 'hc', 'mhc')
-HYPER_CONNECTIONS = ('hc', 'mhc')  # residuals of m parallel streams (hyper_connections.py)
 REMAT_POLICIES = ('none', 'sublayer', 'layer')
 DTYPES = ('float32', 'bfloat16')
 DEPTH_READS = ('one_shot', 'two_phase')
@@ -42,36 +43,37 @@ ABLATION_FIELDS = ('depth_query_input', 'depth_normalizer', 'depth_key_norm',
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """The model: its size, its residual, and how it is computed. Hashable, so the
-  model's GraphDef can be a static jit argument. `configs/default.py` documents every
-  field; these defaults make a tiny Block AttnRes model."""
+  model's GraphDef can be a static jit argument. The one place of the model fields and
+  their defaults (a tiny Block AttnRes model), which `configs/default.py` starts from."""
 
-  vocab_size: int = 256
-  d_model: int = 128
-  num_layers: int = 4
-  num_heads: int = 4
-  mlp_dim: int = 384
-  residual: str = 'block'
-  block_size: int = 2
-  tie_embeddings: bool = True
-  rope_theta: float = 10_000.0
-  norm_eps: float = 1e-6
-  attn_res_eps: float = 1e-6
-  dtype: str = 'float32'
-  param_dtype: str = 'float32'
-  scan_layers: bool = True
-  remat: str = 'none'
-  depth_read: str = 'two_phase'
-  schedule_layers: int = 0
-  linear_memory_backward: bool = True
-  depth_query_input: bool = False
-  depth_normalizer: str = 'softmax'
-  depth_key_norm: bool = True
-  depth_mixing: str = 'attention'
-  depth_window: int = 0
-  depth_heads: int = 1
-  hc_streams: int = 4
-  hc_dynamic: bool = True
-  sinkhorn_iters: int = 20
+  vocab_size: int = 256               # tokens (bytes: 256)
+  d_model: int = 128                  # model width D
+  num_layers: int = 4                 # Transformer layers; 2 sublayers each (attn, MLP)
+  num_heads: int = 4                  # attention heads (head width D / heads, even)
+  mlp_dim: int = 384                  # SwiGLU hidden width
+  residual: str = 'block'             # 'standard' | 'full' | 'block' (AttnRes) | 'hc' |
+                                      # 'mhc' | any mode in residuals.registry
+  block_size: int = 2                 # S: sublayers per block ('block'; 1 = Full)
+  tie_embeddings: bool = True         # the output layer is the embedding table
+  rope_theta: float = 10_000.0        # rotary embedding base
+  norm_eps: float = 1e-6              # PreNorm and final RMSNorm epsilon
+  attn_res_eps: float = 1e-6          # epsilon of the depth read's key RMSNorm
+  dtype: str = 'float32'              # compute: 'float32' | 'bfloat16' (reads: float32)
+  param_dtype: str = 'float32'        # parameters and optimizer state
+  scan_layers: bool = True            # False: a Python loop over layers (debugging)
+  remat: str = 'none'                 # rematerialise 'none' | 'sublayer' | 'layer'
+  depth_read: str = 'two_phase'       # 'two_phase' (block schedule) | 'one_shot' (reference)
+  schedule_layers: int = 0            # layers per schedule segment (0: per residual)
+  linear_memory_backward: bool = True  # two-phase: memory linear in depth; False: autodiff
+  depth_query_input: bool = False     # ablation: query += W RMSNorm(latest source) / sqrt(D)
+  depth_normalizer: str = 'softmax'   # ablation: 'softmax' | 'sigmoid'
+  depth_key_norm: bool = True         # ablation: False = logits from the raw sources
+  depth_mixing: str = 'attention'     # ablation: 'attention' | 'scalars' (DenseFormer)
+  depth_window: int = 0               # ablation: > 0 reads the embedding + last W sources
+  depth_heads: int = 1                # ablation: > 1 = per channel-group depth weights
+  hc_streams: int = 4                 # 'hc' / 'mhc': residual streams m (expansion rate)
+  hc_dynamic: bool = True             # 'hc' / 'mhc': input-dependent part of the mixing
+  sinkhorn_iters: int = 20            # 'mhc': Sinkhorn-Knopp iterations
 
   def __post_init__(self):
     _validate_model(self)
@@ -114,13 +116,7 @@ def num_sublayers(cfg) -> int:
   return 2 * cfg.num_layers
 
 
-def effective_block_size(cfg) -> int:
-  """S in sublayers: 1 for Full, the configured size for Block."""
-  return 1 if cfg.residual == 'full' else cfg.block_size
-
-
-def _is_int(value) -> bool:
-  return isinstance(value, int) and not isinstance(value, bool)
+_is_int = residuals.base.is_int
 
 
 def _validate_model(cfg: ModelConfig) -> None:
@@ -133,12 +129,7 @@ def _validate_model(cfg: ModelConfig) -> None:
     value = getattr(cfg, name)
     if not _is_int(value) or value < 1:
       fail(f'{name} must be a positive integer, got {value!r}.')
-  if cfg.residual not in RESIDUAL_MODES:
-    fail(f'residual must be one of {RESIDUAL_MODES}, got {cfg.residual!r}.')
-  if cfg.residual == 'block' and (not _is_int(cfg.block_size) or cfg.block_size < 1):
-    fail(f'block_size is the number of sublayers per AttnRes block and must be an '
-         f'integer >= 1, got {cfg.block_size!r} (1 = Full AttnRes; >= 2 * num_layers = '
-         'one block).')
+  residual = residuals.make(cfg)  # an unknown mode: an error naming the known ones
   if cfg.d_model % cfg.num_heads:
     fail(f'num_heads={cfg.num_heads} does not divide d_model={cfg.d_model}.')
   if (cfg.d_model // cfg.num_heads) % 2:
@@ -161,31 +152,10 @@ def _validate_model(cfg: ModelConfig) -> None:
       or cfg.d_model % cfg.depth_heads):
     fail(f'depth_heads must be a positive divisor of d_model={cfg.d_model}, got '
          f'{cfg.depth_heads!r}.')
-  if cfg.ablations and cfg.residual != 'standard' and cfg.depth_read == 'two_phase':
-    fail(f'depth_read="two_phase" computes the paper\'s softmax read only; the '
-         f'ablations {cfg.ablations} use the one-shot read: set depth_read="one_shot".')
   layers = cfg.schedule_layers
   if not _is_int(layers) or layers < 0 or layers > cfg.num_layers:
     fail(f'schedule_layers must be an integer in [0, num_layers={cfg.num_layers}] '
          f'(0 = automatic), got {layers!r}.')
-  if (cfg.residual == 'block' and layers and layers < cfg.num_layers
-      and (2 * layers) % cfg.block_size):
-    fail(f'schedule_layers={layers} layers ({2 * layers} sublayers) does not cover '
-         f'whole blocks of block_size={cfg.block_size} sublayers; use a multiple of '
-         f'{cfg.block_size // 2 if cfg.block_size % 2 == 0 else cfg.block_size} '
-         'layers, num_layers, or 0.')
-  if cfg.residual in HYPER_CONNECTIONS:
-    if not _is_int(cfg.hc_streams) or cfg.hc_streams < 1:
-      fail(f'hc_streams is the number of residual streams (expansion rate m) and must '
-           f'be an integer >= 1, got {cfg.hc_streams!r}.')
-    if not isinstance(cfg.hc_dynamic, bool):
-      fail(f'hc_dynamic must be True or False, got {cfg.hc_dynamic!r}.')
-    if cfg.residual == 'mhc' and (not _is_int(cfg.sinkhorn_iters)
-                                  or cfg.sinkhorn_iters < 1):
-      fail(f'sinkhorn_iters must be an integer >= 1, got {cfg.sinkhorn_iters!r}.')
-    if cfg.ablations:
-      fail(f'the depth-read ablations {cfg.ablations} apply to AttnRes, not to '
-           f'residual={cfg.residual!r}.')
   if cfg.remat not in REMAT_POLICIES:
     fail(f'remat must be one of {REMAT_POLICIES}, got {cfg.remat!r}.')
   for name in ('norm_eps', 'attn_res_eps'):
@@ -194,6 +164,7 @@ def _validate_model(cfg: ModelConfig) -> None:
       fail(f'{name} must be > 0, got {value!r}.')
   if not isinstance(cfg.rope_theta, (int, float)) or not cfg.rope_theta > 0:
     fail(f'rope_theta must be > 0, got {cfg.rope_theta!r}.')
+  residual.validate()  # the fields the residual reads
 
 
 # -- the run config -------------------------------------------------------------------
@@ -255,15 +226,30 @@ def validate_train(config) -> None:
          f'got {config.grad_clip!r}.')
 
 
-def validate(config: ml_collections.ConfigDict) -> None:
-  """Validates every section of a run config: ValueError with a readable message."""
+def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = None
+             ) -> None:
+  """Validates a run config, every section and how they fit together (the pipeline,
+  the batch over the data-parallel devices when `num_devices` is given): ValueError
+  with a readable message, before anything compiles. The one validation pass of the
+  entry points."""
   for section in SECTIONS:
     if section not in config:
       raise ValueError(f'Config has no {section!r} section.')
-  ModelConfig.from_config(config.model)
+  model = ModelConfig.from_config(config.model)
   validate_data(config.data)
   validate_train(config.train)
   sharding.validate_mesh_config(config.mesh)
+  rows = config.train.batch_size // config.train.grad_accum_steps  # per microbatch
+  data_shards = 1
+  if num_devices is not None:
+    shape = sharding.mesh_shape(config.mesh, num_devices)
+    rules = sharding.rules_from_config(config.mesh)
+    data_shards = math.prod(shape[a] for a in sharding.mesh_axes('batch', rules))
+    if rows % data_shards:
+      raise ValueError(f'The microbatch of {rows} rows (batch_size / grad_accum_steps) '
+                       f'does not split over the {data_shards} data-parallel devices.')
+  pipeline_plan.validate(pipeline_plan.from_mesh_config(config.mesh), model, rows,
+                         data_shards)
 
 
 def explain_config_overrides(argv: Sequence[str], default: str) -> str | None:

@@ -1,8 +1,10 @@
-"""A decoder-only Transformer LM with Standard, Full-AttnRes and Block-AttnRes residuals.
+"""A decoder-only Transformer LM whose residual connection is a plug-in.
 
-One Transformer body for all three modes: the residual mode only changes the depth
-state that travels between sublayers (the residual stream, or the AttnRes buffer of
-sources) and how each sublayer's input is read from it. See `depth.py` for the read.
+One Transformer body for every residual mode (`cfg.residual`: standard, Full and Block
+AttnRes, HC, mHC, or any registered in `residuals.registry`): the model builds its
+residual once (`Transformer.residual`), and the residual alone decides the depth state
+that travels between sublayers (the stream, the AttnRes buffer of sources, HC's
+streams), how each sublayer's input is read from it and its output written to it.
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ from flax import nnx
 
 from attnres_jax import config as config_lib
 from attnres_jax import depth
+from attnres_jax import residuals
 from attnres_jax import sharding
-from attnres_jax import residual as residual_lib
 from attnres_jax import stack as stack_lib
 
 Array = jax.Array
@@ -185,16 +187,16 @@ class SwiGLU(nnx.Module):
 
 class TransformerLayer(nnx.Module):
   """Two PreNorm sublayers (attention, MLP), plus the parameters that the residual
-  uses to read their inputs (`residual`: e.g. AttnRes pseudo-queries and key gains;
-  None for the standard residual)."""
+  uses around them (`residual`: e.g. AttnRes pseudo-queries and key gains; None for
+  the standard residual)."""
 
-  def __init__(self, cfg, *, rngs: nnx.Rngs):
+  def __init__(self, cfg, residual: residuals.Residual, *, rngs: nnx.Rngs):
     pdt = _dtype(cfg.param_dtype)
     self.attention_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pdt)
     self.attention = Attention(cfg, rngs=rngs)
     self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pdt)
     self.mlp = SwiGLU(cfg, rngs=rngs)
-    self.residual = residual_lib.make_residual(cfg).layer_params(cfg)
+    self.residual = residual.layer_params()
 
   def sublayer(self, which: int, h_BTD: Array, positions_BT: Array,
                cache: KVCache | None = None, cache_index=None, start_B=None):
@@ -214,6 +216,8 @@ class Transformer(nnx.Module):
   def __init__(self, cfg, *, rngs: nnx.Rngs):
     cfg = config_lib.ModelConfig.from_config(cfg)  # validates
     self.cfg = cfg
+    # Static (part of the graph definition): a frozen dataclass of the config.
+    self.residual = residual = residuals.make(cfg)
     pdt = _dtype(cfg.param_dtype)
     d = cfg.d_model
     # Std 1/sqrt(d): tied logits h.E start with unit variance after the final norm.
@@ -224,10 +228,10 @@ class Transformer(nnx.Module):
     @nnx.vmap(in_axes=0, out_axes=0,
               transform_metadata={nnx.PARTITION_NAME: 'layers'})
     def make_layers(layer_rngs):
-      return TransformerLayer(cfg, rngs=layer_rngs)
+      return TransformerLayer(cfg, residual, rngs=layer_rngs)
 
     self.layers = make_layers(rngs.split(cfg.num_layers))
-    self.final_residual = residual_lib.make_residual(cfg).final_params(cfg)
+    self.final_residual = residual.final_params()
     self.final_norm = RMSNorm(d, eps=cfg.norm_eps, param_dtype=pdt)
     if not cfg.tie_embeddings:
       self.lm_head = _param(nnx.initializers.lecun_normal(), (d, cfg.vocab_size),
@@ -243,8 +247,8 @@ class Transformer(nnx.Module):
 
   def final_read(self, carry) -> tuple[Array, Array | None]:
     """The input of the final RMSNorm from the residual's final state, and the final
-    read's depth weights (None for the standard residual)."""
-    return residual_lib.make_residual(self.cfg).final(carry, self.final_residual)
+    read's per-token weights (AttnRes: depth weights; HC/mHC: stream RMS; else None)."""
+    return self.residual.final(carry, self.final_residual)
 
   def head(self, h_BTD: Array) -> Array:
     x_BTD = self.final_norm(h_BTD)
@@ -295,7 +299,7 @@ class Transformer(nnx.Module):
       layers = tuple(jax.tree.map(lambda x, i=i: x[i], layer_state)
                      for i in range(self.cfg.num_layers))
     carry, cache = stack_lib.apply_layers_cached(
-        graphdef, layers, self.embed(tokens_BT), positions_BT, cache, cache_index,
+        self.residual, graphdef, layers, self.embed(tokens_BT), positions_BT, cache, cache_index,
         start_B, cfg=self.cfg)
     h_BTD, _ = self.final_read(carry)
     return self.head(h_BTD), cache
@@ -306,7 +310,8 @@ class Transformer(nnx.Module):
 
     Statistics (for analysis) are means over tokens, weighted by `stats_weights_BT`
     (default: every token alike), returned stacked as [num_layers, 2, ...] (sublayer
-    order: attention, MLP) plus the final read's depth weights and input RMS.
+    order: attention, MLP; input and output RMS, and the residual's own, e.g. AttnRes
+    depth weights) plus the final read's (`Residual.final_statistics`) and input RMS.
     """
     return self.forward_embeddings(self.embed(tokens_BT), positions_BT,
                                    collect_stats=collect_stats,
@@ -322,16 +327,15 @@ class Transformer(nnx.Module):
       stats_weights_BT = jnp.ones(x_BTD.shape[:2], jnp.float32)
     graphdef, layer_state = nnx.split(self.layers)
     carry, stats = stack_lib.apply_layers(
-        graphdef, layer_state, x_BTD, positions_BT, cfg=self.cfg,
+        self.residual, graphdef, layer_state, x_BTD, positions_BT, cfg=self.cfg,
         collect_stats=collect_stats, stats_weights_BT=stats_weights_BT)
-    h_BTD, final_weights_KBT = self.final_read(carry)
+    h_BTD, final_weights = self.final_read(carry)
     logits_BTV = self.head(h_BTD)
     if not collect_stats:
       return logits_BTV
     mean = functools.partial(stack_lib.token_mean,
                              token_weights_BT=stats_weights_BT.astype(jnp.float32))
-    if final_weights_KBT is not None:
-      stats['final_depth_weights'] = jax.vmap(mean)(final_weights_KBT)
+    stats.update(self.residual.for_statistics().final_statistics(final_weights, mean))
     stats['final_input_rms'] = mean(1.0 / depth.rms_inverse(h_BTD, 0.0))
     return logits_BTV, stats
 

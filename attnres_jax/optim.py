@@ -1,11 +1,11 @@
 """The optimiser: AdamW with warmup + cosine / WSD / constant schedules, global-norm
 clipping and a weight-decay mask.
 
-No weight decay on norm gains (`scale`), AttnRes pseudo-queries and key-norm gains
-(`query`, `gain` of the residual's parameters); embeddings are decayed
-only if `decay_embeddings` is set. Decaying a pseudo-query pulls the depth weights back
-to uniform and decaying a gain pulls it towards zero rather than one, neither of which
-is regularisation.
+No weight decay on norm gains (`scale`) and on the residual parameters that their
+residual declares (`Residual.no_decay`: e.g. AttnRes pseudo-queries and key-norm
+gains, whose decay pulls the depth weights back to uniform and the gains towards zero
+rather than one, neither of which is regularisation); embeddings are decayed only if
+`decay_embeddings` is set.
 
 Gradient accumulation is not done here but in `train.train_step`, as a `lax.scan` over
 microbatches inside one jitted step. Unlike `optax.MultiSteps`, one call of the step is
@@ -22,19 +22,14 @@ import ml_collections
 import optax
 
 from attnres_jax import config as config_lib
+from attnres_jax import residuals
 
 
 # Parameters (by their own name, the last key of the path) that are never decayed.
 NO_DECAY = frozenset({'scale'})
-# Within a residual's parameters (`layers/residual`, `final_residual`): the AttnRes
-# pseudo-queries, key gains and mixing scalars; the static stream weights and gates of
-# HC/mHC (decay would pull HC's identity mixing to zero). Projections are decayed.
+# Within a residual's parameters (`layers/residual`, `final_residual`), the names that
+# a registered residual declares in `no_decay` are spared.
 RESIDUAL_MODULES = frozenset({'residual', 'final_residual'})
-RESIDUAL_NO_DECAY = frozenset({
-    'query', 'gain', 'mix',
-    'static_read', 'static_mix', 'static_write', 'read_scale', 'write_scale',  # HC
-    'pre_bias', 'post_bias', 'res_bias', 'pre_scale', 'post_scale', 'res_scale',  # mHC
-})
 EMBEDDINGS = frozenset({'embedding'})
 
 
@@ -75,10 +70,11 @@ def _names(path) -> list[str]:
 def decay_mask(params, *, decay_embeddings: bool = False):
   """A pytree of bools like `params`: True where weight decay applies."""
   excluded = NO_DECAY if decay_embeddings else NO_DECAY | EMBEDDINGS
+  residual_no_decay = residuals.no_decay_names()
 
   def decayed(path, _):
     names = _names(path) or ['']
-    if RESIDUAL_MODULES.intersection(names[:-1]) and names[-1] in RESIDUAL_NO_DECAY:
+    if RESIDUAL_MODULES.intersection(names[:-1]) and names[-1] in residual_no_decay:
       return False
     return names[-1] not in excluded
 

@@ -14,9 +14,12 @@ over `stage`); between iterations the stages' outgoing messages rotate by one st
 microbatches, then all backward: GPipe order), which rotates the cotangents the other
 way; `remat` applies per stage as elsewhere.
 
-What crosses a stage boundary is the residual's carry: the stream for the standard
-residual; for AttnRes the depth buffer (the completed blocks and the running partial
-sum) with its per-slot inverse RMS. 'naive' sends the whole buffer. 'cached' keeps, on
+What crosses a stage boundary is the residual's carry (`Residual.carry_axes` names
+its leaves; `Residual.pipeline_chunk` gives the residual that runs one chunk): the
+stream for the standard residual, the m streams for HC/mHC; for AttnRes the depth
+buffer (the completed blocks and the running partial sum) with its per-slot inverse
+RMS. 'naive' sends the whole carry; 'cached' applies to residuals that declare
+`cached_transfer` (AttnRes), the others always send the whole carry. 'cached' keeps, on
 every stage, the buffer of each microbatch as it last received it, and sends only the
 slots written since the receiver last saw the state: in the first virtual stage
 everything written so far, from the second on the slots of the last P chunks.
@@ -43,11 +46,10 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from attnres_jax import depth
 from attnres_jax import pipeline_plan
-from attnres_jax.pipeline_plan import PipelineConfig, TransferPlan
-from attnres_jax import residual as residual_lib
+from attnres_jax import residuals
 from attnres_jax import sharding
+from attnres_jax.pipeline_plan import PipelineConfig, TransferPlan
 from attnres_jax import stack as stack_lib
 
 
@@ -55,7 +57,7 @@ from attnres_jax import stack as stack_lib
 
 
 @dataclasses.dataclass(frozen=True)
-class _Resume(residual_lib.Residual):
+class _Resume(residuals.Residual):
   """`base` resumed from `carry`, its segments numbered from `segment_offset` on: lets
   `stack.run_layers` run a chunk of the layers in the middle of the model."""
 
@@ -74,78 +76,11 @@ class _Resume(residual_lib.Residual):
   def begin_segment(self, carry, params, segment):
     return self.base.begin_segment(carry, params, segment + self.segment_offset)
 
-  def read(self, inner, params, per_layer, layer_in_segment, which):
-    return self.base.read(inner, params, per_layer, layer_in_segment, which)
-
-  def write(self, inner, params, per_layer, layer_in_segment, which, out_BTD):
-    return self.base.write(inner, params, per_layer, layer_in_segment, which, out_BTD)
+  def sublayer(self, inner, params, per_layer, layer_in_segment, which, branch):
+    return self.base.sublayer(inner, params, per_layer, layer_in_segment, which, branch)
 
   def end_segment(self, carry, inner, segment):
     return self.base.end_segment(carry, inner, segment + self.segment_offset)
-
-  def final(self, carry, params):
-    return self.base.final(carry, params)
-
-
-@dataclasses.dataclass(frozen=True)
-class _AttnResSegments(residual_lib.AttnResResidual):
-  """The block schedule with a given segment length (one that divides the chunk)."""
-
-  layers_per_segment: int = 1
-
-  @property
-  def segment_layers(self) -> int:
-    return self.layers_per_segment
-
-
-@dataclasses.dataclass(frozen=True)
-class BufferReads(residual_lib.AttnResResidual):
-  """AttnRes one layer at a time, every read one softmax over the buffer as it stands
-  (the running partial sum in place): for chunks that start inside a block, where no
-  block-schedule segment can start. Same carry as `AttnResResidual`."""
-
-  @property
-  def segment_layers(self) -> int:
-    return 1
-
-  def begin_segment(self, carry, params, segment):
-    return (*carry, segment), None  # segment = the (global) layer index
-
-  def read(self, inner, params, per_layer, layer_in_segment, which):
-    buffer_KBTD, inv_rms_KBT, layer = inner
-    sublayer = 2 * layer + which
-    return residual_lib.read_one_shot(
-        self.cfg, buffer_KBTD, depth.num_valid_sources(sublayer, self.block_size),
-        params.query[...][which], params.gain[...][which], inv_rms_KBT=inv_rms_KBT)
-
-  def write(self, inner, params, per_layer, layer_in_segment, which, out_BTD):
-    buffer_KBTD, inv_rms_KBT, layer = inner
-    slot = depth.output_slot(2 * layer + which, self.block_size)
-    buffer_KBTD, written_BTD = residual_lib.add_to_slot(buffer_KBTD, slot, out_BTD)
-    inv_rms_KBT = jax.lax.dynamic_update_index_in_dim(
-        inv_rms_KBT, depth.rms_inverse(written_BTD, self.cfg.attn_res_eps), slot, 0)
-    return sharding.constrain(buffer_KBTD, sharding.DEPTH_BUFFER), inv_rms_KBT, layer
-
-  def end_segment(self, carry, inner, segment):
-    return inner[:2]
-
-
-def chunk_residual(model_config, layers_per_chunk: int):
-  """(the residual that runs one chunk, its segments per chunk)."""
-  base = residual_lib.make_residual(model_config)
-  if isinstance(base, residual_lib.StandardResidual):
-    return base, layers_per_chunk
-  block_size = base.block_size
-  if (2 * layers_per_chunk) % block_size:  # a block spans a chunk boundary
-    return BufferReads(model_config), layers_per_chunk
-  # The configured segment, or the longest shorter one that divides the chunk and
-  # covers whole blocks (`unit` layers always do: the chunk starts on a block).
-  unit = block_size // 2 if block_size % 2 == 0 else block_size
-  size = base.segment_layers
-  if layers_per_chunk % size:
-    size = max(d for d in range(unit, size + 1, unit) if layers_per_chunk % d == 0)
-  return (_AttnResSegments(model_config, layers_per_segment=size),
-          layers_per_chunk // size)
 
 
 def run_chunk(residual, graphdef, chunk_state, carry, segment_offset, positions_BT,
@@ -188,21 +123,14 @@ class CachedTransfer:
 
   def send(self, carry, chunk):
     start = self.starts[chunk]
-    return tuple(jax.lax.dynamic_slice_in_dim(x, start, self.plan.width, 0)
-                 for x in carry)
+    return jax.tree.map(
+        lambda x: jax.lax.dynamic_slice_in_dim(x, start, self.plan.width, 0), carry)
 
   def receive(self, message, base, chunk):
     """`chunk`: the sender's chunk; `base`: the receiver's cached carry."""
     start = self.starts[chunk]
-    return tuple(jax.lax.dynamic_update_slice_in_dim(b, w, start, 0)
-                 for b, w in zip(base, message))
-
-
-def _carry_axes(attn_res: bool):
-  """The logical axis names of the carry's leaves (of a message's, too)."""
-  if attn_res:
-    return (sharding.DEPTH_BUFFER, sharding.DEPTH_BUFFER[:-1])
-  return sharding.HIDDEN
+    return jax.tree.map(
+        lambda b, w: jax.lax.dynamic_update_slice_in_dim(b, w, start, 0), base, message)
 
 
 def _constrain_stages(tree, axes, leading: int = 0):
@@ -224,9 +152,8 @@ def pipeline_hidden(model, x_MBTD, positions_BT, pipe: PipelineConfig):
   num_stages, num_virtual = pipe.stages, pipe.virtual_stages
   num_micro, num_chunks = pipe.num_microbatches, pipe.num_chunks
   layers_per_chunk = cfg.num_layers // num_chunks
-  residual, segments_per_chunk = chunk_residual(cfg, layers_per_chunk)
-  attn_res = not isinstance(residual, residual_lib.StandardResidual)
-  cached = attn_res and pipe.transfer == 'cached'
+  residual, segments_per_chunk = model.residual.pipeline_chunk(layers_per_chunk)
+  cached = residual.cached_transfer and pipe.transfer == 'cached'
   transfer = (CachedTransfer(pipeline_plan.transfer_plan(cfg, pipe)) if cached
               else NaiveTransfer())
   keeps_cache = cached and num_virtual > 1  # else a stage sees each microbatch once
@@ -252,7 +179,7 @@ def pipeline_hidden(model, x_MBTD, positions_BT, pipe: PipelineConfig):
       outputs=jnp.zeros((num_stages, *x_MBTD.shape), x_MBTD.dtype),
       wrap=stacked(zero_message, num_stages, num_micro) if num_virtual > 1 else None,
       cache=stacked(zero_carry, num_stages, num_micro) if keeps_cache else None)
-  carry_axes = _carry_axes(attn_res)
+  carry_axes = residual.carry_axes()
 
   def constrain_state(state):
     return dict(inbox=_constrain_stages(state['inbox'], carry_axes),
@@ -316,7 +243,7 @@ def split_microbatches(tree, num_microbatches: int):
 
 
 def loss_sums(params, batch, *, graphdef, pipe: PipelineConfig):
-  """`train.loss_sums` with the layers pipelined: (sum of weighted token
+  """`evaluate.loss_sums` with the layers pipelined: (sum of weighted token
   cross-entropies, sum of weights) of the batch."""
   model = nnx.merge(graphdef, params)
   micro = split_microbatches(batch, pipe.num_microbatches)
@@ -338,7 +265,7 @@ def loss_sums(params, batch, *, graphdef, pipe: PipelineConfig):
 
 
 def make_loss_fn(pipe: PipelineConfig | None):
-  """A drop-in for `train.loss_sums(params, batch, *, graphdef)`, or None."""
+  """A drop-in for `evaluate.loss_sums(params, batch, *, graphdef)`, or None."""
   if pipe is None:
     return None
   return functools.partial(loss_sums, pipe=pipe)

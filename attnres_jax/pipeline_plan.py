@@ -11,9 +11,10 @@ import math
 import re
 from typing import Any
 
-from attnres_jax import config as config_lib
 from attnres_jax import depth
+from attnres_jax import residuals
 from attnres_jax import sharding
+from attnres_jax.residuals import attnres
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,10 +45,10 @@ def from_mesh_config(mesh_config) -> PipelineConfig | None:
 
 def validate(pipe: PipelineConfig | None, model_config, batch_size: int,
              data_shards: int = 1) -> None:
-  """Raises ValueError (before anything compiles) for a pipeline that cannot run."""
+  """Raises ValueError (before anything compiles) for a pipeline that cannot run.
+  `model_config`: a `ModelConfig` (`config.validate` checks a run config's pipeline)."""
   if pipe is None:
     return
-  model_config = config_lib.ModelConfig.from_config(model_config)
 
   def fail(message):
     raise ValueError(f'Invalid pipeline (mesh.stage={pipe.stages}, '
@@ -68,8 +69,10 @@ def validate(pipe: PipelineConfig | None, model_config, batch_size: int,
          'returns to stage 0 for its next virtual stage after P iterations).')
   if pipe.transfer not in sharding.PIPELINE_TRANSFERS:
     fail(f'pipeline_transfer must be one of {sharding.PIPELINE_TRANSFERS}.')
-  if model_config.residual != 'standard' and model_config.ablations:
-    fail('the depth-read ablations are not pipelined.')
+  refusal = residuals.make(model_config).pipeline_refusal(
+      model_config.num_layers // pipe.num_chunks)
+  if refusal:
+    fail(f'residual={model_config.residual!r}: {refusal}')
 
 
 # -- the schedule (static) ------------------------------------------------------------
@@ -120,8 +123,9 @@ class TransferPlan:
 
 
 def transfer_plan(model_config, pipe: PipelineConfig) -> TransferPlan:
-  block_size = config_lib.effective_block_size(model_config)
-  num_sublayers = config_lib.num_sublayers(model_config)
+  """The AttnRes buffer windows of the cached transfer (Full or Block AttnRes)."""
+  block_size = attnres.block_size_of(model_config)
+  num_sublayers = 2 * model_config.num_layers
   num_slots = depth.num_slots(num_sublayers, block_size)
   sublayers_per_chunk = num_sublayers // pipe.num_chunks
   num_stages, num_chunks = pipe.stages, pipe.num_chunks

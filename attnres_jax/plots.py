@@ -127,6 +127,43 @@ def plot_depth_entropy(stats: Mapping[str, np.ndarray], cfg, path: str,
   return _save(fig, path)
 
 
+def plot_streams(stats: Mapping[str, np.ndarray], cfg, path: str,
+                 title: str | None = None) -> str:
+  """HC/mHC: per-stream magnitudes, read and write weights across depth (from the
+  analysis statistics stream_rms, read_weights, write_weights [num_layers, 2, m] and
+  final_stream_rms [m])."""
+  m, num_sub = cfg.hc_streams, config_lib.num_sublayers(cfg)
+  labels = statistics.sublayer_labels(cfg)
+  fig, axes = plt.subplots(1, 3, figsize=(16, 4), layout='constrained')
+  rms = np.asarray(stats['stream_rms']).reshape(num_sub, m)
+  final = np.asarray(stats['final_stream_rms'])
+  for i in range(m):
+    axes[0].plot(range(num_sub + 1), list(rms[:, i]) + [final[i]], 'o-',
+                 label=f'stream {i}')
+  axes[0].set_yscale('log')
+  axes[0].set_xticks(range(num_sub + 1), labels + ['final'], fontsize=7)
+  axes[0].set_ylabel('RMS before the sublayer (mean over tokens)')
+  axes[0].legend(fontsize=8)
+  for ax, key, name in ((axes[1], 'read_weights', 'read weights a (stream -> input)'),
+                        (axes[2], 'write_weights', 'write weights b (output -> stream)')):
+    image = ax.imshow(np.asarray(stats[key]).reshape(num_sub, m).T, aspect='auto',
+                      cmap='viridis')
+    ax.set_xticks(range(num_sub), labels, fontsize=7)
+    ax.set_yticks(range(m), [f'stream {i}' for i in range(m)])
+    ax.set_title(name)
+    fig.colorbar(image, ax=ax)
+  fig.suptitle(title or statistics.mode_name(cfg))
+  return _save(fig, path)
+
+
+# The residual-specific figures (`Residual.figures` names): (draw, title suffix).
+FIGURES = {
+    'depth_weights': (plot_depth_weights, ''),
+    'depth_entropy': (plot_depth_entropy, ': depth-weight entropy'),
+    'streams': (plot_streams, ': streams across depth'),
+}
+
+
 def _loss_series(records: Sequence[Mapping[str, Any]]) -> dict[str, tuple]:
   """{tag: (steps, values)} for every loss-like tag ('train/loss', 'eval/loss', ...)."""
   series: dict[str, tuple[list, list]] = {}

@@ -46,14 +46,15 @@ AXIS_NAMES = ('data', 'fsdp', 'tensor')
 STAGE_AXIS = 'stage'  # pipeline stages: always the mesh's first axis
 PIPELINE_TRANSFERS = ('naive', 'cached')
 
-# logical name -> the mesh axes it is split over (empty: not split). Tuples, so that
-# one rule can be overridden on the command line: --config.mesh.rules.hidden=tensor.
+# logical name -> the mesh axes it is split over (empty: not split): the default of
+# config.mesh.rules. Tuples, so that one rule can be overridden on the command line:
+# --config.mesh.rules.hidden=tensor.
 DEFAULT_RULES = {
     # activations
-    'batch': ('data', 'fsdp'),
+    'batch': ('data', 'fsdp'),  # activations and batches
     'length': (),
     'hidden': (),           # model width of activations and depth sources
-    'depth': (),            # the AttnRes source axis of the depth buffers
+    'depth': (),            # the AttnRes source axis of the depth buffers (HC: streams)
     # parameters (and the activations along the same dimension)
     'embed': ('fsdp',),     # model width of weights: FSDP splits parameters here
     'heads': ('tensor',),
@@ -62,7 +63,7 @@ DEFAULT_RULES = {
     'vocab': ('tensor',),
     'layers': ('stage',),   # the stacked-layer axis: pipeline stages hold slices of it
     'stages': ('stage',),   # the pipeline's per-stage axis of activations
-    'sublayers': (),        # attention / MLP rows of the AttnRes queries and gains
+    'sublayers': (),        # attention / MLP rows of the residuals' layer parameters
 }
 
 Rules = Mapping[str, Any]
@@ -153,22 +154,29 @@ def make_mesh(mesh_config: ml_collections.ConfigDict,
   The axes are `Auto`: the compiler propagates shardings from the parameters, the
   batch and the `constrain` calls. The first axis is `stage` (size `mesh.stage`).
   """
+  count = len(devices) if devices is not None else jax.device_count()
+  shape = mesh_shape(mesh_config, count)
+  return jax.make_mesh(tuple(shape.values()), tuple(shape), devices=devices,
+                       axis_types=(jax.sharding.AxisType.Auto,) * len(shape))
+
+
+def mesh_shape(mesh_config: ml_collections.ConfigDict, num_devices: int
+               ) -> dict[str, int]:
+  """Mesh axis name -> size on `num_devices` devices, `stage` first (the -1 resolved);
+  ValueError if the shape does not cover the devices."""
   validate_mesh_config(mesh_config)
   stages = mesh_config.get('stage', 1)
   shape = [stages] + list(mesh_config.shape)
-  names = (STAGE_AXIS,) + tuple(mesh_config.axis_names)
-  count = len(devices) if devices is not None else jax.device_count()
   if -1 in shape:
     known = math.prod(s for s in shape if s != -1)
-    if known < 1 or count % known:
+    if known < 1 or num_devices % known:
       raise ValueError(f'Mesh shape {tuple(mesh_config.shape)} with stage={stages} '
-                       f'does not fit {count} devices.')
-    shape[shape.index(-1)] = count // known
-  if math.prod(shape) != count:
+                       f'does not fit {num_devices} devices.')
+    shape[shape.index(-1)] = num_devices // known
+  if math.prod(shape) != num_devices:
     raise ValueError(f'Mesh shape {tuple(mesh_config.shape)} with stage={stages} does '
-                     f'not cover the {count} devices.')
-  return jax.make_mesh(tuple(shape), names, devices=devices,
-                       axis_types=(jax.sharding.AxisType.Auto,) * len(names))
+                     f'not cover the {num_devices} devices.')
+  return dict(zip((STAGE_AXIS,) + tuple(mesh_config.axis_names), shape))
 
 
 def mesh_axes(logical_name: str | None, rules: Rules) -> tuple[str, ...]:

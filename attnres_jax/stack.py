@@ -1,4 +1,4 @@
-"""Running the stacked Transformer layers through a residual (`residual.py`).
+"""Running the stacked Transformer layers through a residual (`residuals/base.py`).
 
 The layers run in schedule segments of `residual.segment_layers` layers: a scan over
 segments whose body runs the segment's few layers unrolled (a last, shorter segment
@@ -20,7 +20,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from attnres_jax import depth
-from attnres_jax import residual as residual_lib
 
 SUBLAYERS = (0, 1)  # attention, MLP
 
@@ -50,19 +49,19 @@ def token_mean(x_BT, token_weights_BT):
   return jnp.sum(x_BT * token_weights_BT) / jnp.maximum(jnp.sum(token_weights_BT), 1e-30)
 
 
-def _sublayer_stats(h_BTD, out_BTD, weights_KBT, token_weights_BT):
-  """Token-weighted means of one sublayer's statistics (for the analysis)."""
+def _sublayer_stats(residual, applied, token_weights_BT):
+  """Token-weighted means of one sublayer's statistics (for the analysis): its input
+  and output RMS, and the residual's own (`Residual.sublayer_statistics`)."""
   mean = functools.partial(token_mean, token_weights_BT=token_weights_BT)
-  entry = {'input_rms': mean(1.0 / depth.rms_inverse(h_BTD, 0.0)),
-           'output_rms': mean(1.0 / depth.rms_inverse(out_BTD, 0.0))}
-  if weights_KBT is not None:
-    entry['depth_weights'] = jax.vmap(mean)(weights_KBT)
-    plogp = jnp.where(weights_KBT > 0, weights_KBT * jnp.log(weights_KBT), 0.0)
-    entry['depth_entropy'] = mean(-jnp.sum(plogp, axis=0))
+  entry = {'input_rms': mean(1.0 / depth.rms_inverse(applied.h_BTD, 0.0)),
+           'output_rms': mean(1.0 / depth.rms_inverse(applied.out_BTD, 0.0))}
+  entry.update(residual.sublayer_statistics(applied.weights, mean))
   return entry
 
 
-# apply_sublayer(which, layer_in_segment, layer_state, h, inner, extra) -> (out, saved)
+# apply_sublayer(which, layer_in_segment, layer_state, h, *, inner, extra)
+#   -> (out, saved): one sublayer's branch; `inner` is the residual's inner carry
+#   before the sublayer, `extra` the layer's slice of `extra_xs`.
 SublayerHook = Callable[..., tuple[jax.Array, Any]]
 
 
@@ -123,7 +122,7 @@ def run_layers(residual, graphdef, layer_state, x_BTD, positions_BT, *, cfg,
     functions = [sublayer_function(graphdef, which, cfg.remat == 'sublayer')
                  for which in SUBLAYERS]
 
-    def apply_sublayer(which, layer_in_segment, state_k, h_BTD, inner, extra):
+    def apply_sublayer(which, layer_in_segment, state_k, h_BTD, *, inner, extra):
       del layer_in_segment, inner, extra
       return functions[which](state_k, h_BTD, positions_BT), None
 
@@ -131,12 +130,12 @@ def run_layers(residual, graphdef, layer_state, x_BTD, positions_BT, *, cfg,
     params = nnx.merge(graphdef, state_k).residual
     saved, stats = [], []
     for which in SUBLAYERS:
-      h_BTD, weights_KBT = residual.read(inner, params, per_layer, j, which)
-      out_BTD, saved_one = apply_sublayer(which, j, state_k, h_BTD, inner, extra)
-      inner = residual.write(inner, params, per_layer, j, which, out_BTD)
-      saved.append(saved_one)
+      branch = functools.partial(apply_sublayer, which, j, state_k, inner=inner,
+                                 extra=extra)
+      inner, applied = residual.sublayer(inner, params, per_layer, j, which, branch)
+      saved.append(applied.saved)
       if collect_stats:
-        stats.append(_sublayer_stats(h_BTD, out_BTD, weights_KBT, stats_weights_BT))
+        stats.append(_sublayer_stats(residual, applied, stats_weights_BT))
     stats = jax.tree.map(lambda *s: jnp.stack(s), *stats) if collect_stats else None
     return inner, (tuple(saved), stats)
 
@@ -174,11 +173,12 @@ def run_layers(residual, graphdef, layer_state, x_BTD, positions_BT, *, cfg,
   return carry, (full_ys, tail_ys)
 
 
-def apply_layers(graphdef, layer_state, x_BTD, positions_BT, *, cfg,
+def apply_layers(residual, graphdef, layer_state, x_BTD, positions_BT, *, cfg,
                  collect_stats=False, stats_weights_BT=None):
   """Runs the stacked layers from the embedding; returns (final residual carry,
   per-sublayer statistics [num_layers, 2, ...] or None; see `run_layers`)."""
-  residual = residual_lib.make_residual(cfg, one_shot=collect_stats)
+  if collect_stats:
+    residual = residual.for_statistics()
   if residual.custom_stack is not None and not collect_stats:
     return residual.custom_stack(graphdef, layer_state, x_BTD, positions_BT), None
   carry, ys = run_layers(residual, graphdef, layer_state, x_BTD, positions_BT, cfg=cfg,
@@ -186,8 +186,8 @@ def apply_layers(graphdef, layer_state, x_BTD, positions_BT, *, cfg,
   return carry, join_layers(ys)[1] if collect_stats else None
 
 
-def apply_layers_cached(graphdef, layers, x_BTD, positions_BT, caches, cache_index,
-                        start_B, *, cfg):
+def apply_layers_cached(residual, graphdef, layers, x_BTD, positions_BT, caches,
+                        cache_index, start_B, *, cfg):
   """Decoding: runs the layers with their KV caches; returns (final carry, caches).
 
   `layers` and `caches` hold one state / `KVCache` per layer, and the layers run
@@ -198,7 +198,6 @@ def apply_layers_cached(graphdef, layers, x_BTD, positions_BT, caches, cache_ind
   training's: segments of `residual.segment_layers` layers through the same residual
   interface calls, so any residual decodes.
   """
-  residual = residual_lib.make_residual(cfg)
   size = residual.segment_layers
   carry = residual.init(x_BTD)
   caches = list(caches)
@@ -210,12 +209,16 @@ def apply_layers_cached(graphdef, layers, x_BTD, positions_BT, caches, cache_ind
       layer = nnx.merge(graphdef, state_j)
       per_layer_j = jax.tree.map(lambda x, j=j: x[j], per_layer)
       for which in SUBLAYERS:
-        h_BTD, _ = residual.read(inner, layer.residual, per_layer_j, j, which)
-        if which == 0:
-          out_BTD, caches[first + j] = layer.sublayer(
-              which, h_BTD, positions_BT, caches[first + j], cache_index, start_B)
+        if which == 0:  # the attention sublayer also returns its updated cache
+          branch = functools.partial(layer.sublayer, which, positions_BT=positions_BT,
+                                     cache=caches[first + j], cache_index=cache_index,
+                                     start_B=start_B)
         else:
-          out_BTD = layer.sublayer(which, h_BTD, positions_BT)
-        inner = residual.write(inner, layer.residual, per_layer_j, j, which, out_BTD)
+          branch = lambda h_BTD, layer=layer: (
+              layer.sublayer(1, h_BTD, positions_BT), None)
+        inner, applied = residual.sublayer(inner, layer.residual, per_layer_j, j,
+                                           which, branch)
+        if which == 0:
+          caches[first + j] = applied.saved
     carry = residual.end_segment(carry, inner, segment)
   return carry, tuple(caches)

@@ -29,22 +29,20 @@ from flax import nnx
 from attnres_jax import config as config_lib
 from attnres_jax import depth
 from attnres_jax import evaluate as evaluate_lib
+from attnres_jax import residuals
+from attnres_jax.residuals import attnres
 
 Batch = Mapping[str, np.ndarray]
 
 
-# -- depth bookkeeping for plots ----------------------------------------------------
-
-
-def is_attnres(cfg) -> bool:
-  return cfg.residual in ('full', 'block')
+# -- depth bookkeeping for the AttnRes depth-weight figures --------------------------
 
 
 def valid_source_mask(cfg) -> tuple[np.ndarray, np.ndarray]:
   """Which slots each sublayer reads: bool [num_layers, 2, num_slots], and the final
   read's bool [num_slots] (all slots)."""
   num_sub = config_lib.num_sublayers(cfg)
-  size = config_lib.effective_block_size(cfg)
+  size = attnres.block_size_of(cfg)
   slots = depth.num_slots(num_sub, size)
   counts = np.array([depth.num_valid_sources(l, size) for l in range(num_sub)])
   mask = np.arange(slots)[None, :] < counts[:, None]
@@ -55,7 +53,7 @@ def source_labels(cfg) -> list[str]:
   """Column labels: 'emb', then the sublayer outputs (Full: 'A0', 'M0', ...) or the
   blocks ('B1', 'B2', ...)."""
   num_sub = config_lib.num_sublayers(cfg)
-  size = config_lib.effective_block_size(cfg)
+  size = attnres.block_size_of(cfg)
   if size == 1:
     return ['emb'] + [f'{"AM"[i % 2]}{i // 2}' for i in range(num_sub)]
   return ['emb'] + [f'B{n}' for n in range(1, depth.num_blocks(num_sub, size) + 1)]
@@ -66,11 +64,7 @@ def sublayer_labels(cfg) -> list[str]:
 
 
 def mode_name(cfg) -> str:
-  if cfg.residual == 'block':
-    return f'Block AttnRes (S={cfg.block_size})'
-  return {'standard': 'Standard residual', 'full': 'Full AttnRes',
-          'hc': f'Hyper-Connections (m={cfg.hc_streams})',
-          'mhc': f'mHC (m={cfg.hc_streams})'}[cfg.residual]
+  return residuals.make(cfg).label
 
 
 
@@ -93,8 +87,12 @@ def sublayer_grad_norms(layer_grads: Mapping[str, Any]) -> np.ndarray:
     squares = sum(
         np.sum(np.square(np.asarray(x, np.float64)).reshape(x.shape[0], -1), axis=1)
         for name in names for x in jax.tree.leaves(g[name]))
-    # The residual's parameters hold one row per sublayer: [num_layers, 2, ...].
+    # The residual's parameters hold one row per sublayer: [num_layers, 2, ...]
+    # (the contract of `Residual.layer_params`).
     for x in jax.tree.leaves(g.get('residual')):
+      if x.ndim < 2 or x.shape[1] != 2:
+        raise ValueError(f'A residual layer parameter of shape {x.shape} has no row per '
+                         'sublayer ([num_layers, 2, ...]): see Residual.layer_params.')
       row = np.asarray(x, np.float64)[:, which]
       squares = squares + np.sum(np.square(row).reshape(row.shape[0], -1), axis=1)
     rows.append(np.sqrt(squares))

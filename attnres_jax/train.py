@@ -220,9 +220,7 @@ def train_and_evaluate(
   save fails.
   """
   run_start = time.perf_counter()
-  config_lib.validate(config)
-  pipeline_plan.validate(pipeline_plan.from_mesh_config(config.mesh), config.model,
-                    config.train.batch_size // config.train.grad_accum_steps)
+  config_lib.validate(config, num_devices=jax.device_count())
   workdir_lib.resolve_allowed(allow_config_change, workdir_lib.flatten(
       json.loads(config.to_json())))  # a misspelt field fails here, not after locking
   data_lib.check_dataset(config.data)
@@ -274,13 +272,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, *, changed: set[str]
                      f'model.vocab_size is {config.model.vocab_size}.')
   mesh = sharding.make_mesh(config.mesh)
   rules = sharding.rules_from_config(config.mesh)
-  data_shards = math.prod(mesh.shape[a] for a in sharding.mesh_axes('batch', rules))
-  if (tc.batch_size // tc.grad_accum_steps) % data_shards:
-    raise ValueError(f'The microbatch of {tc.batch_size // tc.grad_accum_steps} rows '
-                     f'(batch_size / grad_accum_steps) does not split over the '
-                     f'{data_shards} data-parallel devices.')
-  pipe = pipeline_plan.from_mesh_config(config.mesh)
-  pipeline_plan.validate(pipe, config.model, tc.batch_size // tc.grad_accum_steps, data_shards)
+  pipe = pipeline_plan.from_mesh_config(config.mesh)  # validated by config.validate
 
   tx, schedule = optim.make_optimizer(tc)
   graphdef, _ = checkpointing.abstract_model(config.model)

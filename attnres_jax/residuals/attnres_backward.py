@@ -25,12 +25,13 @@ from attnres_jax import stack as stack_lib
 
 
 def make_stack(residual):
-  """fn(graphdef, layer_state, x_BTD, positions_BT) -> the residual's final carry."""
+  """fn(graphdef, layer_state, x_BTD, positions_BT) -> the residual's final (buffer,
+  inverse RMS); `residual` is an `attnres.AttnResResidual` (two-phase reads)."""
   cfg = residual.cfg
   eps = cfg.attn_res_eps
 
   def run(graphdef, layer_state, x_BTD, positions_BT):
-    """The residual's final carry after all layers."""
+    """The final buffer and its inverse RMS after all layers."""
     functions = [stack_lib.sublayer_function(graphdef, which, cfg.remat == 'sublayer')
                  for which in stack_lib.SUBLAYERS]
     keeps_partial = residual.block_size > 1  # Full: a sublayer's own slot starts empty
@@ -42,17 +43,17 @@ def make_stack(residual):
     def forward(layer_state, x_BTD, positions_BT):
       def apply_sublayer(which, layer_in_segment, state_k, h_BTD, inner, extra):
         del extra
-        local_JBTD = inner[3]
         index, _ = residual.local_index(layer_in_segment, which)
-        partial_BTD = local_JBTD[index] if keeps_partial else None
+        partial_BTD = inner.local_JBTD[index] if keeps_partial else None
         if recompute_sublayers:
           return functions[which](state_k, h_BTD, positions_BT), (partial_BTD, None)
         out_BTD, vjp_fn = sublayer_vjp(which, state_k, h_BTD, positions_BT)
         return out_BTD, (partial_BTD, vjp_fn)
 
-      (buffer_KBTD, _), (full_ys, tail_ys) = stack_lib.run_layers(
+      carry, (full_ys, tail_ys) = stack_lib.run_layers(
           residual, graphdef, layer_state, x_BTD, positions_BT, cfg=cfg,
           apply_sublayer=apply_sublayer)
+      buffer_KBTD = carry.buffer_KBTD
       saved = tuple(None if ys is None else tuple(y[0] for y in ys)
                     for ys in (full_ys, tail_ys))
       return buffer_KBTD, (layer_state, buffer_KBTD, positions_BT, saved)
@@ -75,7 +76,7 @@ def make_stack(residual):
       d_buffer_KBTD = jax.lax.dynamic_update_slice_in_dim(
           d_buffer_KBTD, jnp.zeros_like(d_local_JBTD), first, 0)
       d_layer_states, d_stats = [None] * num_layers, [None] * num_layers
-      d_embedding_sum_BTD = None  # the first sublayer's read (see residual.merge)
+      d_embedding_sum_BTD = None  # the first sublayer's read (see AttnResResidual.merge)
       for j in reversed(range(num_layers)):
         state_j, d_stats_j = layer_states[j], [None, None]
         for which in reversed(stack_lib.SUBLAYERS):
@@ -145,9 +146,9 @@ def make_stack(residual):
 
     @jax.custom_vjp
     def buffer_after_layers(layer_state, x_BTD, positions_BT):
-      (buffer_KBTD, _), _ = stack_lib.run_layers(
+      carry, _ = stack_lib.run_layers(
           residual, graphdef, layer_state, x_BTD, positions_BT, cfg=cfg)
-      return buffer_KBTD
+      return carry.buffer_KBTD
 
     buffer_after_layers.defvjp(forward, backward)
     buffer_KBTD = buffer_after_layers(layer_state, x_BTD, positions_BT)

@@ -29,15 +29,15 @@ stream, and PreNorm and the final norm remove the factor m of the sum.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from attnres_jax import depth
-from attnres_jax import residual as residual_lib
 from attnres_jax import sharding
+from attnres_jax.residuals import base
 
 STREAMS = sharding.DEPTH_BUFFER  # [m, B, T, D]: the streams shard like the depth buffer
 STREAM_AXIS = STREAMS[0]  # the logical name of a stream axis in parameters (never split)
@@ -67,10 +67,6 @@ def sinkhorn(logits_XNN, iters: int):
   return matrix / jnp.sum(matrix, axis=-1, keepdims=True)
 
 
-def _param(init, shape, axes, dtype):
-  return residual_lib._param(init, shape, axes, dtype)  # pylint: disable=protected-access
-
-
 def _constant(value):
   return lambda shape, dtype: jnp.full(shape, value, dtype)
 
@@ -85,17 +81,17 @@ class HyperConnectionParams(nnx.Module):
     pdt = jnp.dtype(cfg.param_dtype)
     m, d = cfg.hc_streams, cfg.d_model
     eye = lambda shape, dtype: jnp.broadcast_to(jnp.eye(m, dtype=dtype), shape)
-    self.static_read = _param(jnp.zeros, (*rows, m), (*row_axes, STREAM_AXIS), pdt)
-    self.static_mix = _param(eye, (*rows, m, m), (*row_axes, STREAM_AXIS, STREAM_AXIS),
+    self.static_read = base.param(jnp.zeros, (*rows, m), (*row_axes, STREAM_AXIS), pdt)
+    self.static_mix = base.param(eye, (*rows, m, m), (*row_axes, STREAM_AXIS, STREAM_AXIS),
                              pdt)
-    self.static_write = _param(jnp.ones, (*rows, m), (*row_axes, STREAM_AXIS), pdt)
+    self.static_write = base.param(jnp.ones, (*rows, m), (*row_axes, STREAM_AXIS), pdt)
     if cfg.hc_dynamic:
-      self.read_proj = _param(jnp.zeros, (*rows, d), (*row_axes, 'embed'), pdt)
-      self.mix_proj = _param(jnp.zeros, (*rows, d, m), (*row_axes, 'embed', STREAM_AXIS),
+      self.read_proj = base.param(jnp.zeros, (*rows, d), (*row_axes, 'embed'), pdt)
+      self.mix_proj = base.param(jnp.zeros, (*rows, d, m), (*row_axes, 'embed', STREAM_AXIS),
                              pdt)
-      self.write_proj = _param(jnp.zeros, (*rows, d), (*row_axes, 'embed'), pdt)
-      self.read_scale = _param(_constant(DYNAMIC_SCALE_INIT), rows, row_axes, pdt)
-      self.write_scale = _param(_constant(DYNAMIC_SCALE_INIT), rows, row_axes, pdt)
+      self.write_proj = base.param(jnp.zeros, (*rows, d), (*row_axes, 'embed'), pdt)
+      self.read_scale = base.param(_constant(DYNAMIC_SCALE_INIT), rows, row_axes, pdt)
+      self.write_scale = base.param(_constant(DYNAMIC_SCALE_INIT), rows, row_axes, pdt)
     else:
       self.read_proj = self.mix_proj = self.write_proj = None
       self.read_scale = self.write_scale = None
@@ -111,16 +107,16 @@ class ManifoldHyperConnectionParams(nnx.Module):
     m, d = cfg.hc_streams, cfg.d_model
     res_init = lambda shape, dtype: jnp.broadcast_to(
         MHC_LOGIT * (jnp.eye(m, dtype=dtype) - 1), shape)
-    self.pre_bias = _param(jnp.zeros, (*rows, m), (*row_axes, STREAM_AXIS), pdt)
-    self.post_bias = _param(jnp.zeros, (*rows, m), (*row_axes, STREAM_AXIS), pdt)
-    self.res_bias = _param(res_init, (*rows, m, m),
+    self.pre_bias = base.param(jnp.zeros, (*rows, m), (*row_axes, STREAM_AXIS), pdt)
+    self.post_bias = base.param(jnp.zeros, (*rows, m), (*row_axes, STREAM_AXIS), pdt)
+    self.res_bias = base.param(res_init, (*rows, m, m),
                            (*row_axes, STREAM_AXIS, STREAM_AXIS), pdt)
     if cfg.hc_dynamic:
-      proj = lambda k: _param(jnp.zeros, (*rows, m, d, k),
+      proj = lambda k: base.param(jnp.zeros, (*rows, m, d, k),
                               (*row_axes, STREAM_AXIS, 'embed', STREAM_AXIS), pdt)
       self.pre_proj, self.post_proj, self.res_proj = proj(m), proj(m), proj(m * m)
       self.pre_scale, self.post_scale, self.res_scale = (
-          _param(_constant(DYNAMIC_SCALE_INIT), rows, row_axes, pdt) for _ in range(3))
+          base.param(_constant(DYNAMIC_SCALE_INIT), rows, row_axes, pdt) for _ in range(3))
     else:
       self.pre_proj = self.post_proj = self.res_proj = None
       self.pre_scale = self.post_scale = self.res_scale = None
@@ -139,19 +135,50 @@ class Coefficients:
   write_MBT: jax.Array
 
 
+class StreamCarry(NamedTuple):
+  """Within a segment: the streams and the index of the segment's first layer (for
+  the initial read one-hot)."""
+  streams_MBTD: jax.Array
+  first_layer: jax.Array
+
+
 @dataclasses.dataclass(frozen=True)
-class HyperConnectionResidual(residual_lib.Residual):
+class HyperConnectionResidual(base.Residual):
   """HC (`cfg.residual == 'hc'`) or mHC ('mhc') over `cfg.hc_streams` streams.
 
-  Carry between layers: the streams [m, B, T, D]. Inner carry within a segment: the
-  streams and the index of the segment's first layer (for the initial read one-hot).
-  The read and the write of a sublayer compute its coefficients from the same
-  streams (the interface passes nothing from read to write); they are identical
-  expressions, which XLA's common-subexpression elimination may merge.
+  Carry between layers: the streams [m, B, T, D]; within a segment, `StreamCarry`.
+  A sublayer's coefficients are computed once, from the streams before it, and used
+  by both its read and its write (`sublayer`).
   """
 
   cfg: Any
-  segment_layers: int = 1
+
+  # Decay would pull HC's identity mixing and the gates to zero; projections decay.
+  no_decay = frozenset({'static_read', 'static_mix', 'static_write', 'read_scale',
+                        'write_scale', 'pre_bias', 'post_bias', 'res_bias',
+                        'pre_scale', 'post_scale', 'res_scale'})
+  figures = ('streams',)
+
+  def validate(self) -> None:
+    cfg = self.cfg
+    if not base.is_int(cfg.hc_streams) or cfg.hc_streams < 1:
+      base.invalid(f'hc_streams is the number of residual streams (expansion rate m) and must '
+           f'be an integer >= 1, got {cfg.hc_streams!r}.')
+    if not isinstance(cfg.hc_dynamic, bool):
+      base.invalid(f'hc_dynamic must be True or False, got {cfg.hc_dynamic!r}.')
+    if self.manifold and (not base.is_int(cfg.sinkhorn_iters) or cfg.sinkhorn_iters < 1):
+      base.invalid(f'sinkhorn_iters must be an integer >= 1, got {cfg.sinkhorn_iters!r}.')
+    if cfg.ablations:
+      base.invalid(f'the depth-read ablations {cfg.ablations} apply to AttnRes, not to '
+           f'residual={cfg.residual!r}.')
+
+  @property
+  def label(self) -> str:
+    name = 'mHC' if self.manifold else 'Hyper-Connections'
+    return f'{name} (m={self.cfg.hc_streams})'
+
+  def describe(self):
+    return {'hc_streams': self.num_streams}
 
   @property
   def manifold(self) -> bool:
@@ -161,31 +188,31 @@ class HyperConnectionResidual(residual_lib.Residual):
   def num_streams(self) -> int:
     return self.cfg.hc_streams
 
-  def layer_params(self, cfg):
+  def layer_params(self):
     module = ManifoldHyperConnectionParams if self.manifold else HyperConnectionParams
-    return module(cfg, (2,), ('sublayers',))
+    return module(self.cfg, (2,), ('sublayers',))
 
   def init(self, x_BTD):
     streams_MBTD = jnp.broadcast_to(x_BTD, (self.num_streams,) + x_BTD.shape)
     return sharding.constrain(streams_MBTD, STREAMS)
 
   def begin_segment(self, carry, params, segment):
-    return (carry, jnp.asarray(segment * self.segment_layers, jnp.int32)), None
+    return StreamCarry(carry, jnp.asarray(segment * self.segment_layers, jnp.int32)), None
 
-  def end_segment(self, carry, inner, segment):
-    return inner[0]
+  def end_segment(self, carry, inner: StreamCarry, segment):
+    return inner.streams_MBTD
 
   def selected(self, first_layer, layer_in_segment, which):
     """One-hot [m] of stream k mod m, k the model-wide sublayer index."""
     k = 2 * (first_layer + layer_in_segment) + which
     return jax.nn.one_hot(k % self.num_streams, self.num_streams, dtype=jnp.float32)
 
-  def coefficients(self, inner, params, layer_in_segment, which) -> Coefficients:
-    streams_MBTD, first_layer = inner
-    selected_M = self.selected(first_layer, layer_in_segment, which)
+  def coefficients(self, inner: StreamCarry, params, layer_in_segment,
+                   which) -> Coefficients:
+    selected_M = self.selected(inner.first_layer, layer_in_segment, which)
     if self.manifold:
-      return self._mhc_coefficients(streams_MBTD, params, selected_M, which)
-    return self._hc_coefficients(streams_MBTD, params, selected_M, which)
+      return self._mhc_coefficients(inner.streams_MBTD, params, selected_M, which)
+    return self._hc_coefficients(inner.streams_MBTD, params, selected_M, which)
 
   def _hc_coefficients(self, streams_MBTD, params, selected_M, which):
     read_M = selected_M + _row(params.static_read, which)
@@ -233,119 +260,90 @@ class HyperConnectionResidual(residual_lib.Residual):
         mix_MMBT=jnp.transpose(h_res_BTMM, (3, 2, 0, 1)),  # [from, to, B, T]
         write_MBT=jnp.moveaxis(2 * jax.nn.sigmoid(post_BTM), -1, 0))
 
-  def read(self, inner, params, per_layer, layer_in_segment, which):
-    streams_MBTD = inner[0]
+  def sublayer(self, inner: StreamCarry, params, per_layer, layer_in_segment, which,
+               branch):
+    streams_MBTD = inner.streams_MBTD
     coeffs = self.coefficients(inner, params, layer_in_segment, which)
-    h_BTD = jnp.einsum('mbt,mbtd->btd', coeffs.read_MBT,
-                       streams_MBTD.astype(jnp.float32))
-    return sharding.constrain(h_BTD.astype(streams_MBTD.dtype), sharding.HIDDEN), \
-        coeffs.read_MBT
-
-  def write(self, inner, params, per_layer, layer_in_segment, which, out_BTD):
-    streams_MBTD, first_layer = inner
-    coeffs = self.coefficients(inner, params, layer_in_segment, which)
-    mixed_MBTD = jnp.einsum('mnbt,mbtd->nbtd', coeffs.mix_MMBT,
-                            streams_MBTD.astype(jnp.float32))
+    streams_f32 = streams_MBTD.astype(jnp.float32)
+    h_BTD = jnp.einsum('mbt,mbtd->btd', coeffs.read_MBT, streams_f32)
+    h_BTD = sharding.constrain(h_BTD.astype(streams_MBTD.dtype), sharding.HIDDEN)
+    out_BTD, saved = branch(h_BTD)
+    mixed_MBTD = jnp.einsum('mnbt,mbtd->nbtd', coeffs.mix_MMBT, streams_f32)
     new_MBTD = mixed_MBTD + coeffs.write_MBT[..., None] * out_BTD.astype(jnp.float32)[None]
-    return (sharding.constrain(new_MBTD.astype(streams_MBTD.dtype), STREAMS),
-            first_layer)
+    inner = inner._replace(
+        streams_MBTD=sharding.constrain(new_MBTD.astype(streams_MBTD.dtype), STREAMS))
+    weights = dict(coeffs=coeffs, stream_rms_MBT=1.0 / depth.rms_inverse(streams_MBTD, 0.0))
+    return inner, base.Applied(h_BTD, out_BTD, weights, saved)
 
   def final(self, carry, params):
     """The sum of the streams (both papers); the final norm removes the factor m."""
-    return jnp.sum(carry.astype(jnp.float32), axis=0).astype(carry.dtype), None
+    h_BTD = jnp.sum(carry.astype(jnp.float32), axis=0).astype(carry.dtype)
+    return h_BTD, 1.0 / depth.rms_inverse(carry, 0.0)  # weights: each stream's RMS
+
+  # -- analysis: per-stream statistics ---------------------------------------------
+
+  def sublayer_statistics(self, weights, mean):
+    """stream_rms [m] (RMS of each stream before the sublayer), read_weights [m] (a),
+    mix_weights [m, m] ([i, j]: the weight of stream j in the new stream i; mHC's
+    H_res, HC's A_r transposed), write_weights [m] (b)."""
+    coeffs, means = weights['coeffs'], _leading_mean(mean)
+    return {'stream_rms': means(weights['stream_rms_MBT']),
+            'read_weights': means(coeffs.read_MBT),
+            'mix_weights': means(coeffs.mix_MMBT).T,
+            'write_weights': means(coeffs.write_MBT)}
+
+  def final_statistics(self, weights, mean):
+    return {'final_stream_rms': _leading_mean(mean)(weights)}
+
+  # -- cost -------------------------------------------------------------------------
+
+  def forward_flops(self) -> float:
+    """Per sublayer: read 2 m d, mixing 2 m^2 d, write 2 m d; dynamic HC: per-stream
+    RMS 3 m d, projections 2 m d (m + 2); dynamic mHC: RMS of the m d concatenation
+    3 m d, projections 2 m d (m^2 + 2 m); mHC's Sinkhorn: ~8 m^2 per iteration plus
+    3 m^2 (independent of d); plus (m - 1) d for the final sum of the streams."""
+    m, d = self.num_streams, self.cfg.d_model
+    per_sublayer = 2 * m * d + 2 * m * m * d + 2 * m * d
+    if self.cfg.hc_dynamic:
+      outputs = m * m + 2 * m if self.manifold else m + 2
+      per_sublayer += 3 * m * d + 2 * m * d * outputs
+    if self.manifold:
+      per_sublayer += 8 * m * m * self.cfg.sinkhorn_iters + 3 * m * m
+    return float(2 * self.cfg.num_layers * per_sublayer + (m - 1) * d)
+
+  def io_per_sublayer(self) -> tuple[float, float]:
+    """The read reads the m streams and writes h; the write reads the m streams and
+    f(h) and writes m streams; the final read reads m and writes 1."""
+    m, num_sublayers = self.num_streams, 2 * self.cfg.num_layers
+    return (((2 * m + 1) * num_sublayers + m) / num_sublayers,
+            ((m + 1) * num_sublayers + 1) / num_sublayers)
+
+  # -- the pipeline: the streams cross stage boundaries whole ----------------------
+
+  def carry_axes(self):
+    return STREAMS
+
+
+def _leading_mean(mean):
+  """`mean` over the trailing [B, T] axes of an array with leading axes."""
+  def means(x_XBT):
+    flat = x_XBT.reshape(-1, *x_XBT.shape[-2:])
+    return jax.vmap(mean)(flat).reshape(x_XBT.shape[:-2])
+  return means
+
+
+def stream_statistics(model, tokens_BT, weights_BT=None) -> dict[str, jax.Array]:
+  """The per-stream statistics of an HC/mHC model on a batch (`sublayer_statistics`,
+  stacked [num_layers, 2, ...], and final_stream_rms [m]), token means weighted by
+  `weights_BT` (e.g. 0 on padding; default uniform): the analysis pass's."""
+  if not isinstance(model.residual, HyperConnectionResidual):
+    raise ValueError(f'stream statistics need residual "hc" or "mhc", got '
+                     f'{model.cfg.residual!r}.')
+  _, stats = model(tokens_BT, collect_stats=True, stats_weights_BT=weights_BT)
+  keys = ('stream_rms', 'read_weights', 'mix_weights', 'write_weights',
+          'final_stream_rms')
+  return {k: stats[k] for k in keys}
 
 
 def _rms_normalize(x, eps):
   return x.astype(jnp.float32) * depth.rms_inverse(x, eps)[..., None]
-
-
-# -- statistics for the analysis ----------------------------------------------------
-
-
-def stream_statistics(model, tokens_BT, weights_BT=None) -> dict[str, jax.Array]:
-  """Per-stream statistics of an HC/mHC model on a batch, means over its tokens
-  (weighted by `weights_BT`, e.g. 0 on padding; default uniform):
-
-    stream_rms     [num_layers, 2, m]     RMS of each stream before each sublayer
-    read_weights   [num_layers, 2, m]     a: how much each stream feeds the sublayer
-    mix_weights    [num_layers, 2, m, m]  [i, j]: the weight of stream j in the new
-                                          stream i (mHC's H_res; HC's A_r transposed)
-    write_weights  [num_layers, 2, m]     b: how much of the output each stream gets
-    final_stream_rms [m]                  the streams the final norm reads (summed)
-  """
-  from attnres_jax import stack as stack_lib  # pylint: disable=g-import-not-at-top
-  cfg = model.cfg
-  residual = residual_lib.make_residual(cfg)
-  if not isinstance(residual, HyperConnectionResidual):
-    raise ValueError(f'stream statistics need residual "hc" or "mhc", got '
-                     f'{cfg.residual!r}.')
-  graphdef, layer_state = nnx.split(model.layers)
-  positions_BT = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
-  if weights_BT is None:
-    weights_BT = jnp.ones(tokens_BT.shape, jnp.float32)
-
-  def token_mean(x_XBT, weights_BT):  # leading axes kept
-    flat = x_XBT.reshape(-1, *x_XBT.shape[-2:])
-    means = jax.vmap(lambda x: stack_lib.token_mean(x, weights_BT))(flat)
-    return means.reshape(x_XBT.shape[:-2])
-
-  def run(layer_state, x_BTD, weights_BT):
-    def apply_sublayer(which, layer_in_segment, state_k, h_BTD, inner, extra):
-      del extra
-      layer = nnx.merge(graphdef, state_k)
-      coeffs = residual.coefficients(inner, layer.residual, layer_in_segment, which)
-      saved = dict(
-          stream_rms=token_mean(1.0 / depth.rms_inverse(inner[0], 0.0), weights_BT),
-          read_weights=token_mean(coeffs.read_MBT, weights_BT),
-          mix_weights=token_mean(coeffs.mix_MMBT, weights_BT).T,
-          write_weights=token_mean(coeffs.write_MBT, weights_BT))
-      return layer.sublayer(which, h_BTD, positions_BT), saved
-
-    carry, ys = stack_lib.run_layers(residual, graphdef, layer_state, x_BTD,
-                                     positions_BT, cfg=cfg, apply_sublayer=apply_sublayer)
-    attention, mlp = stack_lib.join_layers(ys)[0]
-    stats = jax.tree.map(lambda a, b: jnp.stack([a, b], axis=1), attention, mlp)
-    stats['final_stream_rms'] = token_mean(1.0 / depth.rms_inverse(carry, 0.0),
-                                           weights_BT)
-    return stats
-
-  return jax.jit(run)(layer_state, model.embed(tokens_BT),
-                      jnp.asarray(weights_BT, jnp.float32))
-
-
-def plot_streams(model, batches, path: str, title: str = '') -> str:
-  """Per-stream magnitudes, read and write weights across depth (token-weighted means
-  over `batches`, dicts with 'inputs' and 'weights' [B, T]), saved to `path`."""
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use('Agg')
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  batches = list(batches)  # one compiled call on all of them (stream_statistics jits)
-  if not batches:
-    raise ValueError('No batches for the stream statistics.')
-  stats = jax.device_get(stream_statistics(
-      model, jnp.asarray(np.concatenate([b['inputs'] for b in batches]), jnp.int32),
-      np.concatenate([np.asarray(b['weights'], np.float32) for b in batches])))
-  m, num_sub = model.cfg.hc_streams, 2 * model.cfg.num_layers
-  labels = [f'{"AM"[k % 2]}{k // 2}' for k in range(num_sub)]
-  fig, axes = plt.subplots(1, 3, figsize=(16, 4), layout='constrained')
-  rms = stats['stream_rms'].reshape(num_sub, m)
-  for i in range(m):
-    axes[0].plot(list(range(num_sub)) + [num_sub],
-                 list(rms[:, i]) + [stats['final_stream_rms'][i]], 'o-',
-                 label=f'stream {i}')
-  axes[0].set_yscale('log')
-  axes[0].set_xticks(range(num_sub + 1), labels + ['final'], fontsize=7)
-  axes[0].set_ylabel('RMS before the sublayer (mean over tokens)')
-  axes[0].legend(fontsize=8)
-  for ax, key, name in ((axes[1], 'read_weights', 'read weights a (stream -> input)'),
-                        (axes[2], 'write_weights', 'write weights b (output -> stream)')):
-    image = ax.imshow(stats[key].reshape(num_sub, m).T, aspect='auto', cmap='viridis')
-    ax.set_xticks(range(num_sub), labels, fontsize=7)
-    ax.set_yticks(range(m), [f'stream {i}' for i in range(m)])
-    ax.set_title(name)
-    fig.colorbar(image, ax=ax)
-  fig.suptitle(title or model.cfg.residual)
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-  return path

@@ -1,0 +1,367 @@
+"""Attention Residuals: Full (block size 1) and Block AttnRes through the paper's block
+schedule (`docs/method.md`), with the depth-read ablations of the paper's Section 5.
+
+The carry between segments is the depth buffer [K, B, T, D] (slot 0 the embedding,
+then one slot per block) and each slot's inverse RMS (`DepthCarry`). A segment of G
+layers starts on a block boundary and owns J local slots (its blocks), which live in
+the inner carry (`SegmentCarry`) and are written into the buffer when it ends.
+Two-phase reads run Phase 1 for the segment's Q = 2 G queries against the completed
+slots at its start, then merge the local slots per sublayer (Phase 2). One-shot reads
+(the reference, the ablations, the analysis statistics) read the buffer with the local
+slots in place. The linear-memory backward pass is `attnres_backward.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from attnres_jax import depth
+from attnres_jax import sharding
+from attnres_jax.residuals import attnres_backward
+from attnres_jax.residuals import attnres_reads
+from attnres_jax.residuals import base
+
+READ_FLOPS_PER_SOURCE_AND_CHANNEL = 7  # key RMS 2d, logit 2d, weighted sum 2d, rest ~d
+
+
+class DepthCarry(NamedTuple):
+  """Between segments: the depth buffer and each slot's inverse RMS."""
+  buffer_KBTD: jax.Array
+  inv_rms_KBT: jax.Array
+
+
+class SegmentCarry(NamedTuple):
+  """Within a segment: the buffer as it was at the segment's start, the buffer slot of
+  its first local slot, and the local slots it writes (with their inverse RMS)."""
+  buffer_KBTD: jax.Array
+  inv_rms_KBT: jax.Array
+  first: Any
+  local_JBTD: jax.Array
+  local_inv_rms_JBT: jax.Array
+
+
+def block_size_of(cfg) -> int:
+  """S in sublayers: 1 for Full, the configured size for Block."""
+  return 1 if cfg.residual == 'full' else cfg.block_size
+
+
+def depth_read_sources(cfg) -> int:
+  """Sources weighed by all reads of one token (the final read included)."""
+  num_sublayers, size = 2 * cfg.num_layers, block_size_of(cfg)
+  reads = [depth.num_valid_sources(l, size) for l in range(num_sublayers)]
+  reads.append(depth.num_slots(num_sublayers, size))  # the final read
+  if cfg.depth_window:
+    reads = [min(n, cfg.depth_window + 1) for n in reads]
+  return sum(reads)
+
+
+def default_segment_layers(num_layers: int, block_size: int) -> int:
+  """Layers per schedule segment when the config leaves it to us: the shortest that
+  covers whole blocks (2 G sublayers a multiple of block_size, so that every segment
+  has the same slot layout), and 2 layers for Full AttnRes.
+
+  Measured (`bench/memory.py`, d256 T256 B8, 16 layers, step time / standard):
+  Block S=2 1.12 / 1.27 / 1.37 with G = 1 / 2 / 4, Full 1.62 / 1.57 / 1.68. Longer
+  segments read the completed blocks less often but merge more local slots per
+  sublayer, unroll more layers in the scan body and keep more memory.
+  """
+  if block_size == 1:
+    return min(2 if num_layers % 2 == 0 else 1, num_layers)
+  return min(whole_block_layers(block_size), num_layers)
+
+
+def whole_block_layers(block_size: int) -> int:
+  """The fewest layers that cover whole blocks of `block_size` sublayers."""
+  return block_size // 2 if block_size % 2 == 0 else block_size
+
+
+@dataclasses.dataclass(frozen=True)
+class AttnResResidual(base.Residual):
+  """Full and Block AttnRes (`cfg.residual` 'full' / 'block'); `one_shot`: every read
+  one softmax over the buffer (the reference and the analysis)."""
+
+  cfg: Any
+  one_shot: bool = False
+  layers_per_segment: int = 0  # 0: the configured or default segment length
+
+  no_decay = frozenset({'query', 'gain', 'mix'})  # decay would pull reads to uniform
+  figures = ('depth_weights', 'depth_entropy')
+  cached_transfer = True
+
+  # -- configuration and names ------------------------------------------------------
+
+  def validate(self) -> None:
+    cfg = self.cfg
+    if cfg.residual == 'block' and (not base.is_int(cfg.block_size) or cfg.block_size < 1):
+      base.invalid(f'block_size is the number of sublayers per AttnRes block and must be an '
+           f'integer >= 1, got {cfg.block_size!r} (1 = Full AttnRes; >= 2 * '
+           'num_layers = one block).')
+    if cfg.ablations and cfg.depth_read == 'two_phase':
+      base.invalid(f'depth_read="two_phase" computes the paper\'s softmax read only; the '
+           f'ablations {cfg.ablations} use the one-shot read: set depth_read="one_shot".')
+    layers = cfg.schedule_layers
+    if (cfg.residual == 'block' and layers and layers < cfg.num_layers
+        and (2 * layers) % cfg.block_size):
+      base.invalid(f'schedule_layers={layers} layers ({2 * layers} sublayers) does not cover '
+           f'whole blocks of block_size={cfg.block_size} sublayers; use a multiple of '
+           f'{whole_block_layers(cfg.block_size)} layers, num_layers, or 0.')
+
+  @property
+  def label(self) -> str:
+    if self.cfg.residual == 'full':
+      return 'Full AttnRes'
+    return f'Block AttnRes (S={self.cfg.block_size})'
+
+  def describe(self):
+    return {'block_size': self.block_size}
+
+  @property
+  def block_size(self) -> int:
+    return block_size_of(self.cfg)
+
+  @property
+  def segment_layers(self) -> int:
+    return (self.layers_per_segment or self.cfg.schedule_layers
+            or default_segment_layers(self.cfg.num_layers, self.block_size))
+
+  @property
+  def num_slots(self) -> int:
+    return depth.num_slots(2 * self.cfg.num_layers, self.block_size)
+
+  @property
+  def two_phase(self) -> bool:
+    return not self.one_shot and self.cfg.depth_read == 'two_phase'
+
+  @property
+  def custom_stack(self):
+    if not (self.two_phase and self.cfg.linear_memory_backward
+            and self.cfg.scan_layers):
+      return None
+    run = attnres_backward.make_stack(self)
+    return lambda *args: DepthCarry(*run(*args))
+
+  def for_statistics(self):
+    return dataclasses.replace(self, one_shot=True)
+
+  def layer_params(self):
+    return attnres_reads.DepthReads(self.cfg, (2,), ('sublayers',), self.num_slots)
+
+  def final_params(self):
+    return attnres_reads.DepthReads(self.cfg, (), (), self.num_slots)
+
+  # -- the block schedule -----------------------------------------------------------
+
+  def local_slots(self, num_layers: int) -> int:
+    """J: the slots that a segment of `num_layers` layers (starting on a block
+    boundary) writes."""
+    return -(-2 * num_layers // self.block_size)
+
+  def first_local_slot(self, segment):
+    """The buffer slot of a segment's first local slot (segment may be traced)."""
+    return 1 + segment * (2 * self.segment_layers // self.block_size)
+
+  def local_index(self, layer_in_segment, which):
+    """Which local slot a sublayer writes, and how many local slots it reads."""
+    position = 2 * layer_in_segment + which
+    index = position // self.block_size
+    return index, index + (position % self.block_size != 0)
+
+  def init(self, x_BTD):
+    buffer_KBTD = jnp.zeros((self.num_slots,) + x_BTD.shape, x_BTD.dtype)
+    buffer_KBTD = sharding.constrain(buffer_KBTD.at[0].set(x_BTD), sharding.DEPTH_BUFFER)
+    inv_rms_KBT = jnp.zeros((self.num_slots,) + x_BTD.shape[:-1], jnp.float32)
+    return DepthCarry(buffer_KBTD, inv_rms_KBT.at[0].set(
+        depth.rms_inverse(x_BTD, self.cfg.attn_res_eps)))
+
+  def segment_queries(self, params, num_layers):
+    """The segment's queries and gains, [Q, D] in sublayer order, whole on every
+    device (tiny: otherwise a sharded model dimension makes Phase 1 all-reduce its
+    [Q, K, B, T] logits instead)."""
+    d = self.cfg.d_model
+    whole = lambda x: sharding.constrain(x[...].reshape(2 * num_layers, d), (None, None))
+    return whole(params.query), whole(params.gain)
+
+  def merge(self, phase1_stats, local_JBTD, query_D, gain_D, layer_in_segment, which,
+            first, embedding_BTD, local_inv_rms_JBT=None):
+    """Phase 2 of one sublayer: its Phase 1 statistics merged with the local slots it
+    reads. The model's first sublayer reads the embedding alone, whatever its query:
+    it takes it as is, so that its query's gradient is exactly zero (through the
+    online softmax it would be two float32 terms that cancel only to a few ulps)."""
+    _, num_valid = self.local_index(layer_in_segment, which)
+    valid_J = jnp.arange(local_JBTD.shape[0]) < num_valid
+    h_BTD = depth.phase2(phase1_stats, local_JBTD, valid_J, query_D, gain_D,
+                         eps=self.cfg.attn_res_eps, local_inv_rms_JBT=local_inv_rms_JBT)
+    if layer_in_segment == 0 and which == 0:
+      h_BTD = jnp.where(first == 1, embedding_BTD, h_BTD)
+    return h_BTD
+
+  def begin_segment(self, carry, params, segment):
+    num_layers = params.query.shape[0]
+    num_local = self.local_slots(num_layers)
+    buffer_KBTD, inv_rms_KBT = carry
+    local_JBTD = jnp.zeros((num_local,) + buffer_KBTD.shape[1:], buffer_KBTD.dtype)
+    local_inv_rms_JBT = jnp.zeros((num_local,) + inv_rms_KBT.shape[1:], jnp.float32)
+    first = self.first_local_slot(segment)
+    inner = SegmentCarry(buffer_KBTD, inv_rms_KBT, first,
+                         sharding.constrain(local_JBTD, sharding.DEPTH_BUFFER),
+                         local_inv_rms_JBT)
+    if not self.two_phase:
+      return inner, None
+    return inner, self.phase1(buffer_KBTD, params, first, inv_rms_KBT)
+
+  def phase1(self, buffer_KBTD, params, first, inv_rms_KBT=None):
+    """Phase 1 of a segment (its layers' stacked `params`) against the slots before
+    `first`: statistics per layer and sublayer, [G, 2, ...]."""
+    num_layers = params.query.shape[0]
+    queries_QD, gains_QD = self.segment_queries(params, num_layers)
+    stats = depth.phase1(buffer_KBTD, queries_QD, gains_QD, eps=self.cfg.attn_res_eps,
+                         num_valid=first, inv_rms_KBT=inv_rms_KBT)
+    return jax.tree.map(lambda x: x.reshape(num_layers, 2, *x.shape[1:]), stats)
+
+  def read(self, inner: SegmentCarry, params, per_layer, layer_in_segment, which):
+    _, num_local_valid = self.local_index(layer_in_segment, which)
+    query_D, gain_D = params.query[...][which], params.gain[...][which]
+    if self.two_phase:
+      mine = jax.tree.map(lambda x: x[which], per_layer)
+      h_BTD = self.merge(mine, inner.local_JBTD, query_D, gain_D, layer_in_segment,
+                         which, inner.first, inner.buffer_KBTD[0],
+                         inner.local_inv_rms_JBT)
+      return h_BTD, None
+    # One shot: the buffer as this sublayer sees it, local slots in place.
+    view = DepthCarry(*(jax.lax.dynamic_update_slice_in_dim(whole, local, inner.first, 0)
+                        for whole, local in ((inner.buffer_KBTD, inner.local_JBTD),
+                                             (inner.inv_rms_KBT, inner.local_inv_rms_JBT))))
+    return attnres_reads.read_row(self.cfg, view.buffer_KBTD,
+                                  inner.first + num_local_valid, params, which,
+                                  view.inv_rms_KBT)
+
+  def write(self, inner: SegmentCarry, params, per_layer, layer_in_segment, which,
+            out_BTD):
+    index, _ = self.local_index(layer_in_segment, which)
+    local_JBTD, local_inv_rms_JBT = attnres_reads.add_to_slot(
+        inner.local_JBTD, inner.local_inv_rms_JBT, index, out_BTD, self.cfg.attn_res_eps)
+    return inner._replace(local_JBTD=local_JBTD, local_inv_rms_JBT=local_inv_rms_JBT)
+
+  def end_segment(self, carry, inner: SegmentCarry, segment):
+    return DepthCarry(
+        sharding.constrain(jax.lax.dynamic_update_slice_in_dim(
+            inner.buffer_KBTD, inner.local_JBTD, inner.first, 0), sharding.DEPTH_BUFFER),
+        jax.lax.dynamic_update_slice_in_dim(inner.inv_rms_KBT, inner.local_inv_rms_JBT,
+                                            inner.first, 0))
+
+  def final(self, carry: DepthCarry, params):
+    return attnres_reads.read_row(self.cfg, carry.buffer_KBTD, None, params, (),
+                                  carry.inv_rms_KBT)
+
+  # -- analysis ---------------------------------------------------------------------
+
+  def sublayer_statistics(self, weights, mean):
+    if weights is None:
+      return {}
+    plogp = jnp.where(weights > 0, weights * jnp.log(weights), 0.0)
+    return {'depth_weights': jax.vmap(mean)(weights),
+            'depth_entropy': mean(-jnp.sum(plogp, axis=0))}
+
+  def final_statistics(self, weights, mean):
+    return {'final_depth_weights': jax.vmap(mean)(weights)}
+
+  # -- cost -------------------------------------------------------------------------
+
+  def forward_flops(self) -> float:
+    cfg = self.cfg
+    d, num_sublayers = cfg.d_model, 2 * cfg.num_layers
+    total = READ_FLOPS_PER_SOURCE_AND_CHANNEL * d * depth_read_sources(cfg)
+    if cfg.residual == 'block':
+      total += d * num_sublayers  # the partial sums
+    if cfg.depth_query_input:
+      total += 2.0 * d * d * (num_sublayers + 1)
+    return float(total)
+
+  def io_per_sublayer(self) -> tuple[float, float]:
+    """Phase 1, once per schedule segment, reads the completed slots and writes each
+    of the segment's 2G sublayers a partial output o (d wide); Phase 2 reads o and the
+    segment's valid local slots and writes h; the write reads f(h) (and the partial
+    sum it adds to) and writes the slot; the final read reads every slot and writes
+    h. One-shot reads read every valid slot and write h."""
+    num_sublayers, size, per_segment = (2 * self.cfg.num_layers, self.block_size,
+                                        self.segment_layers)
+    read = write = 0.0
+    for l in range(num_sublayers):
+      layer, which = divmod(l, 2)
+      segment, layer_in_segment = divmod(layer, per_segment)
+      _, num_local_valid = self.local_index(layer_in_segment, which)
+      first = self.first_local_slot(segment)  # the completed slots
+      if self.two_phase:
+        if layer_in_segment == 0 and which == 0:  # Phase 1 of the segment
+          queries = 2 * min(per_segment, self.cfg.num_layers - layer)
+          read, write = read + first, write + queries
+        read, write = read + 1 + num_local_valid, write + 1  # Phase 2
+      else:
+        read, write = read + first + num_local_valid, write + 1
+      adds = l % size != 0  # a partial sum: the slot is read, then written
+      read, write = read + 1 + adds, write + 1
+    read, write = read + self.num_slots, write + 1  # the final read
+    return read / num_sublayers, write / num_sublayers
+
+  # -- the pipeline -----------------------------------------------------------------
+
+  def carry_axes(self):
+    return DepthCarry(sharding.DEPTH_BUFFER, sharding.DEPTH_BUFFER[:-1])
+
+  def pipeline_refusal(self, layers_per_chunk: int) -> str | None:
+    if self.cfg.ablations:
+      return 'the depth-read ablations are not pipelined.'
+    return None
+
+  def pipeline_chunk(self, layers_per_chunk: int):
+    if (2 * layers_per_chunk) % self.block_size:  # a block spans a chunk boundary
+      return BufferReads(self.cfg), layers_per_chunk
+    # The configured segment, or the longest shorter one that divides the chunk and
+    # covers whole blocks (`unit` layers always do: the chunk starts on a block).
+    unit = whole_block_layers(self.block_size)
+    size = self.segment_layers
+    if layers_per_chunk % size:
+      size = max(d for d in range(unit, size + 1, unit) if layers_per_chunk % d == 0)
+    return (dataclasses.replace(self, layers_per_segment=size),
+            layers_per_chunk // size)
+
+
+class LayerCarry(NamedTuple):
+  """`BufferReads`' inner carry: the buffer and the (global) index of the layer."""
+  buffer_KBTD: jax.Array
+  inv_rms_KBT: jax.Array
+  layer: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class BufferReads(AttnResResidual):
+  """AttnRes one layer at a time, every read one softmax over the buffer as it stands
+  (the running partial sum in place): for pipeline chunks that start inside a block,
+  where no block-schedule segment can start. Same carry as `AttnResResidual`."""
+
+  @property
+  def segment_layers(self) -> int:
+    return 1
+
+  def begin_segment(self, carry, params, segment):
+    return LayerCarry(*carry, segment), None  # segment = the (global) layer index
+
+  def read(self, inner: LayerCarry, params, per_layer, layer_in_segment, which):
+    sublayer = 2 * inner.layer + which
+    return attnres_reads.read_row(
+        self.cfg, inner.buffer_KBTD, depth.num_valid_sources(sublayer, self.block_size),
+        params, which, inner.inv_rms_KBT)
+
+  def write(self, inner: LayerCarry, params, per_layer, layer_in_segment, which,
+            out_BTD):
+    slot = depth.output_slot(2 * inner.layer + which, self.block_size)
+    buffer_KBTD, inv_rms_KBT = attnres_reads.add_to_slot(
+        inner.buffer_KBTD, inner.inv_rms_KBT, slot, out_BTD, self.cfg.attn_res_eps)
+    return LayerCarry(buffer_KBTD, inv_rms_KBT, inner.layer)
+
+  def end_segment(self, carry, inner: LayerCarry, segment):
+    return DepthCarry(inner.buffer_KBTD, inner.inv_rms_KBT)

@@ -1,0 +1,1 @@
+"""Run configs (ml_collections), importable as `configs.default`."""
