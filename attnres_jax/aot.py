@@ -23,6 +23,7 @@ import json
 import math
 import os
 import re
+import sys
 import time
 from typing import Any
 
@@ -273,7 +274,16 @@ def compile_report(config: ml_collections.ConfigDict, topology: str, num_slices:
             'config': json.loads(config.to_json()), 'steps': {}}
   for step in steps:
     start = time.perf_counter()
-    compiled = lowering[step]().compile()
+    try:
+      compiled = lowering[step]().compile()
+    except jax.errors.JaxRuntimeError as e:
+      if 'RESOURCE_EXHAUSTED' not in str(e):
+        raise
+      raise ValueError(
+          f'The {step} step does not fit on {topology}: the TPU compiler says '
+          f'"{str(e).splitlines()[0]}" (HBM per device). Shard more (mesh.shape: fsdp, '
+          'tensor; mesh.stage), lower the batch or seq_len, raise grad_accum_steps, or '
+          'set model.remat.') from None
     summary = _summarize(compiled, time.perf_counter() - start, topo,
                          _model_flops(config, step))
     report['steps'][step] = summary
@@ -306,3 +316,28 @@ def format_table(report: dict[str, Any]) -> str:
   lines.append('FLOPs, bytes and time per device with loops counted; AG all-gather, '
                'RS reduce-scatter, AR all-reduce, CP collective-permute, ATA all-to-all.')
   return '\n'.join(lines)
+
+
+def main(config, topology: str | None, num_slices: int, workdir: str | None) -> int:
+  """`train.py --compile_only`: prints the table and writes the report (to `workdir`
+  or stdout) after every step compiled; on bad input one line and exit code 1, with
+  nothing written."""
+  try:
+    if not topology:
+      raise AotError(f'--compile_only needs --topology, of the form {TOPOLOGY_FORM}.')
+    report = compile_report(config, topology, num_slices)
+  except (AotError, ValueError, jax.errors.JaxRuntimeError) as e:
+    print(f'FATAL: {str(e).splitlines()[0]}', file=sys.stderr)
+    return 1
+  print(format_table(report), file=sys.stderr if workdir is None else sys.stdout)
+  text = json.dumps(report, indent=2)
+  if workdir is None:
+    print(text)
+  else:
+    os.makedirs(workdir, exist_ok=True)
+    path = os.path.join(workdir, REPORT_JSON)
+    with open(path + '.tmp', 'w', encoding='utf-8') as f:
+      f.write(text)
+    os.replace(path + '.tmp', path)
+    print(f'Wrote {path}.')
+  return 0
