@@ -116,6 +116,9 @@ def get_topology(name: str, num_slices: int = 1) -> Topology:
   os.environ.setdefault('TPU_SKIP_MDS_QUERY', '1')
   os.environ.setdefault('TPU_WORKER_HOSTNAMES', 'localhost')
   os.environ.setdefault('TPU_ACCELERATOR_TYPE', 'v5litepod-1')
+  # Compile-only: no chip is opened, so several processes (tests, a benchmark) may
+  # load libtpu at once; its lockfile would refuse all but the first.
+  os.environ.setdefault('ALLOW_MULTIPLE_LIBTPU_LOAD', '1')
   # Imported here: it loads libtpu's plugin, which a CPU run never needs.
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
   try:

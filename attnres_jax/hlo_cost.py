@@ -244,9 +244,9 @@ def _start_value(caller: _Computation, tuple_name: str, index: int) -> int | Non
 
 def _fusion_operand_bytes(fused: _Computation, operand_index: int, full: float,
                           computations=None) -> float:
-  """Bytes a fusion reads of its operand: the slices if it only feeds dynamic-slices
-  (or is the buffer of an in-place dynamic-update-slice), through bitcasts and nested
-  fusions; else all of it."""
+  """Bytes a fusion reads of its operand: the slices if it only feeds (dynamic)
+  slices (or is the buffer of an in-place dynamic-update-slice), through bitcasts and
+  nested fusions; else all of it."""
   parameter = next((i for i in fused.instructions if i.opcode == 'parameter'
                     and i.operands == [str(operand_index)]), None)
   if parameter is None:
@@ -260,7 +260,7 @@ def _value_read_bytes(computation: _Computation, name: str, full: float,
   for user in computation.instructions:
     if name not in user.operands:
       continue
-    if user.opcode == 'dynamic-slice' and user.operands[0] == name:
+    if user.opcode in ('dynamic-slice', 'slice') and user.operands[0] == name:
       total += type_bytes(user.type_str)
     elif user.opcode == 'dynamic-update-slice' and user.operands[0] == name:
       continue
@@ -389,7 +389,7 @@ def _bytes(instruction: Instruction, computation: _Computation, computations) ->
     operand_bytes = [_fusion_operand_bytes(fused, k, b, computations)
                      for k, b in enumerate(operand_bytes)]
     out = _fusion_output_bytes(fused)
-  elif op == 'dynamic-slice':
+  elif op in ('dynamic-slice', 'slice'):
     operand_bytes[0] = out
   elif op == 'dynamic-update-slice':
     operand_bytes[0], out = 0.0, operand_bytes[1]

@@ -39,6 +39,7 @@ import ml_collections
 import optax
 from absl import logging
 from flax import nnx
+from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -167,8 +168,19 @@ def make_mesh(mesh_config: ml_collections.ConfigDict,
   if math.prod(shape) != count:
     raise ValueError(f'Mesh shape {tuple(mesh_config.shape)} with stage={stages} does '
                      f'not cover the {count} devices.')
-  return jax.make_mesh(tuple(shape), names, devices=devices,
-                       axis_types=(jax.sharding.AxisType.Auto,) * len(names))
+  axis_types = (jax.sharding.AxisType.Auto,) * len(names)
+  slices = len({getattr(d, 'slice_index', 0)
+                for d in (jax.devices() if devices is None else devices)})
+  if slices > 1:  # multi-slice: the data axis spans the slices (DCN), the rest ICI
+    data = names.index('data')
+    if shape[data] % slices:
+      raise ValueError(f'The data axis ({shape[data]} devices) must be a multiple of the '
+                       f'{slices} slices: only data parallelism crosses slices.')
+    ici, dcn = list(shape), [1] * len(shape)
+    ici[data], dcn[data] = shape[data] // slices, slices
+    return Mesh(mesh_utils.create_hybrid_device_mesh(ici, dcn, devices=devices), names,
+                axis_types=axis_types)
+  return jax.make_mesh(tuple(shape), names, devices=devices, axis_types=axis_types)
 
 
 def mesh_axes(logical_name: str | None, rules: Rules) -> tuple[str, ...]:

@@ -24,11 +24,16 @@ from configs import default as default_config  # pylint: disable=g-import-not-at
 MODES = {'standard': dict(residual='standard'), 'block4': dict(residual='block', block_size=4),
          'block8': dict(residual='block', block_size=8), 'full': dict(residual='full'),
          'hc': dict(residual='hc'), 'mhc': dict(residual='mhc')}
-# (model fields, seq_len, sequences per chip, mesh (data, fsdp, tensor) per topology size)
+# (model fields, seq_len, sequences per chip); FSDP over all chips. 1B and 8B keep only
+# each layer's input (remat='layer'): without, 1B needs 152 GB a v5p chip
+# (bench/results/aot_1b_v5p64_remat_none.json).
 SIZES = {
-    '125m': (dict(d_model=768, num_layers=12, num_heads=12, mlp_dim=2048), 2048, 8),
-    '1b': (dict(d_model=2048, num_layers=18, num_heads=16, mlp_dim=5632), 4096, 4),
-    '8b': (dict(d_model=4096, num_layers=32, num_heads=32, mlp_dim=14336), 8192, 1),
+    '125m': (dict(d_model=768, num_layers=12, num_heads=12, mlp_dim=2048, remat='none'),
+             2048, 8),
+    '1b': (dict(d_model=2048, num_layers=18, num_heads=16, mlp_dim=5632, remat='layer'),
+           4096, 4),
+    '8b': (dict(d_model=4096, num_layers=32, num_heads=32, mlp_dim=14336, remat='layer'),
+           8192, 1),
 }
 TOPOLOGIES = {'v5p-8': 'v5p:2x2x1', 'v5p-64': 'v5p:4x4x2', 'v5p-256': 'v5p:4x8x4',
               'v6e-256': 'v6e:16x16', 'v5e-4': 'v5e:2x2'}
@@ -37,7 +42,7 @@ TOPOLOGIES = {'v5p-8': 'v5p:2x2x1', 'v5p-64': 'v5p:4x4x2', 'v5p-256': 'v5p:4x8x4
 def row_config(mode: str, size: str, chips: int):
   fields, seq_len, per_chip = SIZES[size]
   config = default_config.get_config()
-  config.model.update(vocab_size=32768, dtype='bfloat16', remat='layer', **fields,
+  config.model.update(vocab_size=32768, dtype='bfloat16', **fields,
                       **MODES[mode])
   config.train.update(seq_len=seq_len, batch_size=per_chip * chips)
   config.mesh.shape = (1, -1, 1)  # FSDP over every chip

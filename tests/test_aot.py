@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from attnres_jax import aot
 from attnres_jax import hlo_cost
+from attnres_jax import sharding
 from configs import default as default_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -154,3 +155,14 @@ def test_config_that_cannot_fit_hbm_is_refused():
   with pytest.raises(ValueError, match=r'train step does not fit on v5e:2x2.*required .*'
                      r'exceeds available HBM'):
     aot.compile_report(config, 'v5e:2x2', steps=('train',))
+
+
+@needs_libtpu
+def test_two_slices_put_the_data_axis_across_slices():
+  topo = aot.get_topology('v5e:2x2', num_slices=2)
+  assert len(topo.devices) == 8 and topo.num_chips == 8
+  mesh = sharding.make_mesh(tiny_config(shape=(2, 4, 1)).mesh, devices=topo.devices)
+  slice_of = np.vectorize(lambda d: d.slice_index)(mesh.devices)[0, :, :, 0]
+  np.testing.assert_array_equal(slice_of, [[0] * 4, [1] * 4])  # data: across slices
+  with pytest.raises(ValueError, match='multiple of the 2 slices'):
+    sharding.make_mesh(tiny_config(shape=(1, 8, 1)).mesh, devices=topo.devices)
