@@ -228,6 +228,10 @@ def _summarize(compiled, seconds: float, topo: Topology, model_flops: float) -> 
       'model_flops': model_flops,
       'est_mfu': model_flops / (step_seconds * peak) if step_seconds else None,
       'collectives': costs['collectives'],
+      # Where the estimated time goes: shares of the loop-counted roofline.
+      'time_shares': {k: costs.get('roofline_' + k, 0.0) / costs['roofline']
+                      for k in ('matmul', 'matmul_bytes_bound', 'other', 'copies',
+                                'collectives')} if costs.get('roofline') else {},
       'while_trip_counts': costs['while_trip_counts'],
       'unknown_trip_counts': costs['unknown_trip_counts'],
   }
@@ -316,6 +320,9 @@ def format_table(report: dict[str, Any]) -> str:
                  f"{m['total_bytes'] / GIB:>10.2f}{s['flops'] / 1e12:>9.3f}"
                  f"{s['bytes_accessed'] / 1e9:>9.2f}{s['est_step_seconds'] * 1e3:>9.2f}"
                  f"{mfu:>6}  {coll or '-':<46}{s['compile_seconds']:>9.1f}")
+    if s.get('time_shares'):
+      lines.append('        time: ' + ', '.join(
+          f'{k.replace("_", " ")} {v:.0%}' for k, v in s['time_shares'].items()))
   lines.append('FLOPs, bytes and time per device with loops counted; AG all-gather, '
                'RS reduce-scatter, AR all-reduce, CP collective-permute, ATA all-to-all.')
   return '\n'.join(lines)

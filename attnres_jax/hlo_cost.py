@@ -423,6 +423,26 @@ def _collective_bytes(instruction: Instruction, computation: _Computation) -> fl
   return max(operands, out)
 
 
+def _contains_dot(instruction: Instruction, computations) -> bool:
+  if instruction.opcode in ('dot', 'convolution'):
+    return True
+  if instruction.opcode != 'fusion':
+    return False
+  return any(_contains_dot(i, computations)
+             for i in computations[instruction.called('calls')[0]])
+
+
+def _kind(instruction: Instruction, computations) -> str:
+  """What a kernel's roofline time goes to: matmul (a dot or convolution in it),
+  copies (copies and transposes: relayouts and moves between memories), collectives,
+  or other (elementwise, reductions, slices)."""
+  if _collective(instruction, computations) is not None:
+    return 'collectives'
+  if instruction.opcode in ('copy', 'copy-start', 'transpose'):
+    return 'copies'
+  return 'matmul' if _contains_dot(instruction, computations) else 'other'
+
+
 def multiplicities(computations, entry: str) -> tuple[dict[str, float], list[str]]:
   """How often each non-fused computation runs per call of the entry, and the while
   loops whose trip count could not be read (counted once)."""
@@ -466,7 +486,9 @@ def analyze(hlo_text: str, peak_flops: float = 1.0,
   """Costs of one device's optimized HLO, loops counted (see the module docstring):
   flops, transcendentals, bytes (`bytes_async_copies`: the share of copy-start, async
   moves between memories), cycles, roofline seconds (per kernel the larger of flops /
-  `peak_flops` and bytes / `hbm_bandwidth`), each also `<name>_once` (every
+  `peak_flops` and bytes / `hbm_bandwidth`; `roofline_<kind>` by `_kind`, and
+  `roofline_matmul_bytes_bound` of matmul kernels limited by bytes), each also
+  `<name>_once` (every
   computation once, as XLA's totals count), collectives by kind, and the trip counts
   found."""
   computations, entry = parse_module(hlo_text)
@@ -482,6 +504,10 @@ def analyze(hlo_text: str, peak_flops: float = 1.0,
       cycles = re.search(r'"estimated_cycles":"(\d+)"', instruction.attrs)
       cycles = float(cycles.group(1)) if cycles else 0.0
       roofline = max(flops / peak_flops, moved / hbm_bandwidth)
+      kind = _kind(instruction, computations)
+      totals['roofline_' + kind] += times * roofline
+      if kind == 'matmul' and moved / hbm_bandwidth > flops / peak_flops:
+        totals['roofline_matmul_bytes_bound'] += times * roofline
       for key, once in (('flops', flops), ('transcendentals', transcendentals),
                         ('bytes', moved), ('cycles', cycles), ('roofline', roofline)):
         totals[key] += times * once
