@@ -79,6 +79,9 @@ def main(argv=None):
             standard = step['est_step_seconds']
         row['wall_seconds'] = time.perf_counter() - start
         rows.append(row)
+        if args.out:  # after every row: a long table interrupted keeps what it ran
+          with open(args.out, 'w', encoding='utf-8') as f:
+            json.dump(rows, f, indent=1, default=str)
         if 'error' in row:
           print(f'{mode:<9}{size:<6}{topo_label:<9}  does not fit: {row["error"][:120]}')
           continue
@@ -87,10 +90,9 @@ def main(argv=None):
         print(f"{mode:<9}{size:<6}{topo_label:<9}{row['est_step_seconds'] * 1e3:>9.1f}"
               f"{ratio:>7.2f}{row['est_mfu']:>6.0%}"
               f"{row['memory']['total_bytes'] / aot.GIB:>9.1f}{coll:>9.2f}"
-              f"{row['compile_seconds']:>10.0f}", flush=True)
+              f"{row['compile_seconds']:>10.0f}  time: " + ', '.join(
+                  f'{k} {v:.0%}' for k, v in row['time_shares'].items()), flush=True)
   if args.out:
-    with open(args.out, 'w', encoding='utf-8') as f:
-      json.dump(rows, f, indent=1, default=str)
     print(f'Wrote {args.out}.')
 
 
