@@ -22,6 +22,7 @@ from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
+from attnres_jax import aot
 from attnres_jax import config as config_lib
 from attnres_jax import train
 
@@ -41,6 +42,16 @@ _NUM_PROCESSES = flags.DEFINE_integer('num_processes', None,
                                       'Processes of a multi-process run.')
 _PROCESS_ID = flags.DEFINE_integer('process_id', None,
                                    'This process, 0 .. num_processes - 1.')
+_COMPILE_ONLY = flags.DEFINE_bool(
+    'compile_only', False,
+    'Compile the train, eval and decode steps for --topology (a TPU, on any host: '
+    'needs libtpu) and report memory, FLOPs, step time and collectives; trains nothing. '
+    'Writes compile_report.json to --workdir if given, else prints it.')
+_TOPOLOGY = flags.DEFINE_string(
+    'topology', None, 'With --compile_only: a TPU topology, e.g. v5e:2x2, v5p:2x2x1, '
+    'v5p:4x4x4, v6e:8x8.')
+_NUM_SLICES = flags.DEFINE_integer('num_slices', 1,
+                                   'With --compile_only: slices of --topology (DCN).')
 _ALLOW_CONFIG_CHANGE = flags.DEFINE_list(
     'allow_config_change', [],
     'Config fields (e.g. num_steps,train.learning_rate) that may differ from those of '
@@ -74,6 +85,11 @@ def main(argv):
     raise app.UsageError('--num_processes and --process_id need --coordinator_address.')
   if not flags.FLAGS['verbosity'].present:
     logging.set_verbosity(logging.WARNING)  # orbax logs every file at INFO
+  if _TOPOLOGY.value and not _COMPILE_ONLY.value:
+    raise app.UsageError('--topology is for --compile_only.')
+  if _COMPILE_ONLY.value:
+    workdir = _WORKDIR.value if flags.FLAGS['workdir'].present else None
+    sys.exit(aot.main(_CONFIG.value, _TOPOLOGY.value, _NUM_SLICES.value, workdir))
   try:
     train.train_and_evaluate(_CONFIG.value, _WORKDIR.value,
                              allow_config_change=_ALLOW_CONFIG_CHANGE.value)

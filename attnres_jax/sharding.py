@@ -39,6 +39,7 @@ import ml_collections
 import optax
 from absl import logging
 from flax import nnx
+from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -156,8 +157,20 @@ def make_mesh(mesh_config: ml_collections.ConfigDict,
   """
   count = len(devices) if devices is not None else jax.device_count()
   shape = mesh_shape(mesh_config, count)
-  return jax.make_mesh(tuple(shape.values()), tuple(shape), devices=devices,
-                       axis_types=(jax.sharding.AxisType.Auto,) * len(shape))
+  names, sizes = tuple(shape), list(shape.values())
+  axis_types = (jax.sharding.AxisType.Auto,) * len(names)
+  slices = len({getattr(d, 'slice_index', 0)
+                for d in (jax.devices() if devices is None else devices)})
+  if slices > 1:  # multi-slice: the data axis spans the slices (DCN), the rest ICI
+    data = names.index('data')
+    if sizes[data] % slices:
+      raise ValueError(f'The data axis ({sizes[data]} devices) must be a multiple of the '
+                       f'{slices} slices: only data parallelism crosses slices.')
+    ici, dcn = list(sizes), [1] * len(sizes)
+    ici[data], dcn[data] = sizes[data] // slices, slices
+    return Mesh(mesh_utils.create_hybrid_device_mesh(ici, dcn, devices=devices), names,
+                axis_types=axis_types)
+  return jax.make_mesh(tuple(sizes), names, devices=devices, axis_types=axis_types)
 
 
 def mesh_shape(mesh_config: ml_collections.ConfigDict, num_devices: int

@@ -124,22 +124,39 @@ def train_step(state: TrainState, batch, *, graphdef, tx: optax.GradientTransfor
 
 
 def check_memory(config: ml_collections.ConfigDict,
-                 memory_bytes: int | None = None) -> None:
-  """Raises ValueError if one layer's attention scores cannot fit in memory.
+                 memory_bytes: int | None = None, *, num_devices: int | None = None,
+                 compiled=None, what: str = 'The step') -> None:
+  """Raises ValueError if the run cannot fit in a device's memory.
 
-  A lower bound, so it never refuses a run that fits: the causal attention
-  (`jax.nn.dot_product_attention`, XLA implementation) holds the scores of one layer,
-  [microbatch, heads, seq_len, seq_len], split at best over all devices. Memory is the
-  first device's limit, or the host's RAM for CPU devices.
+  Without `compiled`, a lower bound that never refuses a run that fits: the causal
+  attention (`jax.nn.dot_product_attention`, XLA implementation) holds the scores of
+  one layer, [microbatch, heads, seq_len, seq_len], split at best over all
+  `num_devices` (default: all devices). With `compiled` (a step's `.lower(...)
+  .compile()`, e.g. for a TPU topology ahead of time, `aot.py`), the compiler's own
+  figure: arguments + outputs - donated + temporaries + code per device. Memory is
+  `memory_bytes`, else the first device's limit, or the host's RAM for CPU devices.
   """
   tc, cfg = config.train, config.model
-  itemsize = 2 if cfg.dtype == 'bfloat16' else 4
-  scores = (tc.batch_size // tc.grad_accum_steps) * cfg.num_heads * tc.seq_len ** 2
-  per_device = scores * itemsize / jax.device_count()
   if memory_bytes is None:
     stats = jax.local_devices()[0].memory_stats() or {}
     memory_bytes = stats.get('bytes_limit') or (
         os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES'))
+  if compiled is not None:
+    m = compiled.memory_analysis()
+    need = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+            + m.temp_size_in_bytes + m.generated_code_size_in_bytes)
+    if need > memory_bytes:
+      raise ValueError(
+          f'{what} does not fit: it needs {need / 2**30:,.2f} GiB per device '
+          f'(arguments {m.argument_size_in_bytes / 2**30:,.2f}, temporaries '
+          f'{m.temp_size_in_bytes / 2**30:,.2f}), and a device has '
+          f'{memory_bytes / 2**30:,.2f} GiB. Shard more (mesh.shape: fsdp, tensor; '
+          'mesh.stage), lower the batch or seq_len, raise grad_accum_steps, or set '
+          'model.remat.')
+    return
+  itemsize = 2 if cfg.dtype == 'bfloat16' else 4
+  scores = (tc.batch_size // tc.grad_accum_steps) * cfg.num_heads * tc.seq_len ** 2
+  per_device = scores * itemsize / (num_devices or jax.device_count())
   if per_device > memory_bytes:
     raise ValueError(
         f'seq_len={tc.seq_len} cannot fit: the attention scores of one layer '

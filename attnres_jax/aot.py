@@ -1,0 +1,353 @@
+"""Ahead-of-time compilation for a TPU topology, on any host: what a pod would run.
+
+The TPU compiler ships in the `libtpu` wheel and compiles for an abstract topology
+(`jax.experimental.topologies`) without a TPU. `compile_report(config, 'v5p:2x2x1')`
+builds the config's mesh over the topology's devices, compiles the exact train step,
+eval step and decode step (`train.jit_train_step`, `train.jit_eval_step`,
+`sampling`'s one-token step) on abstract inputs, and reports per step: memory per
+device against the chip's HBM, FLOPs, bytes accessed, the compiler's step-time
+estimate, the estimated MFU and the collectives, loops counted (`hlo_cost.py`: XLA's
+own totals count a loop body once). Memory is that of the program as configured
+(scanned layers: the memory a real run allocates).
+
+Nothing here touches the host's default backend: the compile-only TPU client is
+separate, so CPU runs are unchanged with libtpu installed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+import json
+import math
+import os
+import re
+import sys
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from attnres_jax import checkpointing
+from attnres_jax import config as config_lib
+from attnres_jax import flops as flops_lib
+from attnres_jax import hlo_cost
+from attnres_jax import model as model_lib
+from attnres_jax import optim
+from attnres_jax import pipeline
+from attnres_jax import pipeline_plan
+from attnres_jax import sampling
+from attnres_jax import sharding
+from attnres_jax import train as train_lib
+
+REPORT_JSON = 'compile_report.json'
+STEPS = ('train', 'eval', 'decode')
+TOPOLOGY_FORM = ("'<generation>:<chips along each axis>', generation one of v4, v5e, "
+                 "v5p, v6e: e.g. v5e:2x2, v5e:4x4, v5p:2x2x1, v5p:4x4x4, v6e:8x8")
+_TOPOLOGY_NAME = re.compile(r'^(v4|v5e|v5p|v6e|v5litepod)[:=_]([0-9]+(x[0-9]+){1,2})$')
+GIB = 2 ** 30
+
+
+class AotError(ValueError):
+  """A compile-only request that cannot be served; the message says the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+  """Public per-chip figures: dense bf16 peak FLOP/s, HBM and its bandwidth."""
+  generation: str
+  peak_flops: float
+  hbm_bytes: int
+  hbm_bandwidth: float  # bytes/s
+
+
+CHIPS = {  # by the compile-only devices' device_kind
+    'TPU v4': Chip('v4', 275e12, 32 * GIB, 1.2e12),
+    'TPU v5 lite': Chip('v5e', 197e12, 16 * GIB, 8.19e11),
+    'TPU v5': Chip('v5p', 459e12, 95 * GIB, 2.765e12),
+    'TPU v6 lite': Chip('v6e', 918e12, 32 * GIB, 1.64e12),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+  name: str
+  num_slices: int
+  devices: list[Any]
+  chip: Chip
+  num_chips: int
+
+  @property
+  def devices_per_chip(self) -> int:
+    return len(self.devices) // self.num_chips
+
+  @property
+  def device_hbm_bytes(self) -> int:
+    return self.chip.hbm_bytes // self.devices_per_chip
+
+  @property
+  def device_peak_flops(self) -> float:
+    return self.chip.peak_flops / self.devices_per_chip
+
+
+def require_libtpu() -> None:
+  if importlib.util.find_spec('libtpu') is None:
+    raise AotError('--compile_only needs the TPU compiler, which the libtpu wheel holds, '
+                   'and it is not installed: pip install -r requirements.txt (it pins '
+                   "libtpu), or pip install -e '.[tpu]'.")
+
+
+def get_topology(name: str, num_slices: int = 1) -> Topology:
+  """The compile-only devices of a TPU topology name (see TOPOLOGY_FORM)."""
+  match = _TOPOLOGY_NAME.match(name or '')
+  if match is None:
+    raise AotError(f'Unknown TPU topology {name!r}: the form is {TOPOLOGY_FORM}.')
+  if not isinstance(num_slices, int) or num_slices < 1:
+    raise AotError(f'--num_slices must be a positive integer, got {num_slices!r}.')
+  require_libtpu()
+  # libtpu otherwise asks a metadata server (absent off Cloud) and warns at start-up
+  # about the local host it will never run on; these describe no hardware.
+  os.environ.setdefault('TPU_SKIP_MDS_QUERY', '1')
+  os.environ.setdefault('TPU_WORKER_HOSTNAMES', 'localhost')
+  os.environ.setdefault('TPU_ACCELERATOR_TYPE', 'v5litepod-1')
+  # Compile-only: no chip is opened, so several processes (tests, a benchmark) may
+  # load libtpu at once; its lockfile would refuse all but the first.
+  os.environ.setdefault('ALLOW_MULTIPLE_LIBTPU_LOAD', '1')
+  # Imported here: it loads libtpu's plugin, which a CPU run never needs.
+  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  try:
+    desc = topologies.get_topology_desc(platform='tpu', topology_name=name,
+                                        num_slices=num_slices)
+  except jax.errors.JaxRuntimeError as e:
+    reason = str(e).split('\n')[0]
+    raise AotError(f'libtpu refused the TPU topology {name!r} ({reason}); the form is '
+                   f'{TOPOLOGY_FORM}.') from None
+  devices = list(desc.devices)
+  kind = devices[0].device_kind
+  if kind not in CHIPS:
+    raise AotError(f'No chip figures for {kind!r} (topology {name!r}); known: '
+                   f'{sorted(CHIPS)}.')
+  chips = math.prod(int(x) for x in match.group(2).split('x')) * num_slices
+  return Topology(name, num_slices, devices, CHIPS[kind], chips)
+
+
+def _structs(tree, shardings):
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                      tree, shardings)
+
+
+def _batch_structs(layout, rows: int, seq_len: int):
+  token = jax.ShapeDtypeStruct((rows, seq_len), jnp.int32, sharding=layout.batch)
+  weight = jax.ShapeDtypeStruct((rows, seq_len), jnp.float32, sharding=layout.batch)
+  return {'inputs': token, 'targets': token, 'weights': weight}
+
+
+def _decode_lowered(config, layout, mesh, rules):
+  """`sampling`'s one-token step lowered for a batch of `train.batch_size` rows and a
+  cache of `train.seq_len` slots."""
+  cfg, rows, slots = config.model, config.train.batch_size, config.train.seq_len
+  abstract_model = nnx.eval_shape(lambda: model_lib.Transformer(cfg, rngs=nnx.Rngs(0)))
+  graphdef, abstract_state = nnx.split(abstract_model)
+  params = _structs(nnx.to_pure_dict(abstract_state), layout.state.params)
+  nnx.replace_by_pure_dict(abstract_state, params)
+  _, layer_state = nnx.split(abstract_model.layers)
+  stacked = params['layers']
+  unstacked = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+      x.shape[1:], x.dtype, sharding=NamedSharding(mesh, P(*x.sharding.spec[1:]))),
+                           stacked)
+  layers = []
+  for _ in range(cfg.num_layers):
+    one = jax.tree.map(lambda x: x, layer_state)
+    nnx.replace_by_pure_dict(one, unstacked)
+    layers.append(one)
+  cache = jax.eval_shape(functools.partial(model_lib.Transformer.init_cache,
+                                           abstract_model, rows, slots))
+
+  def place(x, axes):
+    spec = sharding.logical_to_spec(axes, rules, mesh=mesh, shape=x.shape)
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
+
+  cache = tuple(model_lib.KVCache(place(c.keys_BNHS, model_lib.KEYS_AXES),
+                                  place(c.values_BNSH, model_lib.VALUES_AXES))
+                for c in cache)
+  row = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=NamedSharding(
+      mesh, sharding.logical_to_spec(('batch',), rules, mesh=mesh, shape=(rows,))))
+  scalar = lambda dtype: jax.ShapeDtypeStruct((), dtype, sharding=layout.replicated)
+  key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
+  args = (abstract_state, tuple(layers), row, cache, scalar(jnp.int32), row,
+          jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=layout.replicated),
+          scalar(jnp.float32), scalar(jnp.int32),
+          jax.ShapeDtypeStruct((1,), jnp.int32, sharding=layout.replicated),
+          jax.ShapeDtypeStruct((rows,), jnp.bool_, sharding=row.sharding))
+  with sharding.logical_rules(mesh, rules):  # traced here: constrain as in training
+    return sampling._step.lower(graphdef, *args)  # pylint: disable=protected-access
+
+
+def _model_flops(config, step: str) -> float:
+  """Model FLOPs of one step (no recompute): 3x forward to train, 1x to evaluate, one
+  token per row to decode."""
+  tc = config.train
+  per_token = flops_lib.forward_flops_per_token(config.model, tc.seq_len)['total']
+  if step == 'decode':
+    return per_token * tc.batch_size
+  return per_token * tc.batch_size * tc.seq_len * (3.0 if step == 'train' else 1.0)
+
+
+def _summarize(compiled, seconds: float, topo: Topology, model_flops: float) -> dict:
+  memory = compiled.memory_analysis()
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  costs = hlo_cost.analyze(compiled.as_text(), topo.device_peak_flops,
+                           topo.chip.hbm_bandwidth / topo.devices_per_chip)
+  compiler_seconds = float(cost.get('optimal_seconds', 0.0))
+  step_seconds = hlo_cost.estimated_seconds(costs, compiler_seconds)
+  total = (memory.argument_size_in_bytes + memory.output_size_in_bytes
+           - memory.alias_size_in_bytes + memory.temp_size_in_bytes
+           + memory.generated_code_size_in_bytes)
+  peak = topo.device_peak_flops * len(topo.devices)
+  return {
+      'compile_seconds': seconds,
+      'memory': {'argument_bytes': memory.argument_size_in_bytes,
+                 'output_bytes': memory.output_size_in_bytes,
+                 'alias_bytes': memory.alias_size_in_bytes,
+                 'temp_bytes': memory.temp_size_in_bytes,
+                 'code_bytes': memory.generated_code_size_in_bytes,
+                 'total_bytes': total, 'capacity_bytes': topo.device_hbm_bytes},
+      'flops': costs['flops'], 'transcendentals': costs['transcendentals'],
+      'bytes_accessed': costs['bytes'], 'bytes_async_copies': costs['bytes_async_copies'],
+      'xla_flops_loops_once': float(cost.get('flops', 0.0)),
+      'xla_bytes_loops_once': float(cost.get('bytes accessed', 0.0)),
+      'xla_seconds_loops_once': compiler_seconds,
+      'est_step_seconds': step_seconds,
+      'model_flops': model_flops,
+      'est_mfu': model_flops / (step_seconds * peak) if step_seconds else None,
+      'collectives': costs['collectives'],
+      # Where the estimated time goes: shares of the loop-counted roofline.
+      'time_shares': {k: costs.get('roofline_' + k, 0.0) / costs['roofline']
+                      for k in ('matmul', 'matmul_bytes_bound', 'other', 'copies',
+                                'collectives')} if costs.get('roofline') else {},
+      'while_trip_counts': costs['while_trip_counts'],
+      'unknown_trip_counts': costs['unknown_trip_counts'],
+  }
+
+
+def compile_report(config: ml_collections.ConfigDict, topology: str, num_slices: int = 1,
+                   steps=STEPS, check_hbm: bool = True) -> dict[str, Any]:
+  """Compiles `steps` of `config` for a TPU topology; the report (see module doc).
+
+  Raises AotError for a bad topology or missing libtpu and ValueError for a config or
+  mesh that cannot work, before compiling; with `check_hbm`, ValueError (from
+  `train.check_memory`) for a step that needs more memory per device than the chip has.
+  """
+  config_lib.validate(config)
+  unknown = sorted(set(steps) - set(STEPS))
+  if unknown:
+    raise AotError(f'Unknown steps {unknown}; steps are {STEPS}.')
+  topo = get_topology(topology, num_slices)
+  tc = config.train
+  microbatch = tc.batch_size // tc.grad_accum_steps
+  pipe = pipeline_plan.from_mesh_config(config.mesh)
+  pipeline_plan.validate(pipe, config.model, microbatch)
+  mesh = sharding.make_mesh(config.mesh, devices=topo.devices)
+  rules = sharding.rules_from_config(config.mesh)
+  data_shards = math.prod(mesh.shape[a] for a in sharding.mesh_axes('batch', rules))
+  if microbatch % data_shards:
+    raise ValueError(f'The microbatch of {microbatch} rows (batch_size / grad_accum_steps) '
+                     f'does not split over the {data_shards} data-parallel devices.')
+  pipeline_plan.validate(pipe, config.model, microbatch, data_shards)
+  train_lib.check_memory(config, topo.device_hbm_bytes, num_devices=len(topo.devices))
+  tx, schedule = optim.make_optimizer(tc)
+  graphdef, _ = checkpointing.abstract_model(config.model)
+  layout = train_lib.make_layout(config.model, tx, mesh, rules)
+  batch = _batch_structs(layout, tc.batch_size, tc.seq_len)
+  lowering = {
+      'train': lambda: train_lib.jit_train_step(
+          layout, graphdef=graphdef, tx=tx, schedule=schedule,
+          grad_accum_steps=tc.grad_accum_steps, loss_fn=pipeline.make_loss_fn(pipe)
+      ).lower(layout.abstract_state, batch),
+      'eval': lambda: train_lib.jit_eval_step(layout, graphdef=graphdef).lower(
+          layout.abstract_state.params, batch),
+      'decode': lambda: _decode_lowered(config, layout, mesh, rules),
+  }
+  report = {'topology': topology, 'num_slices': num_slices,
+            'chip': dataclasses.asdict(topo.chip), 'num_chips': topo.num_chips,
+            'num_devices': len(topo.devices), 'mesh': dict(mesh.shape),
+            'config': json.loads(config.to_json()), 'steps': {}}
+  for step in steps:
+    start = time.perf_counter()
+    try:
+      compiled = lowering[step]().compile()
+    except jax.errors.JaxRuntimeError as e:
+      if 'RESOURCE_EXHAUSTED' not in str(e):
+        raise
+      raise ValueError(
+          f'The {step} step does not fit on {topology}: the TPU compiler says '
+          f'"{str(e).splitlines()[0]}" (HBM per device). Shard more (mesh.shape: fsdp, '
+          'tensor; mesh.stage), lower the batch or seq_len, raise grad_accum_steps, or '
+          'set model.remat.') from None
+    summary = _summarize(compiled, time.perf_counter() - start, topo,
+                         _model_flops(config, step))
+    report['steps'][step] = summary
+    if check_hbm:
+      train_lib.check_memory(config, topo.device_hbm_bytes, compiled=compiled,
+                             what=f'The {step} step on {topology}')
+  return report
+
+
+def format_table(report: dict[str, Any]) -> str:
+  """The report as a readable table, one row per step."""
+  chip = report['chip']
+  lines = [f"{report['topology']} x {report['num_slices']} slice(s): "
+           f"{report['num_chips']} {chip['generation']} chips, {report['num_devices']} "
+           f"devices, mesh {report['mesh']}; per device: {chip['hbm_bytes'] / GIB:.0f} GiB "
+           f"HBM per chip, {chip['peak_flops'] / 1e12:.0f} TFLOP/s peak per chip.",
+           f"{'step':<7}{'args GiB':>9}{'temp GiB':>9}{'total GiB':>10}{'TFLOP':>9}"
+           f"{'GB acc.':>9}{'est. ms':>9}{'MFU':>6}  {'collectives (count / GB)':<46}"
+           f"{'compile s':>9}"]
+  for step, s in report['steps'].items():
+    m = s['memory']
+    coll = ' '.join(f"{''.join(w[0] for w in k.split('-')).upper()} {v['count']:.0f}/"
+                    f"{v['bytes'] / 1e9:.2f}" for k, v in s['collectives'].items()
+                    if v['count'])
+    mfu = f"{s['est_mfu']:.0%}" if s['est_mfu'] is not None and step != 'decode' else '-'
+    lines.append(f"{step:<7}{m['argument_bytes'] / GIB:>9.2f}{m['temp_bytes'] / GIB:>9.2f}"
+                 f"{m['total_bytes'] / GIB:>10.2f}{s['flops'] / 1e12:>9.3f}"
+                 f"{s['bytes_accessed'] / 1e9:>9.2f}{s['est_step_seconds'] * 1e3:>9.2f}"
+                 f"{mfu:>6}  {coll or '-':<46}{s['compile_seconds']:>9.1f}")
+    if s.get('time_shares'):
+      lines.append('        time: ' + ', '.join(
+          f'{k.replace("_", " ")} {v:.0%}' for k, v in s['time_shares'].items()))
+  lines.append('FLOPs, bytes and time per device with loops counted; AG all-gather, '
+               'RS reduce-scatter, AR all-reduce, CP collective-permute, ATA all-to-all.')
+  return '\n'.join(lines)
+
+
+def main(config, topology: str | None, num_slices: int, workdir: str | None) -> int:
+  """`train.py --compile_only`: prints the table and writes the report (to `workdir`
+  or stdout) after every step compiled; on bad input one line and exit code 1, with
+  nothing written."""
+  try:
+    if not topology:
+      raise AotError(f'--compile_only needs --topology, of the form {TOPOLOGY_FORM}.')
+    report = compile_report(config, topology, num_slices)
+  except (AotError, ValueError, jax.errors.JaxRuntimeError) as e:
+    print(f'FATAL: {str(e).splitlines()[0]}', file=sys.stderr)
+    return 1
+  print(format_table(report), file=sys.stderr if workdir is None else sys.stdout)
+  text = json.dumps(report, indent=2)
+  if workdir is None:
+    print(text)
+  else:
+    os.makedirs(workdir, exist_ok=True)
+    path = os.path.join(workdir, REPORT_JSON)
+    with open(path + '.tmp', 'w', encoding='utf-8') as f:
+      f.write(text)
+    os.replace(path + '.tmp', path)
+    print(f'Wrote {path}.')
+  return 0
