@@ -245,22 +245,17 @@ def compile_report(config: ml_collections.ConfigDict, topology: str, num_slices:
   mesh that cannot work, before compiling; with `check_hbm`, ValueError (from
   `train.check_memory`) for a step that needs more memory per device than the chip has.
   """
-  config_lib.validate(config)
   unknown = sorted(set(steps) - set(STEPS))
   if unknown:
     raise AotError(f'Unknown steps {unknown}; steps are {STEPS}.')
   topo = get_topology(topology, num_slices)
+  # The one validation pass, with the topology's device count: every section, the mesh,
+  # the batch over the data-parallel devices and the pipeline.
+  config_lib.validate(config, num_devices=len(topo.devices))
   tc = config.train
-  microbatch = tc.batch_size // tc.grad_accum_steps
   pipe = pipeline_plan.from_mesh_config(config.mesh)
-  pipeline_plan.validate(pipe, config.model, microbatch)
   mesh = sharding.make_mesh(config.mesh, devices=topo.devices)
   rules = sharding.rules_from_config(config.mesh)
-  data_shards = math.prod(mesh.shape[a] for a in sharding.mesh_axes('batch', rules))
-  if microbatch % data_shards:
-    raise ValueError(f'The microbatch of {microbatch} rows (batch_size / grad_accum_steps) '
-                     f'does not split over the {data_shards} data-parallel devices.')
-  pipeline_plan.validate(pipe, config.model, microbatch, data_shards)
   train_lib.check_memory(config, topo.device_hbm_bytes, num_devices=len(topo.devices))
   tx, schedule = optim.make_optimizer(tc)
   graphdef, _ = checkpointing.abstract_model(config.model)
