@@ -38,6 +38,7 @@ FLAGS.set_default('residuals', ['standard', 'block_s4'])
 FLAGS.set_default('out', 'bench/results')
 FLAGS.set_default('name', 'ladder')
 flags.DEFINE_bool('report_only', False, 'Only fit what has finished.')
+flags.adopt_module_key_flags(scaling)  # --help lists them too
 
 
 def train_rung(width: int, seed: int) -> int:
