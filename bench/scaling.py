@@ -108,6 +108,11 @@ def fit_points(points, draws=None) -> tuple[float, float]:
   return fit_power_law(compute, loss)
 
 
+def rung_difference(values: dict, reference_values: dict, seeds) -> float:
+  """Mean over `seeds` of bits per byte minus the reference's (same seed: same data)."""
+  return float(np.mean([values[s] - reference_values[s] for s in seeds]))
+
+
 def multiplier(fit, reference_fit, compute):
   """C_reference / C: the reference's compute for the loss `fit` reaches at `compute`."""
   (a, alpha), (a_ref, alpha_ref) = fit, reference_fit
@@ -129,15 +134,18 @@ def analyse(points_by_residual: dict, reference: str, bootstrap: int,
   computes = {r: [c for c, _ in p.values()] for r, p in points_by_residual.items()}
   everything = [c for cs in computes.values() for c in cs]
   middle = float(np.exp(np.mean(np.log([min(everything), max(everything)]))))
-  boot = {r: dict(alpha=[], at_rungs=[], middle=[]) for r in points_by_residual}
+  boot = {r: dict(alpha=[], at_rungs=[], middle=[], difference=[])
+          for r in points_by_residual}
   for _ in range(bootstrap):  # one draw of seeds per rung, shared by the residuals
     draws = {w: rng.choice(list(values), size=len(values), replace=True)
              for w, (_, values) in points.items()}
     fit = {r: fit_points(p, draws) for r, p in points_by_residual.items()}
-    for r in points_by_residual:
+    for r, p in points_by_residual.items():
       boot[r]['alpha'].append(fit[r][1])
       boot[r]['at_rungs'].append(multiplier(fit[r], fit[reference], computes[r]))
       boot[r]['middle'].append(float(multiplier(fit[r], fit[reference], middle)))
+      boot[r]['difference'].append([rung_difference(p[w][1], points[w][1], draws[w])
+                                    for w in p])
   bounds = [(100 - interval) / 2, (100 + interval) / 2]
   band = lambda x, axis=None: np.percentile(np.array(x), bounds, axis=axis)
   result = dict(reference=reference, interval_percent=interval, bootstrap=bootstrap,
@@ -145,11 +153,17 @@ def analyse(points_by_residual: dict, reference: str, bootstrap: int,
   for r, p in points_by_residual.items():
     value = multiplier(fits[r], fits[reference], computes[r])
     low, high = band(boot[r]['at_rungs'], axis=0)
+    diff_low, diff_high = band(boot[r]['difference'], axis=0)
+    log_residuals = [np.log(v) - np.log(fits[r][0] * c ** -fits[r][1])
+                     for c, values in p.values() for v in values.values()]
     result['residuals'][r] = dict(
         A=fits[r][0], alpha=fits[r][1],
         alpha_interval=[float(x) for x in band(boot[r]['alpha'])],
-        points={str(w): dict(flops=c, seeds=list(v), bits_per_byte=list(v.values()))
-                for w, (c, v) in p.items()},
+        fit_rms_relative_residual=float(np.sqrt(np.mean(np.square(log_residuals)))),
+        points={str(w): dict(flops=c, seeds=list(v), bits_per_byte=list(v.values()),
+                             difference=rung_difference(v, points[w][1], list(v)),
+                             difference_interval=[float(lo), float(hi)])
+                for (w, (c, v)), lo, hi in zip(p.items(), diff_low, diff_high)},
         multiplier_middle=dict(
             flops=middle, value=float(multiplier(fits[r], fits[reference], middle)),
             interval=[float(x) for x in band(boot[r]['middle'])]),
@@ -169,25 +183,31 @@ def report(result: dict, out: str, name: str) -> str:
   reference, pct = result['reference'], result['interval_percent']
   residuals = result['residuals']
   widths = list(residuals[reference]['points'])
+  others = [r for r in residuals if r != reference]
   lines = [f'Held-out bits per byte (mean +- std over seeds) at each rung; {pct:g}% '
            f'bootstrap intervals over seeds ({result["bootstrap"]} resamples).', '',
-           '| rung (d) | ' + ' | '.join(
-               f'{r}: FLOPs, bits/byte' for r in residuals) + ' | seeds |',
-           '|---|' + '---|' * len(residuals) + '---|']
+           '| rung (d) | ' + ' | '.join(f'{r}: FLOPs, bits/byte' for r in residuals)
+           + ''.join(f' | {r} - {reference} ({pct:g}%)' for r in others) + ' | seeds |',
+           '|---|' + '---|' * (len(residuals) + len(others)) + '---|']
   for w in widths:
     cells = [f"{residuals[r]['points'][w]['flops']:.3g}, "
              f"{spread(residuals[r]['points'][w]['bits_per_byte'])}" for r in residuals]
+    cells += [f"{p['difference']:+.4f} ({p['difference_interval'][0]:+.4f} to "
+              f"{p['difference_interval'][1]:+.4f})"
+              for p in (residuals[r]['points'][w] for r in others)]
     seeds = residuals[reference]['points'][w]['seeds']
     lines.append(f'| {w} | ' + ' | '.join(cells) + f" | {', '.join(map(str, seeds))} |")
-  lines += ['', f'| residual | fit L = A C^-alpha: A | alpha ({pct:g}%) | compute multiplier '
-            f'over {reference} at the ladder middle, C = {result["middle_flops"]:.3g} '
-            f'({pct:g}%) | at each rung: C, multiplier ({pct:g}%) |', '|---|---|---|---|---|']
+  lines += ['', f'| residual | fit L = A C^-alpha: A | alpha ({pct:g}%) | fit rms residual '
+            f'| compute multiplier over {reference} at the ladder middle, '
+            f'C = {result["middle_flops"]:.3g} ({pct:g}%) | at each rung: C, multiplier '
+            f'({pct:g}%) |', '|---|---|---|---|---|---|']
   for r, row in residuals.items():
     mid = row['multiplier_middle']
     at = '; '.join(f"{a['flops']:.3g}: {a['value']:.3f}x ({a['low']:.3f}-{a['high']:.3f})"
                    for a in row['multiplier'])
     lines.append(f"| {r} | {row['A']:.4g} | {row['alpha']:.4f} ({row['alpha_interval'][0]:.4f}"
-                 f"-{row['alpha_interval'][1]:.4f}) | **{mid['value']:.3f}x** "
+                 f"-{row['alpha_interval'][1]:.4f}) | "
+                 f"{100 * row['fit_rms_relative_residual']:.2f}% | **{mid['value']:.3f}x** "
                  f"({mid['interval'][0]:.3f}-{mid['interval'][1]:.3f}) | {at} |")
   table = '\n'.join(lines)
   os.makedirs(out, exist_ok=True)

@@ -87,6 +87,13 @@ def test_unpaired_runs_are_left_out_and_one_seed_prints_na(tmp_path):
   assert first['seeds'] == [0, 1]
   mid = result['residuals']['block_s4']['multiplier_middle']
   assert mid['interval'][0] < mid['interval'][1]
+  # The per-rung difference pairs the runs by seed, over the seeds both finished.
+  for w, rung in result['residuals']['block_s4']['points'].items():
+    block, standard = points['block_s4'][int(w)][1], points['standard'][int(w)][1]
+    np.testing.assert_allclose(
+        rung['difference'], np.mean([block[s] - standard[s] for s in rung['seeds']]),
+        rtol=1e-12)
+    assert rung['difference_interval'][0] < rung['difference_interval'][1]
   assert scaling.spread([2.5]) == '2.5000 +- n/a'
   assert scaling.spread([2.0, 3.0]) == '2.5000 +- 0.7071'
 
@@ -94,9 +101,11 @@ def test_unpaired_runs_are_left_out_and_one_seed_prints_na(tmp_path):
 def test_report_draws_an_estimate_that_lies_outside_its_interval(tmp_path):
   # A bootstrap percentile interval need not contain the point estimate. The report
   # must still draw and tabulate it (errorbar offsets would be negative and raise).
-  points = {'64': dict(flops=1e12, seeds=[0, 1], bits_per_byte=[3.0, 3.1]),
-            '128': dict(flops=4e12, seeds=[0, 1], bits_per_byte=[2.8, 2.9])}
+  rung = lambda c, v: dict(flops=c, seeds=[0, 1], bits_per_byte=v, difference=-0.01,
+                          difference_interval=[-0.02, 0.0])
+  points = {'64': rung(1e12, [3.0, 3.1]), '128': rung(4e12, [2.8, 2.9])}
   row = dict(A=40.0, alpha=0.05, alpha_interval=[0.04, 0.06], points=points,
+             fit_rms_relative_residual=0.01,
              multiplier_middle=dict(flops=2e12, value=1.2, interval=[1.1, 1.3]),
              multiplier=[dict(flops=1e12, value=1.10, low=1.12, high=1.30),   # below
                          dict(flops=4e12, value=1.40, low=1.05, high=1.30)])  # above
