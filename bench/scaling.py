@@ -159,6 +159,10 @@ def analyse(points_by_residual: dict, reference: str, bootstrap: int,
     result['residuals'][r] = dict(
         A=fits[r][0], alpha=fits[r][1],
         alpha_interval=[float(x) for x in band(boot[r]['alpha'])],
+        # alpha - alpha_ref: > 0 means the multiplier grows with compute.
+        alpha_minus_reference=fits[r][1] - fits[reference][1],
+        alpha_minus_reference_interval=[float(x) for x in band(
+            np.subtract(boot[r]['alpha'], boot[reference]['alpha']))],
         fit_rms_relative_residual=float(np.sqrt(np.mean(np.square(log_residuals)))),
         points={str(w): dict(flops=c, seeds=list(v), bits_per_byte=list(v.values()),
                              difference=rung_difference(v, points[w][1], list(v)),
@@ -197,16 +201,19 @@ def report(result: dict, out: str, name: str) -> str:
               for p in (residuals[r]['points'][w] for r in others)]
     seeds = residuals[reference]['points'][w]['seeds']
     lines.append(f'| {w} | ' + ' | '.join(cells) + f" | {', '.join(map(str, seeds))} |")
-  lines += ['', f'| residual | fit L = A C^-alpha: A | alpha ({pct:g}%) | fit rms residual '
+  lines += ['', f'| residual | fit L = A C^-alpha: A | alpha ({pct:g}%) | alpha - alpha_ref '
+            f'({pct:g}%) | fit rms residual '
             f'| compute multiplier over {reference} at the ladder middle, '
             f'C = {result["middle_flops"]:.3g} ({pct:g}%) | at each rung: C, multiplier '
-            f'({pct:g}%) |', '|---|---|---|---|---|---|']
+            f'({pct:g}%) |', '|---|---|---|---|---|---|---|']
   for r, row in residuals.items():
     mid = row['multiplier_middle']
     at = '; '.join(f"{a['flops']:.3g}: {a['value']:.3f}x ({a['low']:.3f}-{a['high']:.3f})"
                    for a in row['multiplier'])
     lines.append(f"| {r} | {row['A']:.4g} | {row['alpha']:.4f} ({row['alpha_interval'][0]:.4f}"
-                 f"-{row['alpha_interval'][1]:.4f}) | "
+                 f"-{row['alpha_interval'][1]:.4f}) | {row['alpha_minus_reference']:+.4f} "
+                 f"({row['alpha_minus_reference_interval'][0]:+.4f} to "
+                 f"{row['alpha_minus_reference_interval'][1]:+.4f}) | "
                  f"{100 * row['fit_rms_relative_residual']:.2f}% | **{mid['value']:.3f}x** "
                  f"({mid['interval'][0]:.3f}-{mid['interval'][1]:.3f}) | {at} |")
   table = '\n'.join(lines)

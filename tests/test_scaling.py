@@ -105,6 +105,7 @@ def test_report_draws_an_estimate_that_lies_outside_its_interval(tmp_path):
                           difference_interval=[-0.02, 0.0])
   points = {'64': rung(1e12, [3.0, 3.1]), '128': rung(4e12, [2.8, 2.9])}
   row = dict(A=40.0, alpha=0.05, alpha_interval=[0.04, 0.06], points=points,
+             alpha_minus_reference=0.0, alpha_minus_reference_interval=[-0.01, 0.01],
              fit_rms_relative_residual=0.01,
              multiplier_middle=dict(flops=2e12, value=1.2, interval=[1.1, 1.3]),
              multiplier=[dict(flops=1e12, value=1.10, low=1.12, high=1.30),   # below
