@@ -11,11 +11,13 @@ Every (rung, seed) trains through `bench/sweep.py` (one `train.py` process per r
 finished runs skipped, interrupted ones resumed), seed-major so that an interrupted
 study holds whole seeds of the ladder; each rung gets its train budget from
 `default_config.scaling_train_overrides`. Writes <out>/ladder.json, ladder.md and
-ladder.png (the fit and the multiplier; bench/scaling.py's report).
+ladder.png (the fit and the multiplier; bench/scaling.py's report) and
+<out>/ladder_runs.json (every run's final record, its run time included).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -27,6 +29,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, 'bench'))
 
+from attnres_jax import train  # pylint: disable=g-import-not-at-top
 from configs import default as default_config  # pylint: disable=g-import-not-at-top
 import scaling  # pylint: disable=g-import-not-at-top
 
@@ -53,6 +56,24 @@ def train_rung(width: int, seed: int) -> int:
   return subprocess.call(command, cwd=REPO)
 
 
+def write_run_records(path: str, widths, seeds) -> int:
+  """Every finished run's eval_final.json (held-out loss, train loss, run seconds)
+  with its run, seed and step count, as one JSON list; returns how many."""
+  records = []
+  for width in widths:
+    for residual in FLAGS.residuals:
+      run = default_config.scaling_run(residual, width)
+      for seed in seeds:
+        final = os.path.join(FLAGS.root, run, f'seed_{seed}', train.EVAL_FINAL_JSON)
+        if os.path.exists(final):
+          with open(final, encoding='utf-8') as f:
+            records.append(dict(run=run, residual=residual, width=width, seed=seed,
+                                **json.load(f)))
+  with open(path, 'w', encoding='utf-8') as f:
+    json.dump(records, f, indent=1)
+  return len(records)
+
+
 def main(argv):
   del argv
   widths = [int(w) for w in FLAGS.widths]
@@ -69,6 +90,8 @@ def main(argv):
           raise RuntimeError(f'bench/sweep.py failed at d = {width}, seed {seed}')
     print(f'ladder trained in {time.time() - start:.0f} s', flush=True)
   scaling.main([])
+  path = os.path.join(FLAGS.out, f'{FLAGS.name}_runs.json')
+  print(f'{write_run_records(path, widths, seeds)} run records in {path}')
 
 
 if __name__ == '__main__':
