@@ -16,7 +16,8 @@ The papers' formulas (L sublayers, N blocks of S sublayers, m streams):
   HC / mHC unfused   (5m + 1)d read + (3m + 1)d write = (8m + 2)d: the mHC paper's count
                      of its unfused formulation, 34d at m = 4 (the AttnRes paper's entry)
   mHC fused          (m + 1)d read + (3m + 1)d write = (4m + 2)d: the mHC paper's fused
-                     kernels (its section 4.3.1), 18d at m = 4
+                     kernels (its section 4.3.1, as we read it), 18d at m = 4
+  Full AttnRes       none: we have no formula from the paper
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ def paper_formula(cfg) -> list[tuple[str, float]]:
     m = cfg.hc_streams
     return [(f'unfused (8m + 2)d, m = {m}', 8.0 * m + 2),
             (f'fused (4m + 2)d, m = {m}', 4.0 * m + 2)]
-  return []  # Full AttnRes: no entry in the paper's table
+  return []  # Full AttnRes: we have no formula from the paper
 
 
 def main(argv):
