@@ -37,9 +37,12 @@ from attnres_jax import flops  # pylint: disable=g-import-not-at-top
 from attnres_jax import residual as residual_lib  # pylint: disable=g-import-not-at-top
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string('io_json', os.path.join(REPO, 'bench', 'results', 'residual_io.json'),
+flags.DEFINE_string('residual_io_json',
+                    os.path.join(REPO, 'bench', 'results', 'residual_io.json'),
                     'Rows and HLO totals (bench/memory.py --io).')
-flags.DEFINE_string('out', os.path.join(REPO, 'bench', 'results'), 'Output directory.')
+# Names unique among the bench scripts: tests import several into one process.
+flags.DEFINE_string('io_table_out', os.path.join(REPO, 'bench', 'results'),
+                    'Output directory.')
 
 
 def model_config(mode: str, num_layers: int):
@@ -62,7 +65,8 @@ ITEMS = {  # item key: what it counts (d elements per token and sublayer)
                    '(once per segment, amortised)',
     'phase1_write': 'AttnRes Phase 1: write one partial output per query',
     'phase2': 'AttnRes Phase 2: read the partial output, write h',
-    'partial_read_phase2': 'AttnRes Phase 2: read the running partial sum(s) of the segment',
+    'partial_read_phase2': 'AttnRes Phase 2: read the running partial sum(s) of the '
+                           'segment',
     'partial_update': 'AttnRes write: read f(h), write the partial sum',
     'partial_read_update': 'AttnRes write: read the partial sum it adds to (again)',
     'final': 'the final read (once per model, amortised)',
@@ -112,7 +116,7 @@ def paper_formula(cfg) -> list[tuple[str, float]]:
 
 def main(argv):
   del argv
-  with open(FLAGS.io_json, encoding='utf-8') as f:
+  with open(FLAGS.residual_io_json, encoding='utf-8') as f:
     measured = json.load(f)
   rows, lines = [], [
       '| residual | L | paper: formula at this row | paper | counted | counted items '
@@ -139,9 +143,9 @@ def main(argv):
         f"{record['hlo_total']:.3g}d |")
   lines += ['', 'Items: ' + '; '.join(f'{k}: {v}' for k, v in ITEMS.items()) + '.']
   table = '\n'.join(lines)
-  with open(os.path.join(FLAGS.out, 'io_table.json'), 'w', encoding='utf-8') as f:
+  with open(os.path.join(FLAGS.io_table_out, 'io_table.json'), 'w', encoding='utf-8') as f:
     json.dump(dict(items=ITEMS, rows=rows), f, indent=1)
-  with open(os.path.join(FLAGS.out, 'io_table.md'), 'w', encoding='utf-8') as f:
+  with open(os.path.join(FLAGS.io_table_out, 'io_table.md'), 'w', encoding='utf-8') as f:
     f.write(table + '\n')
   print(table)
 

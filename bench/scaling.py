@@ -201,7 +201,8 @@ def report(result: dict, out: str, name: str) -> str:
               for p in (residuals[r]['points'][w] for r in others)]
     seeds = residuals[reference]['points'][w]['seeds']
     lines.append(f'| {w} | ' + ' | '.join(cells) + f" | {', '.join(map(str, seeds))} |")
-  lines += ['', f'| residual | fit L = A C^-alpha: A | alpha ({pct:g}%) | alpha - alpha_ref '
+  lines += ['', f'| residual | fit L = A C^-alpha: A | alpha ({pct:g}%) | '
+            f'alpha - alpha_ref '
             f'({pct:g}%) | fit rms residual '
             f'| compute multiplier over {reference} at the ladder middle, '
             f'C = {result["middle_flops"]:.3g} ({pct:g}%) | at each rung: C, multiplier '
@@ -210,7 +211,8 @@ def report(result: dict, out: str, name: str) -> str:
     mid = row['multiplier_middle']
     at = '; '.join(f"{a['flops']:.3g}: {a['value']:.3f}x ({a['low']:.3f}-{a['high']:.3f})"
                    for a in row['multiplier'])
-    lines.append(f"| {r} | {row['A']:.4g} | {row['alpha']:.4f} ({row['alpha_interval'][0]:.4f}"
+    lines.append(f"| {r} | {row['A']:.4g} | {row['alpha']:.4f} "
+                 f"({row['alpha_interval'][0]:.4f}"
                  f"-{row['alpha_interval'][1]:.4f}) | {row['alpha_minus_reference']:+.4f} "
                  f"({row['alpha_minus_reference_interval'][0]:+.4f} to "
                  f"{row['alpha_minus_reference_interval'][1]:+.4f}) | "

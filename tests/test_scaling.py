@@ -126,8 +126,8 @@ def test_the_ladder_follows_one_token_rule():
   for width in WIDTHS:
     steps = default_config.scaling_train_overrides(width)['train.num_steps']
     tokens = steps * default_config.SCALING_BATCH_TOKENS
-    assert abs(tokens - default_config.SCALING_TOKENS_PER_PARAM
-               * default_config.scaling_params(width)) <= default_config.SCALING_BATCH_TOKENS / 2
+    rule = default_config.SCALING_TOKENS_PER_PARAM * default_config.scaling_params(width)
+    assert abs(tokens - rule) <= default_config.SCALING_BATCH_TOKENS / 2
     standard = ladder_config(default_config.scaling_run('standard', width), width)
     block = ladder_config(default_config.scaling_run('block_s4', width), width)
     assert standard.model.d_model == block.model.d_model == width
