@@ -1,24 +1,28 @@
-"""The paper's scaling analysis on the sweep's compute ladder: L = A C^-alpha per residual,
-and the compute-equivalent advantage of each residual over the standard one.
+"""The paper's scaling analysis: L = A C^-alpha per residual over a compute ladder, and
+the compute multiplier of each residual over the reference at matched loss.
 
-  python bench/sweep.py --groups=scaling --seeds=0,1,2      # the ladder (d != 128)
-  python bench/sweep.py --runs=standard,full,block_s4,mhc,hc --seeds=0,1,2  # d = 128
-  python bench/scaling.py --root=runs/sweep --residuals=standard,block_s4,full
+  python bench/ladder.py                           # the ladder study (trains, then this)
+  python bench/scaling.py --root=runs/ladder --residuals=standard,block_s4 \\
+      --out=bench/results --name=ladder            # re-fit what has finished
 
-For every residual and ladder width (configs/default.py: SCALING_WIDTHS; the d = 128 rung
-is the plain run) it reads each finished seed's held-out bits per byte and the run's
+For every residual and ladder width (configs/default.py: SCALING_WIDTHS, run names
+`scaling_run`) it reads each finished seed's held-out bits per byte and the run's
 training FLOPs C (`attnres_jax.flops`, from the saved config), and fits
-log L = log A - alpha log C by least squares over all (seed, width) points. The
-compute-equivalent advantage of residual r at compute C is C_std / C, where C_std is
-what the standard fit needs to reach r's fitted loss at C (the paper's "1.25x"):
+log L = log A - alpha log C by least squares over all (seed, width) points. The compute
+multiplier of residual r at compute C is C_ref / C, where C_ref is what the reference
+fit needs to reach r's fitted loss at C (the paper's "matches a baseline trained with
+1.25x compute"):
 
-    advantage(C) = (A_std / (A_r C^-alpha_r))^(1 / alpha_std) / C
+    multiplier(C) = (A_ref / (A_r C^-alpha_r))^(1 / alpha_ref) / C
 
-reported at every rung's compute. Its uncertainty comes from the seeds: the fits are
-repeated on bootstrap resamples of the seeds at every rung (--bootstrap times), and the
-table gives the 16th-84th percentiles (about +-1 sigma).
+reported at every rung's compute and at the ladder's middle (the geometric mean of its
+compute range, where the fits are best constrained). Only (rung, seed) pairs finished
+for every residual are used. Uncertainty comes from the seeds: the fits are repeated on
+--bootstrap resamples that draw, at every rung, seeds with replacement and take every
+residual's run of each drawn seed (a seed fixes the data order, shared by the
+residuals), and the intervals are the central --interval percent of the resamples.
 
-Writes <root>/scaling.json, <root>/scaling.md and <root>/scaling.png.
+Writes <out>/<name>.json, <name>.md and <name>.png (out defaults to the root).
 """
 
 from __future__ import annotations
@@ -42,33 +46,50 @@ from attnres_jax import train  # pylint: disable=g-import-not-at-top
 from configs import default as default_config  # pylint: disable=g-import-not-at-top
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string('root', 'runs/sweep', 'The sweep root (bench/sweep.py --root).')
-flags.DEFINE_list('residuals', ['standard', 'full', 'block_s4', 'mhc', 'hc'],
-                  'Base run names to fit (the first must be the reference).')
+flags.DEFINE_string('root', 'runs/ladder', 'The run root (bench/ladder.py --root).')
+flags.DEFINE_list('residuals', ['standard', 'block_s4'],
+                  'Base run names to fit (the first is the reference).')
 flags.DEFINE_list('widths', [str(w) for w in default_config.SCALING_WIDTHS],
                   'Ladder widths (d_model).')
 flags.DEFINE_list('seeds', ['0', '1', '2'], 'Seeds.')
-flags.DEFINE_integer('bootstrap', 1000, 'Bootstrap resamples of the seeds.')
+flags.DEFINE_integer('bootstrap', 2000, 'Bootstrap resamples of the seeds.')
+flags.DEFINE_float('interval', 95.0, 'Central percentage of the bootstrap resamples '
+                   'given as the interval.')
+flags.DEFINE_string('out', '', 'Where the report goes (default: --root).')
+flags.DEFINE_string('name', 'scaling', 'File name of the report: <out>/<name>.json, .md, '
+                    '.png.')
 
 
-def ladder_points(root: str, name: str, widths, seeds) -> dict[int, tuple[float, list]]:
-  """{width: (training FLOPs, [bits per byte of each finished seed])}, rungs with at
-  least one finished seed."""
+def ladder_points(root: str, name: str, widths, seeds) -> dict[int, tuple[float, dict]]:
+  """{width: (training FLOPs, {seed: held-out bits per byte})} of the finished seeds,
+  rungs with at least one."""
   points = {}
   for width in widths:
     run = default_config.scaling_run(name, width)
-    values, compute = [], None
+    values, compute = {}, None
     for seed in seeds:
       workdir = os.path.join(root, run, f'seed_{seed}')
       path = os.path.join(workdir, train.EVAL_FINAL_JSON)
       if not os.path.exists(path):
         continue
       with open(path, encoding='utf-8') as f:
-        values.append(json.load(f)['bits_per_byte'])
+        values[seed] = json.load(f)['bits_per_byte']
       compute = flops.training_flops(checkpointing.load_config(workdir))
     if values:
       points[width] = (compute, values)
   return points
+
+
+def paired(points_by_residual: dict) -> dict:
+  """The (rung, seed) pairs finished for every residual; rungs left without any dropped."""
+  widths = set.intersection(*(set(p) for p in points_by_residual.values()))
+  out = {r: {} for r in points_by_residual}
+  for width in sorted(widths):
+    seeds = set.intersection(*(set(p[width][1]) for p in points_by_residual.values()))
+    for r, p in points_by_residual.items():
+      if seeds:
+        out[r][width] = (p[width][0], {s: p[width][1][s] for s in sorted(seeds)})
+  return out
 
 
 def fit_power_law(compute, loss) -> tuple[float, float]:
@@ -77,97 +98,161 @@ def fit_power_law(compute, loss) -> tuple[float, float]:
   return float(np.exp(intercept)), float(-slope)
 
 
-def fit_points(points) -> tuple[float, float]:
-  compute = [c for c, values in points.values() for _ in values]
-  loss = [v for _, values in points.values() for v in values]
+def fit_points(points, draws=None) -> tuple[float, float]:
+  """The fit over every seed of every rung, or over the seeds `draws[width]` drawn."""
+  compute, loss = [], []
+  for width, (c, values) in points.items():
+    for seed in (values if draws is None else draws[width]):
+      compute.append(c)
+      loss.append(values[seed])
   return fit_power_law(compute, loss)
 
 
-def advantage(fit, reference_fit, compute):
+def rung_difference(values: dict, reference_values: dict, seeds) -> float:
+  """Mean over `seeds` of bits per byte minus the reference's (same seed: same data)."""
+  return float(np.mean([values[s] - reference_values[s] for s in seeds]))
+
+
+def multiplier(fit, reference_fit, compute):
   """C_reference / C: the reference's compute for the loss `fit` reaches at `compute`."""
   (a, alpha), (a_ref, alpha_ref) = fit, reference_fit
   loss = a * np.asarray(compute, float) ** -alpha
   return (a_ref / loss) ** (1.0 / alpha_ref) / np.asarray(compute, float)
 
 
-def resample(points, rng):
-  return {w: (c, list(rng.choice(values, size=len(values), replace=True)))
-          for w, (c, values) in points.items()}
-
-
-def analyse(points_by_residual: dict, reference: str, bootstrap: int, seed: int = 0):
-  """Fits, advantages at every rung's compute and their bootstrap percentiles."""
+def analyse(points_by_residual: dict, reference: str, bootstrap: int,
+            interval: float = 95.0, seed: int = 0) -> dict:
+  """Fits, multipliers at every rung's compute and at the ladder's middle, and their
+  bootstrap intervals; over the (rung, seed) pairs every residual finished."""
+  points_by_residual = paired(points_by_residual)
+  points = points_by_residual[reference]
+  if len(points) < 2:
+    raise ValueError(f'the fit needs >= 2 rungs finished by every residual; have '
+                     f'{sorted(points)} ({sorted(points_by_residual)}).')
   rng = np.random.default_rng(seed)
-  usable = {r: p for r, p in points_by_residual.items() if len(p) >= 2}
-  if reference not in usable:
-    raise ValueError(f'the reference {reference!r} needs finished runs at >= 2 widths; '
-                     f'have {sorted(points_by_residual.get(reference, {}))}.')
-  fits = {r: fit_points(p) for r, p in usable.items()}
-  computes = {r: sorted(c for c, _ in p.values()) for r, p in usable.items()}
-  alphas, advantages = {r: [] for r in usable}, {r: [] for r in usable}
-  for _ in range(bootstrap):  # one resample of every rung's seeds, all residuals
-    fit = {r: fit_points(resample(p, rng)) for r, p in usable.items()}
-    for r in usable:
-      alphas[r].append(fit[r][1])
-      advantages[r].append(advantage(fit[r], fit[reference], computes[r]))
-  result = {}
-  for r, p in usable.items():
-    low, high = np.percentile(np.array(advantages[r]), [16, 84], axis=0)
-    value = advantage(fits[r], fits[reference], computes[r])
-    result[r] = dict(
+  fits = {r: fit_points(p) for r, p in points_by_residual.items()}
+  computes = {r: [c for c, _ in p.values()] for r, p in points_by_residual.items()}
+  everything = [c for cs in computes.values() for c in cs]
+  middle = float(np.exp(np.mean(np.log([min(everything), max(everything)]))))
+  boot = {r: dict(alpha=[], at_rungs=[], middle=[], difference=[])
+          for r in points_by_residual}
+  for _ in range(bootstrap):  # one draw of seeds per rung, shared by the residuals
+    draws = {w: rng.choice(list(values), size=len(values), replace=True)
+             for w, (_, values) in points.items()}
+    fit = {r: fit_points(p, draws) for r, p in points_by_residual.items()}
+    for r, p in points_by_residual.items():
+      boot[r]['alpha'].append(fit[r][1])
+      boot[r]['at_rungs'].append(multiplier(fit[r], fit[reference], computes[r]))
+      boot[r]['middle'].append(float(multiplier(fit[r], fit[reference], middle)))
+      boot[r]['difference'].append([rung_difference(p[w][1], points[w][1], draws[w])
+                                    for w in p])
+  bounds = [(100 - interval) / 2, (100 + interval) / 2]
+  band = lambda x, axis=None: np.percentile(np.array(x), bounds, axis=axis)
+  result = dict(reference=reference, interval_percent=interval, bootstrap=bootstrap,
+                middle_flops=middle, residuals={})
+  for r, p in points_by_residual.items():
+    value = multiplier(fits[r], fits[reference], computes[r])
+    low, high = band(boot[r]['at_rungs'], axis=0)
+    diff_low, diff_high = band(boot[r]['difference'], axis=0)
+    log_residuals = [np.log(v) - np.log(fits[r][0] * c ** -fits[r][1])
+                     for c, values in p.values() for v in values.values()]
+    result['residuals'][r] = dict(
         A=fits[r][0], alpha=fits[r][1],
-        alpha_band=[float(x) for x in np.percentile(alphas[r], [16, 84])],
-        points={str(w): dict(flops=c, bits_per_byte=v) for w, (c, v) in p.items()},
-        advantage=[dict(flops=c, value=float(a), low=float(lo), high=float(hi))
-                   for c, a, lo, hi in zip(computes[r], value, low, high)])
+        alpha_interval=[float(x) for x in band(boot[r]['alpha'])],
+        # alpha - alpha_ref: > 0 means the multiplier grows with compute.
+        alpha_minus_reference=fits[r][1] - fits[reference][1],
+        alpha_minus_reference_interval=[float(x) for x in band(
+            np.subtract(boot[r]['alpha'], boot[reference]['alpha']))],
+        fit_rms_relative_residual=float(np.sqrt(np.mean(np.square(log_residuals)))),
+        points={str(w): dict(flops=c, seeds=list(v), bits_per_byte=list(v.values()),
+                             difference=rung_difference(v, points[w][1], list(v)),
+                             difference_interval=[float(lo), float(hi)])
+                for (w, (c, v)), lo, hi in zip(p.items(), diff_low, diff_high)},
+        multiplier_middle=dict(
+            flops=middle, value=float(multiplier(fits[r], fits[reference], middle)),
+            interval=[float(x) for x in band(boot[r]['middle'])]),
+        multiplier=[dict(flops=c, value=float(a), low=float(lo), high=float(hi))
+                    for c, a, lo, hi in zip(computes[r], value, low, high)])
   return result
 
 
-def report(result: dict, reference: str, root: str) -> str:
-  lines = ['| residual | A | alpha (16-84%) | rungs | seeds per rung | '
-           f'compute-equivalent advantage over {reference} at each rung (16-84%) |',
-           '|---|---|---|---|---|---|']
-  for r, row in result.items():
-    seeds = ', '.join(str(len(p['bits_per_byte'])) for p in row['points'].values())
-    adv = '; '.join(f"{a['flops']:.2g}: {a['value']:.3f}x ({a['low']:.3f}-{a['high']:.3f})"
-                    for a in row['advantage'])
-    lines.append(f"| {r} | {row['A']:.3g} | {row['alpha']:.4f} "
-                 f"({row['alpha_band'][0]:.4f}-{row['alpha_band'][1]:.4f}) | "
-                 f"{len(row['points'])} | {seeds} | {adv} |")
+def spread(values) -> str:
+  """Mean +- sample std over seeds; 'n/a' for the std of one seed."""
+  std = f'{np.std(values, ddof=1):.4f}' if len(values) > 1 else 'n/a'
+  return f'{np.mean(values):.4f} +- {std}'
+
+
+def report(result: dict, out: str, name: str) -> str:
+  """Writes <out>/<name>.md, .json and .png; returns the markdown."""
+  reference, pct = result['reference'], result['interval_percent']
+  residuals = result['residuals']
+  widths = list(residuals[reference]['points'])
+  others = [r for r in residuals if r != reference]
+  lines = [f'Held-out bits per byte (mean +- std over seeds) at each rung; {pct:g}% '
+           f'bootstrap intervals over seeds ({result["bootstrap"]} resamples).', '',
+           '| rung (d) | ' + ' | '.join(f'{r}: FLOPs, bits/byte' for r in residuals)
+           + ''.join(f' | {r} - {reference} ({pct:g}%)' for r in others) + ' | seeds |',
+           '|---|' + '---|' * (len(residuals) + len(others)) + '---|']
+  for w in widths:
+    cells = [f"{residuals[r]['points'][w]['flops']:.3g}, "
+             f"{spread(residuals[r]['points'][w]['bits_per_byte'])}" for r in residuals]
+    cells += [f"{p['difference']:+.4f} ({p['difference_interval'][0]:+.4f} to "
+              f"{p['difference_interval'][1]:+.4f})"
+              for p in (residuals[r]['points'][w] for r in others)]
+    seeds = residuals[reference]['points'][w]['seeds']
+    lines.append(f'| {w} | ' + ' | '.join(cells) + f" | {', '.join(map(str, seeds))} |")
+  lines += ['', f'| residual | fit L = A C^-alpha: A | alpha ({pct:g}%) | '
+            f'alpha - alpha_ref '
+            f'({pct:g}%) | fit rms residual '
+            f'| compute multiplier over {reference} at the ladder middle, '
+            f'C = {result["middle_flops"]:.3g} ({pct:g}%) | at each rung: C, multiplier '
+            f'({pct:g}%) |', '|---|---|---|---|---|---|---|']
+  for r, row in residuals.items():
+    mid = row['multiplier_middle']
+    at = '; '.join(f"{a['flops']:.3g}: {a['value']:.3f}x ({a['low']:.3f}-{a['high']:.3f})"
+                   for a in row['multiplier'])
+    lines.append(f"| {r} | {row['A']:.4g} | {row['alpha']:.4f} "
+                 f"({row['alpha_interval'][0]:.4f}"
+                 f"-{row['alpha_interval'][1]:.4f}) | {row['alpha_minus_reference']:+.4f} "
+                 f"({row['alpha_minus_reference_interval'][0]:+.4f} to "
+                 f"{row['alpha_minus_reference_interval'][1]:+.4f}) | "
+                 f"{100 * row['fit_rms_relative_residual']:.2f}% | **{mid['value']:.3f}x** "
+                 f"({mid['interval'][0]:.3f}-{mid['interval'][1]:.3f}) | {at} |")
   table = '\n'.join(lines)
-  with open(os.path.join(root, 'scaling.md'), 'w', encoding='utf-8') as f:
+  os.makedirs(out, exist_ok=True)
+  with open(os.path.join(out, f'{name}.md'), 'w', encoding='utf-8') as f:
     f.write(table + '\n')
-  with open(os.path.join(root, 'scaling.json'), 'w', encoding='utf-8') as f:
+  with open(os.path.join(out, f'{name}.json'), 'w', encoding='utf-8') as f:
     json.dump(result, f, indent=1)
 
   fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-  for r, row in result.items():
-    pts = sorted((p['flops'], np.mean(p['bits_per_byte']),
-                  np.std(p['bits_per_byte'], ddof=1) if len(p['bits_per_byte']) > 1 else 0)
+  for r, row in residuals.items():
+    pts = sorted((p['flops'], np.mean(p['bits_per_byte']), p['bits_per_byte'])
                  for p in row['points'].values())
-    c, mean, err = map(np.array, zip(*pts))
-    line = axes[0].errorbar(c, mean, yerr=err, fmt='o', capsize=3, label=r)
-    grid = np.geomspace(c.min(), c.max(), 50)
-    axes[0].plot(grid, row['A'] * grid ** -row['alpha'], '-', color=line[0].get_color(),
+    line = axes[0].plot([c for c, _, _ in pts], [m for _, m, _ in pts], 'o', label=r)
+    color = line[0].get_color()
+    for c, _, values in pts:  # every seed, small
+      axes[0].plot([c] * len(values), values, '.', color=color, alpha=0.5, ms=4)
+    grid = np.geomspace(pts[0][0], pts[-1][0], 50)
+    axes[0].plot(grid, row['A'] * grid ** -row['alpha'], '-', color=color,
                  label=f"{r}: {row['A']:.3g} C^-{row['alpha']:.4f}")
-    adv = row['advantage']
+    m = row['multiplier']
     # The interval is drawn from its own ends, not as +- offsets from the estimate: a
     # bootstrap percentile interval need not contain the point estimate (and by float
     # rounding it can miss it by 1e-15), where errorbar's offsets would be negative.
-    line = axes[1].plot([a['flops'] for a in adv], [a['value'] for a in adv], 'o-',
-                        label=r)
-    axes[1].vlines([a['flops'] for a in adv], [a['low'] for a in adv],
-                   [a['high'] for a in adv], color=line[0].get_color())
+    line = axes[1].plot([a['flops'] for a in m], [a['value'] for a in m], 'o-', label=r)
+    axes[1].vlines([a['flops'] for a in m], [a['low'] for a in m], [a['high'] for a in m],
+                   color=line[0].get_color())
   for ax in axes:
     ax.set_xscale('log')
     ax.set_xlabel('training FLOPs')
     ax.legend(fontsize=7)
   axes[0].set_yscale('log')
-  axes[0].set_ylabel('held-out bits/byte')
+  axes[0].set_ylabel('held-out bits/byte (seeds: dots, mean: circles)')
   axes[1].axhline(1.0, color='k', lw=0.8)
-  axes[1].set_ylabel(f'compute-equivalent advantage over {reference}')
+  axes[1].set_ylabel(f'compute multiplier over {reference} ({pct:g}% interval)')
   fig.tight_layout()
-  fig.savefig(os.path.join(root, 'scaling.png'), dpi=120)
+  fig.savefig(os.path.join(out, f'{name}.png'), dpi=120)
   plt.close(fig)
   return table
 
@@ -178,10 +263,9 @@ def main(argv):
   seeds = [int(s) for s in FLAGS.seeds]
   points = {r: ladder_points(FLAGS.root, r, widths, seeds) for r in FLAGS.residuals}
   for r, p in points.items():
-    print(f"{r}: finished rungs {sorted(p)} "
-          f"(seeds {[len(v) for _, v in p.values()]})")
-  result = analyse(points, FLAGS.residuals[0], FLAGS.bootstrap)
-  print(report(result, FLAGS.residuals[0], FLAGS.root))
+    print(f'{r}: finished rungs {sorted(p)} (seeds {[sorted(v) for _, v in p.values()]})')
+  result = analyse(points, FLAGS.residuals[0], FLAGS.bootstrap, FLAGS.interval)
+  print(report(result, FLAGS.out or FLAGS.root, FLAGS.name))
 
 
 if __name__ == '__main__':

@@ -111,7 +111,7 @@ def summarize(name: str, seeds: list[int]) -> dict | None:
   per_token = flops.forward_flops_per_token(config.model, config.train.seq_len)
   return dict(
       run=name, seeds=len(results), bits_per_byte_mean=float(bpb.mean()),
-      bits_per_byte_std=float(bpb.std(ddof=1)) if len(bpb) > 1 else 0.0,
+      bits_per_byte_std=float(bpb.std(ddof=1)) if len(bpb) > 1 else None,
       bits_per_byte=bpb.tolist(),
       train_loss_mean=float(np.mean([r['train_loss'] for r in results])),
       run_seconds_mean=float(np.mean([r['run_seconds'] for r in results])),
@@ -190,9 +190,10 @@ def report(names: list[str], seeds: list[int]) -> None:
     change = ('' if row['vs_standard'] is None
               else f"{100 * row['vs_standard']:+.2f}%")
     memory = '' if row['temp_bytes'] is None else f"{row['temp_bytes'] / 2**20:.1f}"
+    std = 'n/a' if row['bits_per_byte_std'] is None else f"{row['bits_per_byte_std']:.4f}"
     lines.append(
         f"| {row['run']} | {row['num_layers']} x {row['d_model']} | "
-        f"{row['bits_per_byte_mean']:.4f} +- {row['bits_per_byte_std']:.4f} | "
+        f"{row['bits_per_byte_mean']:.4f} +- {std} | "
         f"{change} | {row['seeds']} | {row['training_flops']:.3g} | "
         f"{100 * row['depth_read_share']:.2f}% | {row['run_seconds_mean']:.0f} | "
         f"{row['step_time_median']:.3f} | {ratio(row['time_vs_standard'])} | "
@@ -240,7 +241,7 @@ def report(names: list[str], seeds: list[int]) -> None:
         row = by_name[name]
         shapes[row['num_layers']] = f"{row['num_layers']} x {row['d_model']}"
         points.append((row['num_layers'], row['bits_per_byte_mean'],
-                       row['bits_per_byte_std']))
+                       row['bits_per_byte_std'] or 0.0))  # one seed: no bar
     if points:
       x, y, err = zip(*points)
       ax.errorbar(x, y, yerr=err, marker='o', capsize=3, label=label)

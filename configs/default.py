@@ -55,22 +55,39 @@ SWEEP_COMPARATORS = {
     'mhc': dict(residual='mhc', hc_streams=4),
     'hc': dict(residual='hc', hc_streams=4),
 }
-# A compute ladder for the scaling fit L = A C^-alpha (bench/scaling.py): the same 4
-# layers at other widths (head dim 32, MLP 3d); the d = 128 rung is the runs above.
-SCALING_BASE_WIDTH = 128
-SCALING_WIDTHS = (64, 96, SCALING_BASE_WIDTH, 192)
+# The compute ladder of the compute-multiplier study (bench/ladder.py runs it and fits
+# it with bench/scaling.py): 4 layers at four widths (head dim 8, MLP 3d), each trained
+# on SCALING_TOKENS_PER_PARAM tokens per non-embedding parameter (one rule for every
+# size), in steps of 16 x 128 tokens with a tenth of them warmup. Sized to run 2 residuals
+# x 3 seeds on 2 shared CPU cores in about an hour (docs/results.md).
+SCALING_WIDTHS = (24, 32, 40, 48)
 SCALING_RESIDUALS = ('standard', 'full', 'block_s4', 'mhc', 'hc')
+SCALING_TOKENS_PER_PARAM = 4
+SCALING_BATCH_TOKENS = 16 * 128  # the default batch x sequence length
 
 
 def scaling_run(name: str, width: int) -> str:
-  return name if width == SCALING_BASE_WIDTH else f'{name}_d{width}'
+  return f'{name}_d{width}'
+
+
+def scaling_params(width: int, num_layers: int = 4) -> int:
+  """Non-embedding parameters of a ladder model: 4 d^2 attention + 9 d^2 SwiGLU MLP
+  (three d x 3d matrices) per layer; norms and the residual's few vectors left out."""
+  return 13 * width * width * num_layers
+
+
+def scaling_train_overrides(width: int) -> dict[str, int]:
+  """The train fields of a ladder rung (train.py --config.<key>=<value>): its step
+  budget, warmup and one checkpoint at the end."""
+  steps = round(SCALING_TOKENS_PER_PARAM * scaling_params(width) / SCALING_BATCH_TOKENS)
+  return {'train.num_steps': steps, 'train.warmup_steps': max(1, round(steps / 10)),
+          'train.checkpoint_every': steps}
 
 
 SWEEP_SCALING = {
     scaling_run(name, width): dict({**SWEEP_MODES, **SWEEP_COMPARATORS}[name],
-                                   d_model=width, num_heads=width // 32, mlp_dim=3 * width)
-    for name in SCALING_RESIDUALS for width in SCALING_WIDTHS
-    if width != SCALING_BASE_WIDTH}
+                                   d_model=width, num_heads=width // 8, mlp_dim=3 * width)
+    for name in SCALING_RESIDUALS for width in SCALING_WIDTHS}
 SWEEP_GROUPS = {'modes': SWEEP_MODES, 'ablations': SWEEP_ABLATIONS,
                 'depths': SWEEP_DEPTHS, 'comparators': SWEEP_COMPARATORS,
                 'scaling': SWEEP_SCALING}

@@ -1,9 +1,12 @@
-"""bench/scaling.py recovers a known power law and compute advantage from run dirs."""
+"""bench/scaling.py recovers a known power law and compute multiplier from run dirs;
+the ladder's token rule (configs/default.py) is one rule for every size."""
 
 import json
 import os
 import sys
 
+from flax import nnx
+import jax
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -11,54 +14,135 @@ sys.path.insert(0, os.path.join(ROOT, 'bench'))
 
 import scaling  # pylint: disable=g-import-not-at-top,wrong-import-position
 from attnres_jax import checkpointing, flops, train  # pylint: disable=g-import-not-at-top,wrong-import-position
+from attnres_jax import model as model_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
 from configs import default as default_config  # pylint: disable=g-import-not-at-top,wrong-import-position
 
+WIDTHS = default_config.SCALING_WIDTHS
 
-def test_fit_recovers_a_power_law_and_the_advantage(tmp_path):
-  # Synthetic runs: standard L = 40 C^-0.05; "block_s4" reaches the standard's loss
-  # with 1.25x less compute, i.e. L(C) = 40 (1.25 C)^-0.05; seeds add +-0.5% noise.
-  widths, seeds = (64, 96, 128, 192), (0, 1, 2)
+
+def ladder_config(run: str, width: int):
+  config = default_config.get_config(f'sweep={run}')
+  for key, value in default_config.scaling_train_overrides(width).items():
+    section, field = key.split('.')
+    config[section][field] = value
+  return config
+
+
+def write_runs(root, name, gain, noise, skip=()):
+  """Synthetic finished runs: L = 40 (gain C)^-0.05 x noise[seed]."""
+  for width in WIDTHS:
+    run = default_config.scaling_run(name, width)
+    config = ladder_config(run, width)
+    for seed, factor in noise.items():
+      if (width, seed) in skip:
+        continue
+      workdir = root / run / f'seed_{seed}'
+      os.makedirs(workdir)
+      checkpointing.save_config(str(workdir), config)
+      loss = 40.0 * (gain * flops.training_flops(config)) ** -0.05 * factor
+      with open(workdir / train.EVAL_FINAL_JSON, 'w') as f:
+        json.dump({'bits_per_byte': loss}, f)
+
+
+def test_fit_recovers_a_power_law_and_the_multiplier(tmp_path):
+  # "block_s4" reaches the standard's loss with 1.25x less compute; seeds add +-0.5%.
   noise = {0: 1.0, 1: 1.005, 2: 0.995}
-  for name, gain in (('standard', 1.0), ('block_s4', 1.25)):
-    for width in widths:
-      run = default_config.scaling_run(name, width)
-      config = default_config.get_config(f'sweep={run}')
-      for seed in seeds:
-        workdir = tmp_path / run / f'seed_{seed}'
-        os.makedirs(workdir)
-        checkpointing.save_config(str(workdir), config)
-        loss = 40.0 * (gain * flops.training_flops(config)) ** -0.05 * noise[seed]
-        with open(workdir / train.EVAL_FINAL_JSON, 'w') as f:
-          json.dump({'bits_per_byte': loss}, f)
-  points = {name: scaling.ladder_points(str(tmp_path), name, widths, seeds)
+  write_runs(tmp_path, 'standard', 1.0, noise)
+  write_runs(tmp_path, 'block_s4', 1.25, noise)
+  points = {name: scaling.ladder_points(str(tmp_path), name, WIDTHS, (0, 1, 2))
             for name in ('standard', 'block_s4')}
-  assert sorted(points['standard']) == list(widths)
+  assert sorted(points['standard']) == list(WIDTHS)
   result = scaling.analyse(points, 'standard', bootstrap=200)
-  # The same seed noise at every rung multiplies A only: alpha and the advantage are
-  # recovered to float64 rounding.
-  np.testing.assert_allclose(result['standard']['alpha'], 0.05, rtol=1e-9)
-  for entry in result['block_s4']['advantage']:
+  # The same seed noise at every rung multiplies A only: alpha and the multiplier are
+  # recovered to float64 rounding. A resample draws different seeds at different rungs,
+  # which tilts both fits alike, but not exactly alike (Block's FLOPs are not a fixed
+  # multiple of the standard's across widths), so the intervals only contain 1.25.
+  block = result['residuals']['block_s4']
+  np.testing.assert_allclose(result['residuals']['standard']['alpha'], 0.05, rtol=1e-9)
+  np.testing.assert_allclose(block['multiplier_middle']['value'], 1.25, rtol=1e-9)
+  low, high = block['multiplier_middle']['interval']
+  assert low <= 1.25 <= high
+  for entry in block['multiplier']:
     np.testing.assert_allclose(entry['value'], 1.25, rtol=1e-9)
     assert entry['low'] <= 1.25 + 1e-9 and entry['high'] >= 1.25 - 1e-9
-  for entry in result['standard']['advantage']:
+  for entry in result['residuals']['standard']['multiplier']:
     np.testing.assert_allclose(entry['value'], 1.0, rtol=1e-9)
-  table = scaling.report(result, 'standard', str(tmp_path))
-  assert '1.250x' in table
-  assert os.path.exists(tmp_path / 'scaling.png')
+  table = scaling.report(result, str(tmp_path), 'ladder')
+  assert '**1.250x**' in table
+  assert os.path.exists(tmp_path / 'ladder.png')
+  with open(tmp_path / 'ladder.json') as f:
+    assert json.load(f)['residuals']['block_s4']['multiplier_middle']['value'] > 1.2
+
+
+def test_unpaired_runs_are_left_out_and_one_seed_prints_na(tmp_path):
+  # Seed 2 of block at the first rung is missing: that rung is fitted on seeds 0 and 1
+  # for both residuals; a residual's different seed noise per rung widens the interval.
+  write_runs(tmp_path, 'standard', 1.0, {0: 1.0, 1: 1.01, 2: 0.99})
+  write_runs(tmp_path, 'block_s4', 1.0, {0: 0.99, 1: 1.0, 2: 1.01},
+             skip={(WIDTHS[0], 2)})
+  points = {name: scaling.ladder_points(str(tmp_path), name, WIDTHS, (0, 1, 2))
+            for name in ('standard', 'block_s4')}
+  result = scaling.analyse(points, 'standard', bootstrap=300)
+  first = result['residuals']['standard']['points'][str(WIDTHS[0])]
+  assert first['seeds'] == [0, 1]
+  mid = result['residuals']['block_s4']['multiplier_middle']
+  assert mid['interval'][0] < mid['interval'][1]
+  # The per-rung difference pairs the runs by seed, over the seeds both finished.
+  for w, rung in result['residuals']['block_s4']['points'].items():
+    block, standard = points['block_s4'][int(w)][1], points['standard'][int(w)][1]
+    np.testing.assert_allclose(
+        rung['difference'], np.mean([block[s] - standard[s] for s in rung['seeds']]),
+        rtol=1e-12)
+    assert rung['difference_interval'][0] < rung['difference_interval'][1]
+  assert scaling.spread([2.5]) == '2.5000 +- n/a'
+  assert scaling.spread([2.0, 3.0]) == '2.5000 +- 0.7071'
 
 
 def test_report_draws_an_estimate_that_lies_outside_its_interval(tmp_path):
-  # A bootstrap percentile interval need not contain the point estimate: with real seeds
-  # the estimate can sit below the 16% or above the 84% bootstrap value. The report must
-  # still draw and tabulate it (errorbar offsets would be negative and raise).
-  points = {64: dict(flops=1e12, bits_per_byte=[3.0, 3.1]),
-            128: dict(flops=4e12, bits_per_byte=[2.8, 2.9])}
-  row = dict(A=40.0, alpha=0.05, alpha_band=[0.04, 0.06], points=points,
-             advantage=[dict(flops=1e12, value=1.10, low=1.12, high=1.30),   # below
-                        dict(flops=4e12, value=1.40, low=1.05, high=1.30)])  # above
-  result = {'standard': dict(row, advantage=[dict(flops=c, value=1.0, low=1.0, high=1.0)
-                                             for c in (1e12, 4e12)]),
-            'block_s4': row}
-  table = scaling.report(result, 'standard', str(tmp_path))
+  # A bootstrap percentile interval need not contain the point estimate. The report
+  # must still draw and tabulate it (errorbar offsets would be negative and raise).
+  rung = lambda c, v: dict(flops=c, seeds=[0, 1], bits_per_byte=v, difference=-0.01,
+                          difference_interval=[-0.02, 0.0])
+  points = {'64': rung(1e12, [3.0, 3.1]), '128': rung(4e12, [2.8, 2.9])}
+  row = dict(A=40.0, alpha=0.05, alpha_interval=[0.04, 0.06], points=points,
+             alpha_minus_reference=0.0, alpha_minus_reference_interval=[-0.01, 0.01],
+             fit_rms_relative_residual=0.01,
+             multiplier_middle=dict(flops=2e12, value=1.2, interval=[1.1, 1.3]),
+             multiplier=[dict(flops=1e12, value=1.10, low=1.12, high=1.30),   # below
+                         dict(flops=4e12, value=1.40, low=1.05, high=1.30)])  # above
+  result = dict(reference='standard', interval_percent=95.0, bootstrap=10,
+                middle_flops=2e12, residuals={
+                    'standard': dict(row, multiplier=[
+                        dict(flops=c, value=1.0, low=1.0, high=1.0) for c in (1e12, 4e12)]),
+                    'block_s4': row})
+  table = scaling.report(result, str(tmp_path), 'scaling')
   assert '1.100x (1.120-1.300)' in table and '1.400x (1.050-1.300)' in table
   assert os.path.getsize(tmp_path / 'scaling.png') > 0
+
+
+def test_the_ladder_follows_one_token_rule():
+  # Tokens per non-embedding parameter are the same at every rung (up to rounding the
+  # steps to integers: half a step of 2048 tokens), and the runs differ in width only.
+  for width in WIDTHS:
+    steps = default_config.scaling_train_overrides(width)['train.num_steps']
+    tokens = steps * default_config.SCALING_BATCH_TOKENS
+    rule = default_config.SCALING_TOKENS_PER_PARAM * default_config.scaling_params(width)
+    assert abs(tokens - rule) <= default_config.SCALING_BATCH_TOKENS / 2
+    standard = ladder_config(default_config.scaling_run('standard', width), width)
+    block = ladder_config(default_config.scaling_run('block_s4', width), width)
+    assert standard.model.d_model == block.model.d_model == width
+    assert standard.train.num_steps == block.train.num_steps == steps
+
+
+def test_the_rule_counts_the_models_non_embedding_parameters():
+  # scaling_params is the standard ladder model's parameter count less the embedding
+  # table (tied) and the RMSNorm gains (two per layer and the final one).
+  width = WIDTHS[0]
+  config = ladder_config(default_config.scaling_run('standard', width), width)
+  # Abstract: shapes only, nothing initialised or compiled.
+  model = nnx.eval_shape(lambda: model_lib.Transformer(config.model, rngs=nnx.Rngs(0)))
+  total = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  norms = (2 * config.model.num_layers + 1) * width
+  assert total - config.model.vocab_size * width - norms == (
+      default_config.scaling_params(width))
+
