@@ -12,14 +12,13 @@ this process one after another; big sizes take minutes and several GB of host me
 import argparse
 import json
 import os
-import sys
 import time
 
 from attnres_jax import aot
 
+from configs import default as default_config
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)  # configs/ (run from anywhere)
-from configs import default as default_config  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 MODES = {'standard': dict(residual='standard'), 'block4': dict(residual='block', block_size=4),
          'block8': dict(residual='block', block_size=8), 'full': dict(residual='full'),

@@ -24,17 +24,15 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 from absl import app, flags
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+from attnres_jax import config as config_lib
+from attnres_jax import depth
+from attnres_jax import flops
+from attnres_jax import residuals
 
-from attnres_jax import config as config_lib  # pylint: disable=g-import-not-at-top
-from attnres_jax import depth  # pylint: disable=g-import-not-at-top
-from attnres_jax import flops  # pylint: disable=g-import-not-at-top
-from attnres_jax import residual as residual_lib  # pylint: disable=g-import-not-at-top
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string('residual_io_json',
@@ -83,8 +81,8 @@ def itemised_io(cfg) -> dict[str, float]:
   if cfg.residual in ('hc', 'mhc'):
     m = cfg.hc_streams
     return {'read': m + 1.0, 'write': 2.0 * m + 1, 'final': per(m + 1)}
-  size = config_lib.effective_block_size(cfg)
-  sublayers_per_segment = 2 * residual_lib.segment_layers(cfg)
+  residual = residuals.make(cfg)
+  size, sublayers_per_segment = residual.block_size, 2 * residual.segment_layers
   phase1_read = local_read = adds = 0
   for l in range(num_sublayers):
     segment, j = divmod(l, sublayers_per_segment)

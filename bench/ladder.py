@@ -25,13 +25,11 @@ import time
 
 from absl import app, flags
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-sys.path.insert(0, os.path.join(REPO, 'bench'))
+from attnres_jax import train
+from bench import scaling
+from configs import default as default_config
 
-from attnres_jax import train  # pylint: disable=g-import-not-at-top
-from configs import default as default_config  # pylint: disable=g-import-not-at-top
-import scaling  # pylint: disable=g-import-not-at-top
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 FLAGS = flags.FLAGS
 # bench/scaling.py's flags (--root, --residuals, --widths, --seeds, --bootstrap, --out,

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 from absl import app, flags
 import matplotlib
@@ -37,13 +36,12 @@ matplotlib.use('Agg')
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 import numpy as np
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+from attnres_jax import checkpointing
+from attnres_jax import flops
+from attnres_jax import train
+from configs import default as default_config
 
-from attnres_jax import checkpointing  # pylint: disable=g-import-not-at-top
-from attnres_jax import flops  # pylint: disable=g-import-not-at-top
-from attnres_jax import train  # pylint: disable=g-import-not-at-top
-from configs import default as default_config  # pylint: disable=g-import-not-at-top
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string('root', 'runs/ladder', 'The run root (bench/ladder.py --root).')

@@ -1,17 +1,11 @@
 """bench/io_table.py: the itemised residual I/O adds up to the counted total, and the
 papers' formulas are evaluated at the row's own N, S and m."""
 
-import os
-import sys
-
 import numpy as np
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, 'bench'))
-
-import io_table  # pylint: disable=g-import-not-at-top,wrong-import-position
-from attnres_jax import flops  # pylint: disable=g-import-not-at-top,wrong-import-position
+from attnres_jax import flops
+from bench import io_table
 
 
 @pytest.mark.parametrize('mode', ['standard', 'full', 'block:2', 'block:4', 'block:8',

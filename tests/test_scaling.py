@@ -3,19 +3,15 @@ the ladder's token rule (configs/default.py) is one rule for every size."""
 
 import json
 import os
-import sys
 
 from flax import nnx
 import jax
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, 'bench'))
-
-import scaling  # pylint: disable=g-import-not-at-top,wrong-import-position
-from attnres_jax import checkpointing, flops, train  # pylint: disable=g-import-not-at-top,wrong-import-position
-from attnres_jax import model as model_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
-from configs import default as default_config  # pylint: disable=g-import-not-at-top,wrong-import-position
+from attnres_jax import checkpointing, flops, train
+from attnres_jax import model as model_lib
+from bench import scaling
+from configs import default as default_config
 
 WIDTHS = default_config.SCALING_WIDTHS
 
