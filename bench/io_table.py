@@ -114,6 +114,7 @@ def paper_formula(cfg) -> list[tuple[str, float]]:
 
 def main(argv):
   del argv
+  os.makedirs(FLAGS.io_table_out, exist_ok=True)
   with open(FLAGS.residual_io_json, encoding='utf-8') as f:
     measured = json.load(f)
   rows, lines = [], [
