@@ -1,23 +1,29 @@
 """One run per workdir: the workdir lock and the run-config guard.
 
 The lock, `<workdir>/workdir.lock`, is a file that is never deleted; a process holds
-it with `fcntl.flock` and writes its pid, host, start time and purpose into it.
+it with `fcntl.flock` and writes its pid, host, start time, purpose and lease into it.
   * The kernel releases a flock when its holder dies, however it dies (kill -9
     included), so a crash never leaves the workdir locked on this host. Nothing relies
     on the file's existence (an O_EXCL lock file would survive a crash), and the file
-    is never unlinked (unlinking a flocked file lets two processes lock two different
-    inodes of the same path).
+    is never unlinked while in use (unlinking a flocked file lets two processes lock
+    two different inodes of the same path); only a workdir that a run created and left
+    empty after an early error is removed, lock file and all (`remove_if_unused`).
   * A clean release empties the file, so a non-empty file whose flock is free is the
-    record of a holder that died: on this host it is taken over with a message. If it
-    names another host, the flock may not reach across hosts (some network file
-    systems), so the lock is refused until that record is removed by hand.
+    record of a holder that died: on this host it is taken over with a message.
+  * The flock may not reach across hosts (some network file systems), so a record that
+    names another host is judged by its lease: the holder rewrites `renewed` every
+    `lease_seconds / 4` (120 s / 4) while it runs. A record whose lease expired is
+    taken over with a message (a preempted job restarted on a new VM resumes
+    unattended); one that is renewed while we wait is refused. A record without a
+    lease (written by an older version) is refused until removed by hand.
   * A multi-process run holds one lock: process 0 takes it (`train.py` calls this on
     process 0 only and shares the outcome).
 
 The run-config guard compares a resumed run's config with the saved `config.json`
 field by field (`config_changes`); see `HARMLESS_FIELDS` for what may change freely.
-`make_workdir`, `lock_workdir`, `prepare_workdir` and `check_disk_space` are what a
-training run does with its workdir before it trains.
+`make_workdir`, `lock_workdir`, `check_run_config` and `check_disk_space` are what a
+training run does with its workdir before it trains; `RunRecord.write` records the run
+with its first checkpoint.
 """
 
 from __future__ import annotations
@@ -27,20 +33,27 @@ import errno
 import fcntl
 import json
 import os
+import re
 import shutil
 import socket
+import threading
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
 import ml_collections
 import numpy as np
+from absl import logging
 
 from attnres_jax import checkpointing
 from attnres_jax import config as config_lib
 from attnres_jax import metrics
 
 LOCK_FILE = 'workdir.lock'
+# A holder on another host that has not renewed its lease for this long is gone; a
+# replacement job (a preempted VM's successor) then takes the lock over.
+LEASE_SECONDS = 120.0
 CONFIG_HISTORY = 'config_history.jsonl'
 
 # Fields that may differ between the segments of one run without the user's say-so:
@@ -105,11 +118,13 @@ class WorkdirLock:
   """Exclusive lock on a workdir; `release()` (or the holder's death) frees it.
 
   Raises WorkdirLockedError naming the holder's pid and host if another live process
-  holds it. `messages` collects what was noticed on acquiring (a stale lock taken
-  over).
+  holds it. While held, a daemon thread renews the lease (`renewed` in the record)
+  every `lease_seconds / 4`. `messages` collects what was noticed on acquiring (a
+  stale lock taken over).
   """
 
-  def __init__(self, workdir: str, purpose: str):
+  def __init__(self, workdir: str, purpose: str, *,
+               lease_seconds: float = LEASE_SECONDS):
     self.path = os.path.join(workdir, LOCK_FILE)
     self.messages: list[str] = []
     fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -125,32 +140,50 @@ class WorkdirLock:
             f'write into it. Wait for that process to finish or stop it (lock file '
             f'{self.path}).') from None
       previous = _read_holder(fd)
-      if previous:
-        host, pid = previous.get('host'), previous.get('pid')
-        if host != socket.gethostname():
+      if previous and previous.get('host') != socket.gethostname():
+        why = _lease_expired(fd, previous, self.path)
+        if why is None:
           fcntl.flock(fd, fcntl.LOCK_UN)
           raise WorkdirLockedError(
-              f'Workdir {workdir!r} was locked by {_describe(previous)}, on another '
-              f'host, whose liveness cannot be checked from here. If that run is over, '
-              f'delete {self.path} and start again.')
+              f'Workdir {workdir!r} is in use by {_describe(previous)}, on another '
+              + ('host, which renews its lease; refusing to write into it.'
+                 if _renews(previous) else
+                 f'host, whose liveness cannot be checked from here (its record has no '
+                 f'lease). If that run is over, delete {self.path} and start again.'))
+        self.messages.append(f'Taking over the lock of {_describe(previous)}: {why}.')
+      elif previous:
+        pid = previous.get('pid')
         state = ('no longer running' if not isinstance(pid, int) or not _pid_alive(pid)
                  else 'not holding the lock (a new process with the same pid)')
         self.messages.append(
             f'Taking over the stale lock of {_describe(previous)}, {state}; its run '
             f'ended without releasing {self.path} (killed or crashed).')
-      record = dict(pid=os.getpid(), host=socket.gethostname(), started=_now(),
-                    purpose=purpose)
-      os.ftruncate(fd, 0)
-      os.pwrite(fd, json.dumps(record).encode(), 0)
-      os.fsync(fd)
+      self._record = dict(pid=os.getpid(), host=socket.gethostname(), started=_now(),
+                          purpose=purpose, renewed=time.time(),
+                          lease_seconds=lease_seconds)
+      _write_record(fd, self._record)
     except BaseException:
       os.close(fd)
       raise
     self._fd = fd
+    self._stop = threading.Event()
+    self._renewer = threading.Thread(target=self._renew, args=(lease_seconds / 4,),
+                                     daemon=True, name='workdir-lease')
+    self._renewer.start()
+
+  def _renew(self, every: float) -> None:
+    while not self._stop.wait(every):
+      self._record['renewed'] = time.time()
+      try:
+        _write_record(self._fd, self._record)
+      except OSError as e:  # a full disk: the flock still holds on this host
+        logging.warning('Could not renew the lease in %s: %s', self.path, e)
 
   def release(self) -> None:
     if self._fd is None:
       return
+    self._stop.set()
+    self._renewer.join()
     try:
       os.ftruncate(self._fd, 0)  # a clean release leaves no holder record
       fcntl.flock(self._fd, fcntl.LOCK_UN)
@@ -163,6 +196,39 @@ class WorkdirLock:
 
   def __exit__(self, *exc):
     self.release()
+
+
+def _write_record(fd: int, record: Mapping[str, Any]) -> None:
+  data = json.dumps(record).encode()
+  os.pwrite(fd, data, 0)
+  os.ftruncate(fd, len(data))
+  os.fsync(fd)
+
+
+def _renews(holder: Mapping[str, Any]) -> bool:
+  return all(isinstance(holder.get(k), (int, float)) for k in ('renewed', 'lease_seconds'))
+
+
+def _lease_expired(fd: int, holder: Mapping[str, Any], path: str) -> str | None:
+  """Why the lock of `holder` (on another host) is stale, or None if it is live.
+
+  Waits while the lease may still be renewed: the holder is alive if its record
+  changes, gone once `lease_seconds` passed since its last renewal. Host clocks must
+  agree to well within the lease (NTP does). A record without a lease is live.
+  """
+  if not _renews(holder):
+    return None
+  lease, renewed = holder['lease_seconds'], holder['renewed']
+  if time.time() - renewed <= lease:
+    metrics.say(f'{path}: waiting up to {lease - (time.time() - renewed):.0f} s for the '
+                f'lease of {_describe(holder)} to expire (it renews every '
+                f'{lease / 4:g} s while it runs).')
+  while time.time() - renewed <= lease:
+    time.sleep(min(1.0, lease / 20))
+    if _read_holder(fd) != holder:
+      return None
+  return (f'its lease expired {time.time() - renewed - lease:.0f} s ago (last renewed '
+          f'{time.time() - renewed:.0f} s ago), so it is gone')
 
 
 def _read_holder(fd: int) -> dict[str, Any]:
@@ -258,7 +324,18 @@ def record_config_change(workdir: str, step: int, changes: Mapping[str, tuple[An
 
 
 def make_workdir(workdir: str) -> str:
-  """Creates `workdir` and checks that it is writable; returns its absolute path."""
+  """Creates `workdir` and checks that it is writable; returns its absolute path.
+
+  A URL (`gs://bucket/run`) is refused: the lock, the run record and the metrics need
+  a file system; mount the bucket (gcsfuse) and pass the mount point instead.
+  """
+  scheme = re.match(r'^([A-Za-z][A-Za-z0-9+.-]*)://', workdir)
+  if scheme:
+    raise ValueError(
+        f'Workdir {workdir!r}: {scheme.group(1)}:// paths are not supported (the lock, '
+        'config.json and metrics.jsonl need a file system; they would go to a local '
+        f'directory named "{scheme.group(1)}:"). Use a local path or a mounted bucket '
+        '(e.g. gcsfuse).')
   try:
     return make_writable_dir(workdir)
   except OSError as e:
@@ -300,30 +377,51 @@ def _model_defaults() -> dict[str, Any]:
   return flatten({'model': config_lib.ModelConfig().to_dict()})
 
 
-def prepare_workdir(workdir: str, config: ml_collections.ConfigDict,
-                    allow_config_change: Sequence[str] = ()) -> set[str]:
-  """Checks `config` against the run in `workdir` and writes `config.json`.
+class RunRecord:
+  """The run record of a checked config: `changes` (the fields that differ from the
+  checkpoints'), and `write()`, which writes `config.json` (and appends accepted
+  changes to `config_history.jsonl`) once, on process 0. The loop writes it with the
+  segment's first checkpoint, so an attempt that fails before saving (a bad mesh, a
+  compile error, a diverged run) leaves the record of the checkpoints as it was."""
+
+  def __init__(self, workdir: str, config: ml_collections.ConfigDict,
+               changes: Mapping[str, tuple[Any, Any]], saved: Mapping[str, Any] | None,
+               latest_step: int | None):
+    self.workdir, self.config, self.changes = workdir, config, dict(changes)
+    self._saved, self._latest_step = saved, latest_step
+    self._written = False
+
+  def write(self) -> None:
+    if self._written:
+      return
+    if jax.process_index() == 0:
+      if self.changes:
+        record_config_change(self.workdir, self._latest_step, self.changes, self._saved)
+      checkpointing.save_config(self.workdir, self.config)
+    self._written = True
+
+
+def check_run_config(workdir: str, config: ml_collections.ConfigDict,
+                     allow_config_change: Sequence[str] = ()) -> RunRecord:
+  """Checks `config` against the run in `workdir`; returns its (unwritten) RunRecord.
 
   If `workdir` holds checkpoints, every field that differs from the saved
   `config.json` must be harmless (`workdir.HARMLESS_FIELDS`) or named in
   `allow_config_change` ('seq_len' or 'train.seq_len'); model fields never may (the
-  checkpoints could not hold that model). An accepted change is appended to
-  `config_history.jsonl` with the whole previous config. Returns the changed fields.
-  Call it holding the workdir lock.
+  checkpoints could not hold that model). Call it holding the workdir lock.
   """
   current = json.loads(config.to_json())
   flat_current = flatten(current)
   allowed = resolve_allowed(allow_config_change, flat_current)
   config_path = os.path.join(workdir, checkpointing.CONFIG_JSON)
   ckpt_dir = checkpointing.checkpoint_dir(workdir)
-  has_checkpoints = os.path.isdir(ckpt_dir) and any(
-      name.isdigit() for name in os.listdir(ckpt_dir))
-  changes = {}
-  if has_checkpoints and os.path.exists(config_path):
+  steps = [int(n) for n in os.listdir(ckpt_dir)
+           if n.isdigit()] if os.path.isdir(ckpt_dir) else []
+  changes, saved = {}, None
+  if steps and os.path.exists(config_path):
     with open(config_path, encoding='utf-8') as f:
       saved = json.load(f)
-    changes = config_changes(flatten(saved), flat_current,
-                                         _model_defaults())
+    changes = config_changes(flatten(saved), flat_current, _model_defaults())
     model = sorted(f for f in changes
                    if f.startswith('model.') and not is_harmless(f))
     if model:
@@ -340,15 +438,27 @@ def prepare_workdir(workdir: str, config: ml_collections.ConfigDict,
           f'Use another workdir, or accept the changes explicitly with '
           f'--allow_config_change={",".join(refused)} '
           f'(recorded in {CONFIG_HISTORY}).')
-    if changes and jax.process_index() == 0:
-      steps = [int(n) for n in os.listdir(ckpt_dir) if n.isdigit()]
-      record_config_change(workdir, max(steps), changes, saved)
-  if jax.process_count() > 1:  # every process has read the old config.json
-    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-    multihost_utils.sync_global_devices('config.json compared')
-  if jax.process_index() == 0:
-    checkpointing.save_config(workdir, config)
-  return set(changes)
+  return RunRecord(workdir, config, changes, saved, max(steps) if steps else None)
+
+
+def remove_if_unused(workdir: str, lock: WorkdirLock | None) -> None:
+  """Releases `lock` and removes `workdir` (one this run created) if the run left
+  nothing in it worth keeping: no checkpoint and no metrics record."""
+  ckpt_dir = checkpointing.checkpoint_dir(workdir)
+  kept = (os.path.isdir(ckpt_dir) and any(n.isdigit() for n in os.listdir(ckpt_dir))) \
+      or metrics.read_jsonl(workdir)
+  if lock is not None:
+    lock.release()
+  if not kept and jax.process_index() == 0:
+    shutil.rmtree(workdir, ignore_errors=True)
+
+
+def write_text(path: str, text: str) -> None:
+  """Writes `path` atomically (a temporary file, then a rename)."""
+  tmp = f'{path}.tmp.{os.getpid()}'
+  with open(tmp, 'w', encoding='utf-8') as f:
+    f.write(text)
+  os.replace(tmp, path)
 
 
 def check_disk_space(workdir: str, abstract_state) -> None:
