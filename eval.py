@@ -16,6 +16,7 @@ while a training run holds the workdir, write elsewhere with --output_dir.
 """
 
 import os
+import sys
 
 from absl import app
 from absl import flags
@@ -72,6 +73,15 @@ def _inside(path: str, directory: str) -> bool:
   return os.path.commonpath([path, directory]) == directory
 
 
+def _remove_empty(path: str, top: str) -> None:
+  """Removes `path` and its parents up to `top` while they are empty directories."""
+  while os.path.isdir(path) and not os.listdir(path):
+    os.rmdir(path)
+    if path == top:
+      return
+    path = os.path.dirname(path)
+
+
 def _evaluate(workdir: str, step: int):
   """(eval.json record, output directory) of checkpoint `step`; the workdir is locked
   while writing into it, and an output directory this left empty is removed."""
@@ -87,6 +97,9 @@ def _evaluate(workdir: str, step: int):
                            '--output_dir=<a writable directory>.') from e
     for message in lock.messages:
       print(f'WARNING: {message}')
+  new_top = os.path.abspath(out_dir)  # the outermost directory this will create
+  while not os.path.exists(os.path.dirname(new_top)):
+    new_top = os.path.dirname(new_top)
   existed = os.path.exists(out_dir)
   try:
     _writable_dir(out_dir)
@@ -95,8 +108,8 @@ def _evaluate(workdir: str, step: int):
         batch_size=_BATCH_SIZE.value, max_eval_batches=_MAX_EVAL_BATCHES.value,
         grad_batches=_GRAD_BATCHES.value or None), out_dir
   except BaseException:
-    if not existed and os.path.isdir(out_dir) and not os.listdir(out_dir):
-      os.rmdir(out_dir)  # no empty eval/step_N/ after a failure
+    if not existed:
+      _remove_empty(os.path.abspath(out_dir), new_top)  # no empty eval/step_N/ left
     raise
   finally:
     if lock is not None:
@@ -162,8 +175,12 @@ def main(argv):
     steps = [_STEP.value]
   elif not steps:
     raise app.UsageError(f'No checkpoint in {checkpointing.checkpoint_dir(workdir)}.')
-  record, out_dir = checkpointing.newest_that_restores(
-      workdir, steps, lambda step: _evaluate(workdir, step), say=print)
+  try:
+    record, out_dir = checkpointing.newest_that_restores(
+        workdir, steps, lambda step: _evaluate(workdir, step), say=print)
+  except (checkpointing.CheckpointRestoreError, FileNotFoundError) as e:
+    print(f'FATAL: {e}', file=sys.stderr)
+    sys.exit(1)
   print(f'step {record["step"]}: held-out loss {record["loss"]:.4f} nats/token, '
         f'{record["bits_per_byte"]:.4f} bits/byte, perplexity '
         f'{record["perplexity"]:.3f} over {int(record["num_tokens"]):,} tokens '

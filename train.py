@@ -28,9 +28,9 @@ from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
-from attnres_jax import checkpointing
 from attnres_jax import config as config_lib
 from attnres_jax import preemption
+from attnres_jax import quiet
 from attnres_jax import train
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -85,7 +85,7 @@ def main(argv):
   if not flags.FLAGS['verbosity'].present:
     logging.set_verbosity(logging.WARNING)  # orbax logs every file at INFO
   if not _DEBUG.value:
-    checkpointing.quiet_save_errors()  # a failed save: one line, not pages of orbax's
+    quiet.silence_save_errors()  # a failed save: one line, not pages of orbax's
   try:
     train.train_and_evaluate(_CONFIG.value, _WORKDIR.value,
                              allow_config_change=_ALLOW_CONFIG_CHANGE.value)

@@ -6,12 +6,12 @@ A checkpoint of step s, in `<workdir>/checkpoints/<s>/`, holds three items of on
   train_state: {'step': s, 'opt_state': the optax state}
   data:        the training data iterator state (grain's checkpoint handler, JSON,
                one file per process)
-  digest:      checksums of the params and of the optimizer state (`digest`), JSON
+  digest:      checksums of the params and of the optimizer state (`checksum.digest`)
 all after s optimizer updates and s batches. A restore recomputes the checksums of
 what it read and treats a mismatch (bytes damaged inside an array file, which the
-decoder does not notice) like any other damaged checkpoint. Orbax writes each step into a temporary
-directory and renames it when complete, so a run killed during a save leaves the
-earlier checkpoints usable; the unfinished temporary directory is ignored and removed
+decoder does not notice) like any other damaged checkpoint. Orbax writes each step
+into a temporary directory and renames it when complete, so a run killed during a
+save leaves the earlier checkpoints usable; the unfinished temporary directory is ignored and removed
 at the next start. A complete checkpoint whose files were damaged later is moved to
 `<workdir>/corrupt_checkpoints/` by the training loop (`move_aside`), never deleted.
 
@@ -19,31 +19,29 @@ A save that fails (disk full, I/O error), in the background too, raises
 CheckpointSaveError from the next `poll`, `save` or `finish`, naming the step, the
 cause and the last good checkpoint.
 
-`<workdir>/config.json` is the full run config, written at the start of a run;
-`restore_model` rebuilds the model from it.
+`<workdir>/config.json` is the full run config, written with a run's first checkpoint
+(`workdir.RunRecord`); `restore_model` rebuilds the model from it.
 """
 
 from __future__ import annotations
 
 import errno
 import json
-import logging as std_logging
-import math
 import os
-import sys
 from typing import Any
 
 import grain
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 from flax import nnx
 
+from attnres_jax import checksum
 from attnres_jax import config as config_lib
 from attnres_jax import metrics
+from attnres_jax import quiet
 
 CONFIG_JSON = 'config.json'
 CHECKPOINTS = 'checkpoints'
@@ -109,92 +107,6 @@ def load_config(workdir: str) -> ml_collections.ConfigDict:
   return config
 
 
-def _leaf_words(x: jax.Array) -> jax.Array:
-  """The bits of each element of `x` as uint32 (floats bit-cast, not converted)."""
-  if x.dtype == jnp.bool_:
-    return x.astype(jnp.uint32)
-  unsigned = jnp.dtype(f'uint{8 * x.dtype.itemsize}')
-  return jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
-
-
-@jax.jit
-def _digest_lanes(tree) -> jax.Array:
-  """Two 32-bit weighted sums of every element's bits, the elements of all leaves in
-  one sequence: sum(word_i * w_i) mod 2**32 with odd weights w_i, so that a change of
-  any one element always changes both sums, and swapped elements change them too."""
-  total = jnp.zeros((2,), jnp.uint32)
-  offset = 0
-  for leaf in jax.tree.leaves(tree):
-    leaf = jnp.asarray(leaf)
-    strides = [math.prod(leaf.shape[k + 1:]) for k in range(leaf.ndim)]
-    index = jnp.full(leaf.shape, offset, jnp.uint32)
-    for k, stride in enumerate(strides):
-      index = index + jax.lax.broadcasted_iota(jnp.uint32, leaf.shape, k) * jnp.uint32(
-          stride % 2**32)
-    words = _leaf_words(leaf)
-    for lane, multiplier in enumerate((0x9E3779B1, 0x85EBCA6B)):
-      weight = (index * jnp.uint32(2) + jnp.uint32(1)) * jnp.uint32(multiplier)
-      total = total.at[lane].add(jnp.sum(words * weight, dtype=jnp.uint32))
-    offset = (offset + leaf.size) % 2**32
-  return total
-
-
-def digest(tree) -> str:
-  """A checksum of the values (bits) of an array tree, the same for any sharding."""
-  lanes = np.asarray(jax.device_get(_digest_lanes(tree)), np.uint64)
-  return f'{int(lanes[0]):08x}{int(lanes[1]):08x}'
-
-
-class ChecksumError(ValueError):
-  """A restored array tree's values differ from the checksum saved with them."""
-
-
-def _verify(step: int, name: str, tree, saved: dict | None) -> None:
-  if saved is None or name not in saved:
-    return  # a checkpoint written before checksums were recorded
-  actual = digest(tree)
-  if actual != saved[name]:
-    raise ChecksumError(f'the {name} of checkpoint {step} do not match their checksum '
-                        f'(saved {saved[name]}, read {actual}): damaged array files')
-
-
-class _DropNotice(std_logging.Filter):
-  """Drops one log message of orbax's (by its format string)."""
-
-  def __init__(self, message: str):
-    super().__init__()
-    self.message = message
-
-  def filter(self, record: std_logging.LogRecord) -> bool:
-    return record.msg != self.message
-
-
-class _DropBackgroundErrors(std_logging.Filter):
-  """Drops error logs of orbax's background threads and of asyncio's leftovers."""
-
-  def filter(self, record: std_logging.LogRecord) -> bool:
-    path = record.pathname.replace(os.sep, '/')
-    return not (record.levelno >= std_logging.ERROR
-                and ('/orbax/' in path or '/asyncio/' in path))
-
-
-def quiet_save_errors() -> None:
-  """From now on in this process, a failing save is reported once, by
-  CheckpointSaveError, not also by orbax's threads: their error logs (a traceback per
-  array) and the 'Event loop is closed' errors of TensorStore callbacks that outlive
-  orbax's event loop (unraisable exceptions, some at exit) are dropped. For command
-  lines (train.py; its --debug keeps them)."""
-  previous_hook = sys.unraisablehook
-
-  def hook(unraisable):
-    if not (isinstance(unraisable.exc_value, RuntimeError)
-            and str(unraisable.exc_value) == 'Event loop is closed'):
-      previous_hook(unraisable)
-
-  logging.get_absl_handler().addFilter(_DropBackgroundErrors())  # all loggers
-  sys.unraisablehook = hook
-
-
 class Checkpointer:
   """Saves and restores (params, optimizer state, step, data iterator) by step."""
 
@@ -209,12 +121,8 @@ class Checkpointer:
         enable_async_checkpointing=async_save,
     )
     self.directory = checkpoint_dir(workdir)
-    quiet = _DropNotice('Given directory is read only=%s')  # said on every read-only use
-    logging.get_absl_logger().addFilter(quiet)
-    try:
+    with quiet.dropping('Given directory is read only=%s'):  # said at every read-only use
       self.manager = ocp.CheckpointManager(self.directory, options=options)
-    finally:
-      logging.get_absl_logger().removeFilter(quiet)
     self._saving = None  # the step of a save that may still be running
 
   def latest_step(self) -> int | None:
@@ -238,8 +146,8 @@ class Checkpointer:
               params=ocp.args.StandardSave(params),
               train_state=ocp.args.StandardSave({'step': step, 'opt_state': opt_state}),
               data=grain.checkpoint.CheckpointSave(train_iter),
-              digest=ocp.args.JsonSave({'params': digest(params),
-                                        'opt_state': digest(opt_state)}),
+              digest=ocp.args.JsonSave({'params': checksum.digest(params),
+                                        'opt_state': checksum.digest(opt_state)}),
           ),
           force=force)
     except Exception as e:  # pylint: disable=broad-except
@@ -310,8 +218,8 @@ class Checkpointer:
     if int(restored.train_state['step']) != step:
       raise ValueError(f'Checkpoint {step} holds step {restored.train_state["step"]}.')
     saved = restored.get('digest')
-    _verify(step, 'params', restored.params, saved)
-    _verify(step, 'opt_state', restored.train_state['opt_state'], saved)
+    checksum.verify(step, 'params', restored.params, saved)
+    checksum.verify(step, 'opt_state', restored.train_state['opt_state'], saved)
     return restored.params, restored.train_state['opt_state']
 
   def _has_digest(self, step: int) -> bool:
@@ -331,7 +239,7 @@ class Checkpointer:
     if self._has_digest(step):
       items['digest'] = ocp.args.JsonRestore()
     restored = self.manager.restore(step, args=ocp.args.Composite(**items))
-    _verify(step, 'params', restored.params, restored.get('digest'))
+    checksum.verify(step, 'params', restored.params, restored.get('digest'))
     return restored.params
 
   def wait(self) -> None:

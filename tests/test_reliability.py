@@ -221,8 +221,8 @@ def test_sigterm_saves_the_step_in_flight_and_sigint_too_then_resume_is_exact(
   # Step s's metrics are read after step s + 1 is dispatched: s + 1 was in flight.
   assert stopped.value.exit_code == 130 and stopped.value.step == saved + 2
   assert str(stopped.value).startswith(f'Stopped by SIGINT after step {saved + 2}: ')
-  assert sorted(os.listdir(checkpointing.checkpoint_dir(workdir))) == [
-      str(saved), str(saved + 2)]
+  assert sorted(map(int, os.listdir(checkpointing.checkpoint_dir(workdir)))) == [
+      saved, saved + 2]
   assert signal.getsignal(signal.SIGINT) is previous  # handlers restored
 
   stop = saved + 4
@@ -314,7 +314,8 @@ def test_sigterm_to_one_of_two_processes_stops_both_after_the_same_step(tfds_dir
   """Two train.py processes (jax.distributed on localhost, 2 x 2 CPU devices); a
   SIGTERM to process 1 alone, as a preemption notice reaches one host: both stop after
   the same step (JAX's preemption sync point), save it together and exit 143."""
-  from test_multiprocess import _child_env, _free_port  # pylint: disable=g-import-not-at-top  # a test module, not a package
+  # A test module (its children's environment), imported only by this test.
+  from test_multiprocess import _child_env, _free_port  # pylint: disable=g-import-not-at-top
   workdir = str(tmp_path / 'run')
   port = _free_port()
   logs = [tmp_path / f'process_{i}.log' for i in range(2)]

@@ -11,6 +11,8 @@ import math
 import os
 import re
 import shutil
+import subprocess
+import sys
 import threading
 import time
 
@@ -830,3 +832,20 @@ def test_optional_fields_can_be_set_from_the_command_line(tmp_path):
   assert flag_values.config.train.eval_every == 50
   assert flag_values.config.train.max_eval_batches == 4
   assert default_config.get_config().train.eval_every is None  # still off by default
+
+
+def test_eval_cli_failure_leaves_no_empty_output_directory(uninterrupted, tmp_path):
+  """eval.py on a run none of whose checkpoints restores: one FATAL line, exit 1, and
+  no empty eval/step_N/ left behind."""
+  workdir = _copy_run(uninterrupted, tmp_path)
+  _corrupt(workdir, N, 'flipped_bytes')
+  _corrupt(workdir, 2 * N, 'flipped_bytes')
+  done = subprocess.run([sys.executable, 'eval.py', f'--workdir={workdir}'],
+                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        capture_output=True, text=True, timeout=300)
+  assert done.returncode == 1, done.stderr
+  assert f'WARNING: the checkpoint of step {2 * N} does not restore (ChecksumError' \
+      in done.stdout
+  (line,) = [l for l in done.stderr.splitlines() if l.strip()]
+  assert line.startswith(f'FATAL: The checkpoint of step {N} in ') and 'ChecksumError' in line
+  assert not os.path.exists(os.path.join(workdir, 'eval'))
