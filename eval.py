@@ -16,6 +16,7 @@ while a training run holds the workdir, write elsewhere with --output_dir.
 """
 
 import os
+import sys
 
 from absl import app
 from absl import flags
@@ -72,6 +73,49 @@ def _inside(path: str, directory: str) -> bool:
   return os.path.commonpath([path, directory]) == directory
 
 
+def _remove_empty(path: str, top: str) -> None:
+  """Removes `path` and its parents up to `top` while they are empty directories."""
+  while os.path.isdir(path) and not os.listdir(path):
+    os.rmdir(path)
+    if path == top:
+      return
+    path = os.path.dirname(path)
+
+
+def _evaluate(workdir: str, step: int):
+  """(eval.json record, output directory) of checkpoint `step`; the workdir is locked
+  while writing into it, and an output directory this left empty is removed."""
+  out_dir = _OUTPUT_DIR.value or analysis.eval_dir(workdir, step)
+  lock = None
+  if _inside(out_dir, workdir):
+    try:
+      lock = workdir_lib.WorkdirLock(os.path.abspath(workdir), 'eval.py')
+    except workdir_lib.WorkdirLockedError as e:
+      raise app.UsageError(f'{e} To evaluate now, write elsewhere: --output_dir=DIR.')
+    except OSError as e:
+      raise app.UsageError(f'Cannot write into the workdir {workdir}: {e}. Pass '
+                           '--output_dir=<a writable directory>.') from e
+    for message in lock.messages:
+      print(f'WARNING: {message}')
+  new_top = os.path.abspath(out_dir)  # the outermost directory this will create
+  while not os.path.exists(os.path.dirname(new_top)):
+    new_top = os.path.dirname(new_top)
+  existed = os.path.exists(out_dir)
+  try:
+    _writable_dir(out_dir)
+    return analysis.evaluate_and_analyze(
+        workdir, step, output_dir=out_dir,
+        batch_size=_BATCH_SIZE.value, max_eval_batches=_MAX_EVAL_BATCHES.value,
+        grad_batches=_GRAD_BATCHES.value or None), out_dir
+  except BaseException:
+    if not existed:
+      _remove_empty(os.path.abspath(out_dir), new_top)  # no empty eval/step_N/ left
+    raise
+  finally:
+    if lock is not None:
+      lock.release()
+
+
 def main(argv):
   if not flags.FLAGS['verbosity'].present:
     logging.set_verbosity(logging.WARNING)  # orbax logs every file at INFO
@@ -105,44 +149,38 @@ def main(argv):
     model, config, step = checkpointing.restore_model(_WORKDIR.value, _STEP.value)
     # The run's own tokenizer: bytes, or <workdir>/tokenizer.model.
     tokenizer = data.make_tokenizer(config.data, workdir=_WORKDIR.value)
+    trained = config.train.seq_len
+    longest = max(len(sampling.encode_text(p, tokenizer=tokenizer)) for p in _PROMPT.value)
+    if longest + _MAX_NEW_TOKENS.value > trained:
+      print(f'WARNING: prompt and continuation reach {longest + _MAX_NEW_TOKENS.value} '
+            f'tokens, past the {trained} the model was trained on (train.seq_len): '
+            'positions beyond it were never seen. The prompt is read in chunks of '
+            f'{trained} tokens, so memory grows with its length, not its square.')
     texts = sampling.generate_text(
         model, list(_PROMPT.value), _MAX_NEW_TOKENS.value, temperature=_TEMPERATURE.value,
-        top_k=_TOP_K.value, seed=_SEED.value, tokenizer=tokenizer)
+        top_k=_TOP_K.value, seed=_SEED.value, tokenizer=tokenizer,
+        prefill_chunk=trained)
     print(f'[step {step}, temperature {_TEMPERATURE.value}, top_k {_TOP_K.value}, '
           f'seed {_SEED.value}]')
     for prompt, text in zip(_PROMPT.value, texts):
       print(prompt + text)
     return
 
-  workdir, step = _WORKDIR.value, _STEP.value
-  if step is None:
-    checkpointer = checkpointing.Checkpointer(workdir, save_every=0, keep=None,
-                                              async_save=False, read_only=True)
-    step = checkpointer.latest_step()
-    checkpointer.close()
-    if step is None:
-      raise app.UsageError(f'No checkpoint in {checkpointing.checkpoint_dir(workdir)}.')
-  out_dir = _OUTPUT_DIR.value or analysis.eval_dir(workdir, step)
-  lock = None
-  if _inside(out_dir, workdir):
-    try:
-      lock = workdir_lib.WorkdirLock(os.path.abspath(workdir), 'eval.py')
-    except workdir_lib.WorkdirLockedError as e:
-      raise app.UsageError(f'{e} To evaluate now, write elsewhere: --output_dir=DIR.')
-    except OSError as e:
-      raise app.UsageError(f'Cannot write into the workdir {workdir}: {e}. Pass '
-                           '--output_dir=<a writable directory>.') from e
-    for message in lock.messages:
-      print(f'WARNING: {message}')
+  workdir = _WORKDIR.value
+  checkpointer = checkpointing.Checkpointer(workdir, save_every=0, keep=None,
+                                            async_save=False, read_only=True)
+  steps = sorted(checkpointer.all_steps(), reverse=True)
+  checkpointer.close()
+  if _STEP.value is not None:
+    steps = [_STEP.value]
+  elif not steps:
+    raise app.UsageError(f'No checkpoint in {checkpointing.checkpoint_dir(workdir)}.')
   try:
-    _writable_dir(out_dir)
-    record = analysis.evaluate_and_analyze(
-        workdir, step, output_dir=out_dir,
-        batch_size=_BATCH_SIZE.value, max_eval_batches=_MAX_EVAL_BATCHES.value,
-        grad_batches=_GRAD_BATCHES.value or None)
-  finally:
-    if lock is not None:
-      lock.release()
+    record, out_dir = checkpointing.newest_that_restores(
+        workdir, steps, lambda step: _evaluate(workdir, step), say=print)
+  except (checkpointing.CheckpointRestoreError, FileNotFoundError) as e:
+    print(f'FATAL: {e}', file=sys.stderr)
+    sys.exit(1)
   print(f'step {record["step"]}: held-out loss {record["loss"]:.4f} nats/token, '
         f'{record["bits_per_byte"]:.4f} bits/byte, perplexity '
         f'{record["perplexity"]:.3f} over {int(record["num_tokens"]):,} tokens '

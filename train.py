@@ -12,9 +12,15 @@ the same --workdir.
 A run locks its workdir (a second run on it is refused), and a resumed run must have
 the config of the checkpoints it resumes, except for the fields named in
 --allow_config_change (recorded in the workdir's config_history.jsonl).
+
+On SIGTERM or SIGINT (preemption, a scheduler, Ctrl-C) the run finishes the step in
+flight, saves its checkpoint and exits with 128 + the signal number (143 for SIGTERM,
+130 for SIGINT) and one line naming the step; the same command resumes from it.
+Errors are one FATAL line (exit 1); --debug shows the traceback.
 """
 
 import sys
+import traceback
 
 import jax
 from absl import app
@@ -24,6 +30,8 @@ from ml_collections import config_flags
 
 from attnres_jax import aot
 from attnres_jax import config as config_lib
+from attnres_jax import preemption
+from attnres_jax import quiet
 from attnres_jax import train
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -56,6 +64,8 @@ _ALLOW_CONFIG_CHANGE = flags.DEFINE_list(
     'allow_config_change', [],
     'Config fields (e.g. num_steps,train.learning_rate) that may differ from those of '
     'the checkpoints being resumed; the change is recorded in config_history.jsonl.')
+_DEBUG = flags.DEFINE_bool('debug', False,
+                           'Print the full traceback of an error, not one line.')
 
 
 def parse_flags(argv):
@@ -90,11 +100,17 @@ def main(argv):
   if _COMPILE_ONLY.value:
     workdir = _WORKDIR.value if flags.FLAGS['workdir'].present else None
     sys.exit(aot.main(_CONFIG.value, _TOPOLOGY.value, _NUM_SLICES.value, workdir))
+  if not _DEBUG.value:
+    quiet.silence_save_errors()  # a failed save: one line, not pages of orbax's
   try:
     train.train_and_evaluate(_CONFIG.value, _WORKDIR.value,
                              allow_config_change=_ALLOW_CONFIG_CHANGE.value)
-  except train.RUN_ERRORS as e:  # says all; the traceback only at --verbosity=0
-    logging.info('Stopped by', exc_info=True)
+  except preemption.Preempted as e:
+    print(e, file=sys.stderr)
+    sys.exit(e.exit_code)
+  except (*train.RUN_ERRORS, ValueError, OSError) as e:  # config and I/O errors say all
+    if _DEBUG.value:
+      traceback.print_exc()
     print(f'FATAL: {e}', file=sys.stderr)
     sys.exit(1)
 

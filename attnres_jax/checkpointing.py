@@ -6,9 +6,12 @@ A checkpoint of step s, in `<workdir>/checkpoints/<s>/`, holds three items of on
   train_state: {'step': s, 'opt_state': the optax state}
   data:        the training data iterator state (grain's checkpoint handler, JSON,
                one file per process)
-all after s optimizer updates and s batches. Orbax writes each step into a temporary
-directory and renames it when complete, so a run killed during a save leaves the
-earlier checkpoints usable; the unfinished temporary directory is ignored and removed
+  digest:      checksums of the params and of the optimizer state (`checksum.digest`)
+all after s optimizer updates and s batches. A restore recomputes the checksums of
+what it read and treats a mismatch (bytes damaged inside an array file, which the
+decoder does not notice) like any other damaged checkpoint. Orbax writes each step
+into a temporary directory and renames it when complete, so a run killed during a
+save leaves the earlier checkpoints usable; the unfinished temporary directory is ignored and removed
 at the next start. A complete checkpoint whose files were damaged later is moved to
 `<workdir>/corrupt_checkpoints/` by the training loop (`move_aside`), never deleted.
 
@@ -16,8 +19,8 @@ A save that fails (disk full, I/O error), in the background too, raises
 CheckpointSaveError from the next `poll`, `save` or `finish`, naming the step, the
 cause and the last good checkpoint.
 
-`<workdir>/config.json` is the full run config, written at the start of a run;
-`restore_model` rebuilds the model from it.
+`<workdir>/config.json` is the full run config, written with a run's first checkpoint
+(`workdir.RunRecord`); `restore_model` rebuilds the model from it.
 """
 
 from __future__ import annotations
@@ -35,8 +38,10 @@ import orbax.checkpoint as ocp
 from absl import logging
 from flax import nnx
 
+from attnres_jax import checksum
 from attnres_jax import config as config_lib
 from attnres_jax import metrics
+from attnres_jax import quiet
 
 CONFIG_JSON = 'config.json'
 CHECKPOINTS = 'checkpoints'
@@ -116,7 +121,8 @@ class Checkpointer:
         enable_async_checkpointing=async_save,
     )
     self.directory = checkpoint_dir(workdir)
-    self.manager = ocp.CheckpointManager(self.directory, options=options)
+    with quiet.dropping('Given directory is read only=%s'):  # said at every read-only use
+      self.manager = ocp.CheckpointManager(self.directory, options=options)
     self._saving = None  # the step of a save that may still be running
 
   def latest_step(self) -> int | None:
@@ -140,6 +146,8 @@ class Checkpointer:
               params=ocp.args.StandardSave(params),
               train_state=ocp.args.StandardSave({'step': step, 'opt_state': opt_state}),
               data=grain.checkpoint.CheckpointSave(train_iter),
+              digest=ocp.args.JsonSave({'params': checksum.digest(params),
+                                        'opt_state': checksum.digest(opt_state)}),
           ),
           force=force)
     except Exception as e:  # pylint: disable=broad-except
@@ -204,10 +212,18 @@ class Checkpointer:
             {'step': 0, 'opt_state': abstract_opt_state}))
     if train_iter is not None:
       items['data'] = grain.checkpoint.CheckpointRestore(train_iter)
+    if self._has_digest(step):
+      items['digest'] = ocp.args.JsonRestore()
     restored = self.manager.restore(step, args=ocp.args.Composite(**items))
     if int(restored.train_state['step']) != step:
       raise ValueError(f'Checkpoint {step} holds step {restored.train_state["step"]}.')
+    saved = restored.get('digest')
+    checksum.verify(step, 'params', restored.params, saved)
+    checksum.verify(step, 'opt_state', restored.train_state['opt_state'], saved)
     return restored.params, restored.train_state['opt_state']
+
+  def _has_digest(self, step: int) -> bool:
+    return os.path.isdir(os.path.join(self.directory, str(step), 'digest'))
 
   def data_process_count(self, step: int) -> int | None:
     """How many processes wrote the data iterator states of `step` (None: unknown)."""
@@ -218,9 +234,13 @@ class Checkpointer:
     return int(counts.pop()) if len(counts) == 1 else None
 
   def restore_params(self, step: int, abstract_params):
-    return self.manager.restore(
-        step, args=ocp.args.Composite(
-            params=ocp.args.StandardRestore(abstract_params))).params
+    """The params of `step`, checked against their checksum."""
+    items = dict(params=ocp.args.StandardRestore(abstract_params))
+    if self._has_digest(step):
+      items['digest'] = ocp.args.JsonRestore()
+    restored = self.manager.restore(step, args=ocp.args.Composite(**items))
+    checksum.verify(step, 'params', restored.params, restored.get('digest'))
+    return restored.params
 
   def wait(self) -> None:
     self.manager.wait_until_finished()
@@ -272,6 +292,25 @@ def restore_model(workdir: str, step: int | None = None):
   finally:
     checkpointer.close()
   return nnx.merge(graphdef, params), config, step
+
+
+def newest_that_restores(workdir: str, steps, fn, say=metrics.say):
+  """`fn(step)` for the newest of `steps` for which it does not fail to restore
+  (CheckpointRestoreError, FileNotFoundError); says why each newer one was passed
+  over: deleted while it was read (a running training keeps only its newest
+  checkpoints), or damaged. Raises the last step's error."""
+  steps = sorted(steps, reverse=True)
+  for i, step in enumerate(steps):
+    try:
+      return fn(step)
+    except (CheckpointRestoreError, FileNotFoundError) as e:
+      if i + 1 == len(steps):
+        raise
+      gone = not os.path.isdir(os.path.join(checkpoint_dir(workdir), str(step)))
+      say(f'WARNING: the checkpoint of step {step} '
+          + ('was deleted while it was read (a running training keeps only its newest '
+             'checkpoints)' if gone else f'does not restore ({root_cause(e)})')
+          + f'; using step {steps[i + 1]} instead.')
 
 
 def _on_all_processes(ok: bool) -> bool:

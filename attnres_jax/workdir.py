@@ -1,32 +1,19 @@
 """One run per workdir: the workdir lock and the run-config guard.
 
-The lock, `<workdir>/workdir.lock`, is a file that is never deleted; a process holds
-it with `fcntl.flock` and writes its pid, host, start time and purpose into it.
-  * The kernel releases a flock when its holder dies, however it dies (kill -9
-    included), so a crash never leaves the workdir locked on this host. Nothing relies
-    on the file's existence (an O_EXCL lock file would survive a crash), and the file
-    is never unlinked (unlinking a flocked file lets two processes lock two different
-    inodes of the same path).
-  * A clean release empties the file, so a non-empty file whose flock is free is the
-    record of a holder that died: on this host it is taken over with a message. If it
-    names another host, the flock may not reach across hosts (some network file
-    systems), so the lock is refused until that record is removed by hand.
-  * A multi-process run holds one lock: process 0 takes it (`train.py` calls this on
-    process 0 only and shares the outcome).
+The lock (`lock.WorkdirLock`, re-exported here) keeps one run per workdir.
 
 The run-config guard compares a resumed run's config with the saved `config.json`
 field by field (`config_changes`); see `HARMLESS_FIELDS` for what may change freely.
-`make_workdir`, `lock_workdir`, `prepare_workdir` and `check_disk_space` are what a
-training run does with its workdir before it trains.
+`make_workdir`, `lock_workdir`, `check_run_config` and `check_disk_space` are what a
+training run does with its workdir before it trains; `RunRecord.write` records the run
+with its first checkpoint.
 """
 
 from __future__ import annotations
 
-import datetime
-import errno
-import fcntl
 import json
 import os
+import re
 import shutil
 import socket
 from collections.abc import Iterable, Mapping, Sequence
@@ -34,13 +21,17 @@ from typing import Any
 
 import jax
 import ml_collections
-import numpy as np
 
 from attnres_jax import checkpointing
 from attnres_jax import config as config_lib
 from attnres_jax import metrics
+from attnres_jax import lock as lock_lib
 
-LOCK_FILE = 'workdir.lock'
+# The lock's names, re-exported: callers say workdir.WorkdirLock, workdir.LOCK_FILE.
+LOCK_FILE, LEASE_SECONDS = lock_lib.LOCK_FILE, lock_lib.LEASE_SECONDS
+WorkdirLock, WorkdirLockedError = lock_lib.WorkdirLock, lock_lib.WorkdirLockedError
+lock_workdir = lock_lib.lock_workdir
+
 CONFIG_HISTORY = 'config_history.jsonl'
 
 # Fields that may differ between the segments of one run without the user's say-so:
@@ -79,109 +70,8 @@ def is_harmless(field: str) -> bool:
   return any('.'.join(parts[:i]) in HARMLESS_FIELDS for i in range(1, len(parts) + 1))
 
 
-class WorkdirLockedError(RuntimeError):
-  """Another process holds the workdir."""
-
-
 class RunConfigError(ValueError):
   """A resumed run's config differs from its checkpoints' in a run-defining field."""
-
-
-def _now() -> str:
-  return datetime.datetime.now().astimezone().isoformat(timespec='seconds')
-
-
-def _pid_alive(pid: int) -> bool:
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  except PermissionError:  # exists, owned by another user
-    return True
-  return True
-
-
-class WorkdirLock:
-  """Exclusive lock on a workdir; `release()` (or the holder's death) frees it.
-
-  Raises WorkdirLockedError naming the holder's pid and host if another live process
-  holds it. `messages` collects what was noticed on acquiring (a stale lock taken
-  over).
-  """
-
-  def __init__(self, workdir: str, purpose: str):
-    self.path = os.path.join(workdir, LOCK_FILE)
-    self.messages: list[str] = []
-    fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-      try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-      except OSError as e:
-        if e.errno not in (errno.EAGAIN, errno.EACCES):
-          raise
-        holder = _read_holder(fd)
-        raise WorkdirLockedError(
-            f'Workdir {workdir!r} is in use by {_describe(holder)}; refusing to '
-            f'write into it. Wait for that process to finish or stop it (lock file '
-            f'{self.path}).') from None
-      previous = _read_holder(fd)
-      if previous:
-        host, pid = previous.get('host'), previous.get('pid')
-        if host != socket.gethostname():
-          fcntl.flock(fd, fcntl.LOCK_UN)
-          raise WorkdirLockedError(
-              f'Workdir {workdir!r} was locked by {_describe(previous)}, on another '
-              f'host, whose liveness cannot be checked from here. If that run is over, '
-              f'delete {self.path} and start again.')
-        state = ('no longer running' if not isinstance(pid, int) or not _pid_alive(pid)
-                 else 'not holding the lock (a new process with the same pid)')
-        self.messages.append(
-            f'Taking over the stale lock of {_describe(previous)}, {state}; its run '
-            f'ended without releasing {self.path} (killed or crashed).')
-      record = dict(pid=os.getpid(), host=socket.gethostname(), started=_now(),
-                    purpose=purpose)
-      os.ftruncate(fd, 0)
-      os.pwrite(fd, json.dumps(record).encode(), 0)
-      os.fsync(fd)
-    except BaseException:
-      os.close(fd)
-      raise
-    self._fd = fd
-
-  def release(self) -> None:
-    if self._fd is None:
-      return
-    try:
-      os.ftruncate(self._fd, 0)  # a clean release leaves no holder record
-      fcntl.flock(self._fd, fcntl.LOCK_UN)
-    finally:
-      os.close(self._fd)
-      self._fd = None
-
-  def __enter__(self):
-    return self
-
-  def __exit__(self, *exc):
-    self.release()
-
-
-def _read_holder(fd: int) -> dict[str, Any]:
-  data = os.pread(fd, 4096, 0)
-  if not data.strip():
-    return {}
-  try:
-    return json.loads(data)
-  except ValueError:
-    return {'unreadable': data[:80].decode(errors='replace')}
-
-
-def _describe(holder: Mapping[str, Any]) -> str:
-  if not holder:
-    return 'another process (no holder recorded yet)'
-  if 'unreadable' in holder:
-    return f'an unknown holder ({holder["unreadable"]!r})'
-  return (f'pid {holder.get("pid")} on host {holder.get("host")} '
-          f'({holder.get("purpose", "?")}, started {holder.get("started", "?")})')
 
 
 # -- the run-config guard -------------------------------------------------------------
@@ -245,7 +135,7 @@ def record_config_change(workdir: str, step: int, changes: Mapping[str, tuple[An
                          previous_config: Mapping[str, Any]) -> None:
   """Appends one line to `<workdir>/config_history.jsonl`: when, the latest checkpoint
   step then, what changed, and the whole config the run had until then."""
-  record = dict(time=_now(), latest_checkpoint=step,
+  record = dict(time=lock_lib.now(), latest_checkpoint=step,
                 changes={f: {'old': old, 'new': new} for f, (old, new) in changes.items()},
                 previous_config=previous_config)
   with open(os.path.join(workdir, CONFIG_HISTORY), 'a', encoding='utf-8') as f:
@@ -258,33 +148,22 @@ def record_config_change(workdir: str, step: int, changes: Mapping[str, tuple[An
 
 
 def make_workdir(workdir: str) -> str:
-  """Creates `workdir` and checks that it is writable; returns its absolute path."""
+  """Creates `workdir` and checks that it is writable; returns its absolute path.
+
+  A URL (`gs://bucket/run`) is refused: the lock, the run record and the metrics need
+  a file system; mount the bucket (gcsfuse) and pass the mount point instead.
+  """
+  scheme = re.match(r'^([A-Za-z][A-Za-z0-9+.-]*)://', workdir)
+  if scheme:
+    raise ValueError(
+        f'Workdir {workdir!r}: {scheme.group(1)}:// paths are not supported (the lock, '
+        'config.json and metrics.jsonl need a file system; they would go to a local '
+        f'directory named "{scheme.group(1)}:"). Use a local path or a mounted bucket '
+        '(e.g. gcsfuse).')
   try:
     return make_writable_dir(workdir)
   except OSError as e:
     raise OSError(f'Workdir {workdir!r} is not writable: {e}') from e
-
-
-def lock_workdir(workdir: str, purpose: str) -> WorkdirLock | None:
-  """Process 0 locks `workdir` for the run (one lock per run, not per process); every
-  process raises WorkdirLockedError if it could not. None on processes other than 0."""
-  lock, error = None, None
-  if jax.process_index() == 0:
-    try:
-      lock = WorkdirLock(workdir, purpose)
-    except WorkdirLockedError as e:
-      error = e
-  if jax.process_count() > 1:
-    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-    locked = multihost_utils.broadcast_one_to_all(np.int32(error is None))
-    if not locked and error is None:
-      error = WorkdirLockedError(
-          f'Process 0 could not lock the workdir {workdir!r} (see its output).')
-  if error is not None:
-    raise error
-  for message in lock.messages if lock is not None else ():
-    metrics.say(f'WARNING: {message}')
-  return lock
 
 
 def changes_training_data(field: str) -> bool:
@@ -300,30 +179,51 @@ def _model_defaults() -> dict[str, Any]:
   return flatten({'model': config_lib.ModelConfig().to_dict()})
 
 
-def prepare_workdir(workdir: str, config: ml_collections.ConfigDict,
-                    allow_config_change: Sequence[str] = ()) -> set[str]:
-  """Checks `config` against the run in `workdir` and writes `config.json`.
+class RunRecord:
+  """The run record of a checked config: `changes` (the fields that differ from the
+  checkpoints'), and `write()`, which writes `config.json` (and appends accepted
+  changes to `config_history.jsonl`) once, on process 0. The loop writes it with the
+  segment's first checkpoint, so an attempt that fails before saving (a bad mesh, a
+  compile error, a diverged run) leaves the record of the checkpoints as it was."""
+
+  def __init__(self, workdir: str, config: ml_collections.ConfigDict,
+               changes: Mapping[str, tuple[Any, Any]], saved: Mapping[str, Any] | None,
+               latest_step: int | None):
+    self.workdir, self.config, self.changes = workdir, config, dict(changes)
+    self._saved, self._latest_step = saved, latest_step
+    self._written = False
+
+  def write(self) -> None:
+    if self._written:
+      return
+    if jax.process_index() == 0:
+      if self.changes:
+        record_config_change(self.workdir, self._latest_step, self.changes, self._saved)
+      checkpointing.save_config(self.workdir, self.config)
+    self._written = True
+
+
+def check_run_config(workdir: str, config: ml_collections.ConfigDict,
+                     allow_config_change: Sequence[str] = ()) -> RunRecord:
+  """Checks `config` against the run in `workdir`; returns its (unwritten) RunRecord.
 
   If `workdir` holds checkpoints, every field that differs from the saved
   `config.json` must be harmless (`workdir.HARMLESS_FIELDS`) or named in
   `allow_config_change` ('seq_len' or 'train.seq_len'); model fields never may (the
-  checkpoints could not hold that model). An accepted change is appended to
-  `config_history.jsonl` with the whole previous config. Returns the changed fields.
-  Call it holding the workdir lock.
+  checkpoints could not hold that model). Call it holding the workdir lock.
   """
   current = json.loads(config.to_json())
   flat_current = flatten(current)
   allowed = resolve_allowed(allow_config_change, flat_current)
   config_path = os.path.join(workdir, checkpointing.CONFIG_JSON)
   ckpt_dir = checkpointing.checkpoint_dir(workdir)
-  has_checkpoints = os.path.isdir(ckpt_dir) and any(
-      name.isdigit() for name in os.listdir(ckpt_dir))
-  changes = {}
-  if has_checkpoints and os.path.exists(config_path):
+  steps = [int(n) for n in os.listdir(ckpt_dir)
+           if n.isdigit()] if os.path.isdir(ckpt_dir) else []
+  changes, saved = {}, None
+  if steps and os.path.exists(config_path):
     with open(config_path, encoding='utf-8') as f:
       saved = json.load(f)
-    changes = config_changes(flatten(saved), flat_current,
-                                         _model_defaults())
+    changes = config_changes(flatten(saved), flat_current, _model_defaults())
     model = sorted(f for f in changes
                    if f.startswith('model.') and not is_harmless(f))
     if model:
@@ -340,15 +240,27 @@ def prepare_workdir(workdir: str, config: ml_collections.ConfigDict,
           f'Use another workdir, or accept the changes explicitly with '
           f'--allow_config_change={",".join(refused)} '
           f'(recorded in {CONFIG_HISTORY}).')
-    if changes and jax.process_index() == 0:
-      steps = [int(n) for n in os.listdir(ckpt_dir) if n.isdigit()]
-      record_config_change(workdir, max(steps), changes, saved)
-  if jax.process_count() > 1:  # every process has read the old config.json
-    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-    multihost_utils.sync_global_devices('config.json compared')
-  if jax.process_index() == 0:
-    checkpointing.save_config(workdir, config)
-  return set(changes)
+  return RunRecord(workdir, config, changes, saved, max(steps) if steps else None)
+
+
+def remove_if_unused(workdir: str, lock: lock_lib.WorkdirLock | None) -> None:
+  """Releases `lock` and removes `workdir` (one this run created) if the run left
+  nothing in it worth keeping: no checkpoint and no metrics record."""
+  ckpt_dir = checkpointing.checkpoint_dir(workdir)
+  kept = (os.path.isdir(ckpt_dir) and any(n.isdigit() for n in os.listdir(ckpt_dir))) \
+      or metrics.read_jsonl(workdir)
+  if lock is not None:
+    lock.release()
+  if not kept and jax.process_index() == 0:
+    shutil.rmtree(workdir, ignore_errors=True)
+
+
+def write_text(path: str, text: str) -> None:
+  """Writes `path` atomically (a temporary file, then a rename)."""
+  tmp = f'{path}.tmp.{os.getpid()}'
+  with open(tmp, 'w', encoding='utf-8') as f:
+    f.write(text)
+  os.replace(tmp, path)
 
 
 def check_disk_space(workdir: str, abstract_state) -> None:

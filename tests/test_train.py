@@ -11,6 +11,8 @@ import math
 import os
 import re
 import shutil
+import subprocess
+import sys
 import threading
 import time
 
@@ -245,12 +247,20 @@ def _corrupt(workdir, step, how):
     path = _params_chunk(workdir, step)
     with open(path, 'r+b') as f:
       f.write(bytes(os.path.getsize(path)))
+  elif how == 'flipped_bytes':  # decodes fine: only the checksum can tell
+    path = _params_chunk(workdir, step)
+    with open(path, 'r+b') as f:
+      f.seek(os.path.getsize(path) // 2)
+      data = f.read(64)
+      f.seek(os.path.getsize(path) // 2)
+      f.write(bytes(b ^ 0xFF for b in data))
   elif how == 'no_iterator_state':
     os.remove(os.path.join(checkpointing.checkpoint_dir(workdir), str(step), 'data',
                            'process_0-of-1.json'))
 
 
-@pytest.mark.parametrize('how', ['truncated_chunk', 'zeroed_chunk', 'no_iterator_state'])
+@pytest.mark.parametrize('how', ['truncated_chunk', 'zeroed_chunk', 'flipped_bytes',
+                                 'no_iterator_state'])
 def test_corrupt_latest_checkpoint_falls_back_to_previous(uninterrupted, tmp_path, capsys,
                                                           how):
   config = uninterrupted[0]
@@ -283,6 +293,31 @@ def test_run_resumed_past_a_corrupt_checkpoint_equals_uninterrupted(uninterrupte
   assert _checkpoint_entries(workdir) == [str(N), str(2 * N)]  # 2N saved afresh
   _assert_same_run(uninterrupted, workdir, result)
   assert _tensorboard_steps(workdir) == list(range(1, 2 * N + 1))
+
+
+def test_evaluation_falls_back_past_a_damaged_or_deleted_checkpoint(uninterrupted,
+                                                                    tmp_path, capfd):
+  """eval.py's way to the newest checkpoint that restores; it tells damage from a
+  checkpoint deleted while it was read (by a running training's `keep_checkpoints`)."""
+  workdir = _copy_run(uninterrupted, tmp_path)
+  _corrupt(workdir, 2 * N, 'flipped_bytes')
+  restore = functools.partial(checkpointing.restore_model, workdir)
+  _, _, step = checkpointing.newest_that_restores(workdir, [N, 2 * N], restore)
+  assert step == N
+  output = capfd.readouterr()
+  assert (f'WARNING: the checkpoint of step {2 * N} does not restore (ChecksumError: '
+          f'the params of checkpoint {2 * N} do not match their checksum') in output.out
+  assert 'read only' not in output.err  # orbax's notice on every read-only manager
+
+  def deleted_while_read(step):
+    if step == 2 * N:
+      shutil.rmtree(os.path.join(checkpointing.checkpoint_dir(workdir), str(step)))
+    return restore(step)
+
+  _, _, step = checkpointing.newest_that_restores(workdir, [N, 2 * N], deleted_while_read)
+  assert step == N
+  assert (f'WARNING: the checkpoint of step {2 * N} was deleted while it was read'
+          in capfd.readouterr().out)
 
 
 def test_no_restorable_checkpoint_is_a_clear_error(uninterrupted, tmp_path):
@@ -349,6 +384,37 @@ def test_allowed_config_change_resumes_and_is_recorded(uninterrupted, tmp_path):
   assert entry['changes'] == {'train.num_steps': {'old': 2 * N, 'new': 2 * N + 2},
                               'train.log_every': {'old': 1, 'new': 2}}
   assert entry['previous_config']['train'] == config.train.to_dict()  # kept whole
+
+
+def test_failed_attempt_leaves_the_run_record_and_a_fresh_workdir_as_they_were(
+    uninterrupted, tmp_path, monkeypatch):
+  """config.json and config_history.jsonl are written with a segment's first
+  checkpoint: an attempt that fails before it (here: at compilation) leaves them, so
+  the original command still resumes; a workdir the attempt created is removed."""
+  config = uninterrupted[0]
+  workdir = _copy_run(uninterrupted, tmp_path)
+  with open(os.path.join(workdir, checkpointing.CONFIG_JSON)) as f:
+    record = f.read()
+  events = sorted(os.listdir(os.path.join(workdir, metrics_lib.TENSORBOARD)))
+  changed = config.copy_and_resolve_references()
+  changed.train.learning_rate = 5e-3
+
+  def fails_to_compile(*args, **kwargs):
+    raise RuntimeError('simulated compile failure')
+
+  monkeypatch.setattr(train_lib, 'jit_train_step', fails_to_compile)
+  with pytest.raises(RuntimeError, match='simulated compile failure'):
+    train_lib.train_and_evaluate(changed, workdir, allow_config_change=['learning_rate'])
+  with open(os.path.join(workdir, checkpointing.CONFIG_JSON)) as f:
+    assert f.read() == record
+  assert not os.path.exists(os.path.join(workdir, workdir_lib.CONFIG_HISTORY))
+  assert sorted(os.listdir(os.path.join(workdir, metrics_lib.TENSORBOARD))) == events
+  workdir_lib.check_run_config(workdir, config)  # the original command is accepted
+
+  fresh = tmp_path / 'fresh'
+  with pytest.raises(RuntimeError, match='simulated compile failure'):
+    train_lib.train_and_evaluate(config, str(fresh))
+  assert not fresh.exists()  # no config.json, lock or empty directories left behind
 
 
 # -- failures -------------------------------------------------------------------------
@@ -485,6 +551,16 @@ def test_unwritable_workdir_fails_before_compilation(tmp_path, no_compilation):
     read_only.mkdir(mode=0o500)
     with pytest.raises(OSError, match='is not writable'):
       train_lib.train_and_evaluate(default_config.get_config('tiny'), str(read_only))
+
+
+@pytest.mark.parametrize('url', ['gs://bucket/run', 's3://bucket/run'])
+def test_url_workdir_is_refused_before_compilation(tmp_path, no_compilation, monkeypatch,
+                                                   url):
+  monkeypatch.chdir(tmp_path)
+  with pytest.raises(ValueError, match=f'{url[:2]}:// paths are not supported .* mounted '
+                                       'bucket'):
+    train_lib.train_and_evaluate(default_config.get_config('tiny'), url)
+  assert not os.listdir(tmp_path)  # no local directory named 'gs:'
 
 
 @pytest.mark.parametrize('section, field, value, message', [
@@ -756,3 +832,20 @@ def test_optional_fields_can_be_set_from_the_command_line(tmp_path):
   assert flag_values.config.train.eval_every == 50
   assert flag_values.config.train.max_eval_batches == 4
   assert default_config.get_config().train.eval_every is None  # still off by default
+
+
+def test_eval_cli_failure_leaves_no_empty_output_directory(uninterrupted, tmp_path):
+  """eval.py on a run none of whose checkpoints restores: one FATAL line, exit 1, and
+  no empty eval/step_N/ left behind."""
+  workdir = _copy_run(uninterrupted, tmp_path)
+  _corrupt(workdir, N, 'flipped_bytes')
+  _corrupt(workdir, 2 * N, 'flipped_bytes')
+  done = subprocess.run([sys.executable, 'eval.py', f'--workdir={workdir}'],
+                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        capture_output=True, text=True, timeout=300)
+  assert done.returncode == 1, done.stderr
+  assert f'WARNING: the checkpoint of step {2 * N} does not restore (ChecksumError' \
+      in done.stdout
+  (line,) = [l for l in done.stderr.splitlines() if l.strip()]
+  assert line.startswith(f'FATAL: The checkpoint of step {N} in ') and 'ChecksumError' in line
+  assert not os.path.exists(os.path.join(workdir, 'eval'))
