@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import jax
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -104,3 +105,30 @@ def start_children(script: str, keys, env: dict[str, str]):
         proc.kill()
 
   return result, stop
+
+
+def assert_greedy_choices(tokens_N, logits_NV, *, atol: float, rtol: float):
+  """Each of `tokens_N` is the argmax of its row of `logits_NV` up to the tolerance
+  between two code paths: where the top two logits are closer than that (a near tie),
+  another machine's rounding may pick either, so exact argmax equality is not asserted."""
+  logits_NV = np.asarray(logits_NV, np.float64)
+  chosen_N = np.take_along_axis(logits_NV, np.asarray(tokens_N)[:, None], axis=-1)[:, 0]
+  best_N = logits_NV.max(axis=-1)
+  # Both paths' logits are within atol + rtol |l| of each other, the choice's and the
+  # best's: a gap of twice that can be crossed.
+  slack_N = 2 * (atol + rtol * np.abs(best_N))
+  assert np.all(best_N - chosen_N <= slack_N), (tokens_N, best_N - chosen_N)
+
+
+def assert_same_greedy_run(tokens_a, tokens_b, logits_a, logits_b, *, atol: float,
+                           rtol: float):
+  """Two greedy generations from the same prompt by two code paths agree: logits up to
+  the tolerance, tokens exactly, except that they may part at a near tie; after the
+  first token where they part, their inputs differ and nothing more is compared."""
+  tokens_a, tokens_b = np.asarray(tokens_a), np.asarray(tokens_b)
+  parted = np.flatnonzero(tokens_a != tokens_b)
+  end = int(parted[0]) + 1 if parted.size else len(tokens_a)
+  np.testing.assert_allclose(logits_a[:end], logits_b[:end], atol=atol, rtol=rtol)
+  if parted.size:
+    assert_greedy_choices(tokens_b[end - 1:end], logits_a[end - 1:end], atol=atol,
+                          rtol=rtol)
