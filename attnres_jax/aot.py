@@ -10,8 +10,8 @@ estimate, the estimated MFU and the collectives, loops counted (`hlo_cost.py`: X
 own totals count a loop body once). Memory is that of the program as configured
 (scanned layers: the memory a real run allocates).
 
-Nothing here touches the host's default backend: the compile-only TPU client is
-separate, so CPU runs are unchanged with libtpu installed.
+libtpu's compile-only client is loaded by `get_topology` alone (with the environment
+that keeps it quiet off Cloud TPU); the host's own backend stays what it was.
 """
 
 from __future__ import annotations
