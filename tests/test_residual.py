@@ -21,9 +21,20 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from attnres_jax import checkpointing
+from attnres_jax import config as config_lib
+from attnres_jax import evaluate
+from attnres_jax import flops
+from attnres_jax import model as model_lib
+from attnres_jax import optim
+from attnres_jax import pipeline
+from attnres_jax import pipeline_plan
 from attnres_jax import residuals
 from attnres_jax import sharding
 from attnres_jax import stack
+from attnres_jax import statistics
+from attnres_jax import train
+from conftest import child_env, start_children, train_config
 
 D, NUM_LAYERS = 8, 5
 
@@ -149,14 +160,7 @@ def test_a_residual_written_against_the_interface_runs_through_the_stack(scan_la
 # -- registered: the whole library --------------------------------------------------
 
 
-def test_a_registered_residual_runs_through_the_library(tmp_path):
-  from attnres_jax import analysis  # pylint: disable=g-import-not-at-top
-  from attnres_jax import config as config_lib  # pylint: disable=g-import-not-at-top
-  from attnres_jax import flops  # pylint: disable=g-import-not-at-top
-  from attnres_jax import model as model_lib  # pylint: disable=g-import-not-at-top
-  from attnres_jax import optim  # pylint: disable=g-import-not-at-top
-  from attnres_jax import train  # pylint: disable=g-import-not-at-top
-  from conftest import train_config  # pylint: disable=g-import-not-at-top
+def test_a_registered_residual_runs_through_the_library():
 
   with pytest.raises(ValueError, match="'gated'"):  # the error lists the new mode
     config_lib.model_config(**{**MODEL, 'residual': 'gate'})
@@ -180,18 +184,20 @@ def test_a_registered_residual_runs_through_the_library(tmp_path):
   gates = state.params['layers']['residual']['gate']
   assert gates.shape == (MODEL['num_layers'], 2) and bool(jnp.all(gates != 1.0))
   nnx.update(model, state.params)
-  # Evaluation and the analysis (statistics, gradient norms, figures).
-  result = analysis.analyze(model, [toy_batch(seed=1)], str(tmp_path), grad_batches=1)
-  assert result['metrics']['num_tokens'] == 4 * 8
-  assert result['arrays']['grad_norm'].shape == (MODEL['num_layers'], 2)
-  assert {'magnitudes.png', 'grad_norms.png'} <= {os.path.basename(f)
-                                                 for f in result['files']}
+  # Evaluation with the analysis statistics, and the per-sublayer gradient norms.
+  metrics = evaluate.evaluate_model(model, [toy_batch(seed=1)], collect_stats=True)
+  assert metrics['num_tokens'] == 4 * 8
+  assert metrics['stats']['input_rms'].shape == (MODEL['num_layers'], 2)
+  norms = statistics.gradient_norms(model, [toy_batch(seed=1)])['grad_norm']
+  assert norms.shape == (MODEL['num_layers'], 2) and np.all(norms > 0)
   # Decoding: a prefill and one step equal the full forward pass.
   tokens = jnp.asarray(toy_batch(batch=2, length=6)['inputs'])
-  full = model(tokens)
-  cache = model.init_cache(2, 6)
-  prefill, cache = model.decode(tokens[:, :5], cache, 0)
-  last, _ = model.decode(tokens[:, 5:], cache, 5)
+  graphdef, params = nnx.split(model)
+  decode = jax.jit(lambda p, t, c, i: nnx.merge(graphdef, p).decode(t, c, i),
+                   static_argnums=3)
+  prefill, cache = decode(params, tokens[:, :5], model.init_cache(2, 6), 0)
+  last, _ = decode(params, tokens[:, 5:], cache, 5)
+  full = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))(params, tokens)
   # float32: the cached attention sums the same terms in another order.
   np.testing.assert_allclose(np.concatenate([prefill, last], axis=1), full, atol=1e-5,
                              rtol=1e-5)
@@ -207,13 +213,6 @@ def test_a_registered_residual_runs_through_the_library(tmp_path):
 def run_pipeline_check() -> dict:
   """Two train steps of the toy model, pipelined over 2 stages (2 microbatches) and
   on one device; their losses and parameters."""
-  from attnres_jax import checkpointing  # pylint: disable=g-import-not-at-top
-  from attnres_jax import config as config_lib  # pylint: disable=g-import-not-at-top
-  from attnres_jax import optim  # pylint: disable=g-import-not-at-top
-  from attnres_jax import pipeline  # pylint: disable=g-import-not-at-top
-  from attnres_jax import pipeline_plan  # pylint: disable=g-import-not-at-top
-  from attnres_jax import train  # pylint: disable=g-import-not-at-top
-  from conftest import train_config  # pylint: disable=g-import-not-at-top
 
   assert jax.device_count() == 2, jax.devices()
   cfg = config_lib.model_config(**MODEL)
@@ -244,7 +243,6 @@ def run_pipeline_check() -> dict:
 
 
 def test_a_registered_residual_runs_under_the_pipeline():
-  from conftest import child_env, start_children  # pylint: disable=g-import-not-at-top
   result, stop = start_children(os.path.abspath(__file__), ['pipeline'], child_env(2))
   try:
     out, _ = result('pipeline')
