@@ -28,21 +28,31 @@ from attnres_jax import data
 from attnres_jax import sampling
 from attnres_jax import workdir as workdir_lib
 
-_WORKDIR = flags.DEFINE_string('workdir', None, 'Run directory (config.json, checkpoints).')
+_WORKDIR = flags.DEFINE_string(
+  'workdir', None, 'Run directory (config.json, checkpoints).'
+)
 _STEP = flags.DEFINE_integer('step', None, 'Checkpoint step; default: the latest.')
 _OUTPUT_DIR = flags.DEFINE_string(
-    'output_dir', None, 'Where to write; default DIR/eval/step_N (or .../compare).')
+  'output_dir', None, 'Where to write; default DIR/eval/step_N (or .../compare).'
+)
 _COMPARE = flags.DEFINE_bool(
-    'compare', False, 'Compare the run directories given as positional arguments.')
-_BATCH_SIZE = flags.DEFINE_integer('batch_size', None,
-                                   'Eval batch size; default: the training batch size.')
+  'compare', False, 'Compare the run directories given as positional arguments.'
+)
+_BATCH_SIZE = flags.DEFINE_integer(
+  'batch_size', None, 'Eval batch size; default: the training batch size.'
+)
 _MAX_EVAL_BATCHES = flags.DEFINE_integer(
-    'max_eval_batches', None, 'Evaluate only the first batches (default: whole split).')
+  'max_eval_batches', None, 'Evaluate only the first batches (default: whole split).'
+)
 _GRAD_BATCHES = flags.DEFINE_integer(
-    'grad_batches', 16, 'Eval batches for the gradient norms (0: all).')
+  'grad_batches', 16, 'Eval batches for the gradient norms (0: all).'
+)
 _PROMPT = flags.DEFINE_multi_string(
-    'prompt', None, 'Sample a continuation of this text; repeat the flag for a batch of '
-    'prompts (generated together).')
+  'prompt',
+  None,
+  'Sample a continuation of this text; repeat the flag for a batch of '
+  'prompts (generated together).',
+)
 _MAX_NEW_TOKENS = flags.DEFINE_integer('max_new_tokens', 200, 'Tokens to sample.')
 _TEMPERATURE = flags.DEFINE_float('temperature', 0.8, 'Sampling temperature; 0: greedy.')
 _TOP_K = flags.DEFINE_integer('top_k', None, 'Sample from the k most likely tokens only.')
@@ -50,11 +60,17 @@ _SEED = flags.DEFINE_integer('seed', 0, 'Sampling seed (fixed seed, fixed output
 
 
 def _check_flags() -> None:
-  for flag, minimum in ((_BATCH_SIZE, 1), (_MAX_EVAL_BATCHES, 1),
-                        (_GRAD_BATCHES, 0), (_MAX_NEW_TOKENS, 1), (_TOP_K, 1)):
+  for flag, minimum in (
+    (_BATCH_SIZE, 1),
+    (_MAX_EVAL_BATCHES, 1),
+    (_GRAD_BATCHES, 0),
+    (_MAX_NEW_TOKENS, 1),
+    (_TOP_K, 1),
+  ):
     if flag.value is not None and flag.value < minimum:
-      raise app.UsageError(f'--{flag.name} must be >= {minimum} (or unset), got '
-                           f'{flag.value}.')
+      raise app.UsageError(
+        f'--{flag.name} must be >= {minimum} (or unset), got {flag.value}.'
+      )
   if _TEMPERATURE.value < 0:
     raise app.UsageError(f'--temperature must be >= 0, got {_TEMPERATURE.value}.')
 
@@ -64,8 +80,10 @@ def _writable_dir(path: str) -> None:
   try:
     workdir_lib.make_writable_dir(path)
   except OSError as e:
-    raise app.UsageError(f'Cannot write the evaluation to {path}: {e}. Pass '
-                         '--output_dir=<a writable directory>.') from e
+    raise app.UsageError(
+      f'Cannot write the evaluation to {path}: {e}. Pass '
+      '--output_dir=<a writable directory>.'
+    ) from e
 
 
 def _inside(path: str, directory: str) -> bool:
@@ -91,10 +109,14 @@ def _evaluate(workdir: str, step: int):
     try:
       lock = workdir_lib.WorkdirLock(os.path.abspath(workdir), 'eval.py')
     except workdir_lib.WorkdirLockedError as e:
-      raise app.UsageError(f'{e} To evaluate now, write elsewhere: --output_dir=DIR.')
+      raise app.UsageError(
+        f'{e} To evaluate now, write elsewhere: --output_dir=DIR.'
+      ) from None
     except OSError as e:
-      raise app.UsageError(f'Cannot write into the workdir {workdir}: {e}. Pass '
-                           '--output_dir=<a writable directory>.') from e
+      raise app.UsageError(
+        f'Cannot write into the workdir {workdir}: {e}. Pass '
+        '--output_dir=<a writable directory>.'
+      ) from e
     for message in lock.messages:
       print(f'WARNING: {message}')
   new_top = os.path.abspath(out_dir)  # the outermost directory this will create
@@ -104,9 +126,13 @@ def _evaluate(workdir: str, step: int):
   try:
     _writable_dir(out_dir)
     return analysis.evaluate_and_analyze(
-        workdir, step, output_dir=out_dir,
-        batch_size=_BATCH_SIZE.value, max_eval_batches=_MAX_EVAL_BATCHES.value,
-        grad_batches=_GRAD_BATCHES.value or None), out_dir
+      workdir,
+      step,
+      output_dir=out_dir,
+      batch_size=_BATCH_SIZE.value,
+      max_eval_batches=_MAX_EVAL_BATCHES.value,
+      grad_batches=_GRAD_BATCHES.value or None,
+    ), out_dir
   except BaseException:
     if not existed:
       _remove_empty(os.path.abspath(out_dir), new_top)  # no empty eval/step_N/ left
@@ -124,13 +150,19 @@ def main(argv):
     workdirs = argv[1:]
     if not workdirs:
       raise app.UsageError('--compare needs run directories: eval.py --compare A B ...')
-    not_runs = [w for w in workdirs if not any(
+    not_runs = [
+      w
+      for w in workdirs
+      if not any(
         os.path.exists(os.path.join(w, name))
-        for name in (checkpointing.CONFIG_JSON, 'metrics.jsonl'))]
+        for name in (checkpointing.CONFIG_JSON, 'metrics.jsonl')
+      )
+    ]
     if not_runs:
       raise app.UsageError(
-          f'Not run directories (no config.json or metrics.jsonl): '
-          f'{", ".join(map(repr, not_runs))}.')
+        f'Not run directories (no config.json or metrics.jsonl): '
+        f'{", ".join(map(repr, not_runs))}.'
+      )
     parent = os.path.commonpath([os.path.abspath(w) for w in workdirs])
     if len(workdirs) == 1 or parent == os.path.abspath(workdirs[0]):
       parent = os.path.dirname(os.path.abspath(workdirs[0]))
@@ -150,25 +182,38 @@ def main(argv):
     # The run's own tokenizer: bytes, or <workdir>/tokenizer.model.
     tokenizer = data.make_tokenizer(config.data, workdir=_WORKDIR.value)
     trained = config.train.seq_len
-    longest = max(len(sampling.encode_text(p, tokenizer=tokenizer)) for p in _PROMPT.value)
+    longest = max(
+      len(sampling.encode_text(p, tokenizer=tokenizer)) for p in _PROMPT.value
+    )
     if longest + _MAX_NEW_TOKENS.value > trained:
-      print(f'WARNING: prompt and continuation reach {longest + _MAX_NEW_TOKENS.value} '
-            f'tokens, past the {trained} the model was trained on (train.seq_len): '
-            'positions beyond it were never seen. The prompt is read in chunks of '
-            f'{trained} tokens, so memory grows with its length, not its square.')
+      print(
+        f'WARNING: prompt and continuation reach {longest + _MAX_NEW_TOKENS.value} '
+        f'tokens, past the {trained} the model was trained on (train.seq_len): '
+        'positions beyond it were never seen. The prompt is read in chunks of '
+        f'{trained} tokens, so memory grows with its length, not its square.'
+      )
     texts = sampling.generate_text(
-        model, list(_PROMPT.value), _MAX_NEW_TOKENS.value, temperature=_TEMPERATURE.value,
-        top_k=_TOP_K.value, seed=_SEED.value, tokenizer=tokenizer,
-        prefill_chunk=trained)
-    print(f'[step {step}, temperature {_TEMPERATURE.value}, top_k {_TOP_K.value}, '
-          f'seed {_SEED.value}]')
+      model,
+      list(_PROMPT.value),
+      _MAX_NEW_TOKENS.value,
+      temperature=_TEMPERATURE.value,
+      top_k=_TOP_K.value,
+      seed=_SEED.value,
+      tokenizer=tokenizer,
+      prefill_chunk=trained,
+    )
+    print(
+      f'[step {step}, temperature {_TEMPERATURE.value}, top_k {_TOP_K.value}, '
+      f'seed {_SEED.value}]'
+    )
     for prompt, text in zip(_PROMPT.value, texts):
       print(prompt + text)
     return
 
   workdir = _WORKDIR.value
-  checkpointer = checkpointing.Checkpointer(workdir, save_every=0, keep=None,
-                                            async_save=False, read_only=True)
+  checkpointer = checkpointing.Checkpointer(
+    workdir, save_every=0, keep=None, async_save=False, read_only=True
+  )
   steps = sorted(checkpointer.all_steps(), reverse=True)
   checkpointer.close()
   if _STEP.value is not None:
@@ -177,14 +222,17 @@ def main(argv):
     raise app.UsageError(f'No checkpoint in {checkpointing.checkpoint_dir(workdir)}.')
   try:
     record, out_dir = checkpointing.newest_that_restores(
-        workdir, steps, lambda step: _evaluate(workdir, step), say=print)
+      workdir, steps, lambda step: _evaluate(workdir, step), say=print
+    )
   except (checkpointing.CheckpointRestoreError, FileNotFoundError) as e:
     print(f'FATAL: {e}', file=sys.stderr)
     sys.exit(1)
-  print(f'step {record["step"]}: held-out loss {record["loss"]:.4f} nats/token, '
-        f'{record["bits_per_byte"]:.4f} bits/byte, perplexity '
-        f'{record["perplexity"]:.3f} over {int(record["num_tokens"]):,} tokens '
-        f'({record["num_batches"]} batches{"" if record["whole_split"] else ", partial"})')
+  print(
+    f'step {record["step"]}: held-out loss {record["loss"]:.4f} nats/token, '
+    f'{record["bits_per_byte"]:.4f} bits/byte, perplexity '
+    f'{record["perplexity"]:.3f} over {int(record["num_tokens"]):,} tokens '
+    f'({record["num_batches"]} batches{"" if record["whole_split"] else ", partial"})'
+  )
   print(f'eval.json, analysis.npz and figures in {out_dir}')
 
 

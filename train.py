@@ -35,37 +35,54 @@ from attnres_jax import quiet
 from attnres_jax import train
 
 _CONFIG = config_flags.DEFINE_config_file(
-    'config', 'configs/default.py', 'Training configuration file.', lock_config=True)
+  'config', 'configs/default.py', 'Training configuration file.', lock_config=True
+)
 _WORKDIR = flags.DEFINE_string(
-    'workdir', 'workdirs/default',
-    'Checkpoints, metrics and config.json; a run resumes from the latest checkpoint.')
+  'workdir',
+  'workdirs/default',
+  'Checkpoints, metrics and config.json; a run resumes from the latest checkpoint.',
+)
 _DISTRIBUTED = flags.DEFINE_bool(
-    'distributed', False,
-    'Call jax.distributed.initialize() and let JAX detect the cluster (TPU pod slice, '
-    'SLURM, Open MPI); implied by --coordinator_address.')
+  'distributed',
+  False,
+  'Call jax.distributed.initialize() and let JAX detect the cluster (TPU pod slice, '
+  'SLURM, Open MPI); implied by --coordinator_address.',
+)
 _COORDINATOR = flags.DEFINE_string(
-    'coordinator_address', None,
-    'host:port of process 0, for a multi-process run (e.g. localhost:1234).')
-_NUM_PROCESSES = flags.DEFINE_integer('num_processes', None,
-                                      'Processes of a multi-process run.')
-_PROCESS_ID = flags.DEFINE_integer('process_id', None,
-                                   'This process, 0 .. num_processes - 1.')
+  'coordinator_address',
+  None,
+  'host:port of process 0, for a multi-process run (e.g. localhost:1234).',
+)
+_NUM_PROCESSES = flags.DEFINE_integer(
+  'num_processes', None, 'Processes of a multi-process run.'
+)
+_PROCESS_ID = flags.DEFINE_integer(
+  'process_id', None, 'This process, 0 .. num_processes - 1.'
+)
 _COMPILE_ONLY = flags.DEFINE_bool(
-    'compile_only', False,
-    'Compile the train, eval and decode steps for --topology (a TPU, on any host: '
-    'needs libtpu) and report memory, FLOPs, step time and collectives; trains nothing. '
-    'Writes compile_report.json to --workdir if given, else prints it.')
+  'compile_only',
+  False,
+  'Compile the train, eval and decode steps for --topology (a TPU, on any host: '
+  'needs libtpu) and report memory, FLOPs, step time and collectives; trains nothing. '
+  'Writes compile_report.json to --workdir if given, else prints it.',
+)
 _TOPOLOGY = flags.DEFINE_string(
-    'topology', None, 'With --compile_only: a TPU topology, e.g. v5e:2x2, v5p:2x2x1, '
-    'v5p:4x4x4, v6e:8x8.')
-_NUM_SLICES = flags.DEFINE_integer('num_slices', 1,
-                                   'With --compile_only: slices of --topology (DCN).')
+  'topology',
+  None,
+  'With --compile_only: a TPU topology, e.g. v5e:2x2, v5p:2x2x1, v5p:4x4x4, v6e:8x8.',
+)
+_NUM_SLICES = flags.DEFINE_integer(
+  'num_slices', 1, 'With --compile_only: slices of --topology (DCN).'
+)
 _ALLOW_CONFIG_CHANGE = flags.DEFINE_list(
-    'allow_config_change', [],
-    'Config fields (e.g. num_steps,train.learning_rate) that may differ from those of '
-    'the checkpoints being resumed; the change is recorded in config_history.jsonl.')
-_DEBUG = flags.DEFINE_bool('debug', False,
-                           'Print the full traceback of an error, not one line.')
+  'allow_config_change',
+  [],
+  'Config fields (e.g. num_steps,train.learning_rate) that may differ from those of '
+  'the checkpoints being resumed; the change is recorded in config_history.jsonl.',
+)
+_DEBUG = flags.DEFINE_bool(
+  'debug', False, 'Print the full traceback of an error, not one line.'
+)
 
 
 def parse_flags(argv):
@@ -88,9 +105,11 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
   if _DISTRIBUTED.value or _COORDINATOR.value is not None:
-    jax.distributed.initialize(coordinator_address=_COORDINATOR.value,
-                               num_processes=_NUM_PROCESSES.value,
-                               process_id=_PROCESS_ID.value)
+    jax.distributed.initialize(
+      coordinator_address=_COORDINATOR.value,
+      num_processes=_NUM_PROCESSES.value,
+      process_id=_PROCESS_ID.value,
+    )
   elif _NUM_PROCESSES.value is not None or _PROCESS_ID.value is not None:
     raise app.UsageError('--num_processes and --process_id need --coordinator_address.')
   if not flags.FLAGS['verbosity'].present:
@@ -103,8 +122,9 @@ def main(argv):
   if not _DEBUG.value:
     quiet.silence_save_errors()  # a failed save: one line, not pages of orbax's
   try:
-    train.train_and_evaluate(_CONFIG.value, _WORKDIR.value,
-                             allow_config_change=_ALLOW_CONFIG_CHANGE.value)
+    train.train_and_evaluate(
+      _CONFIG.value, _WORKDIR.value, allow_config_change=_ALLOW_CONFIG_CHANGE.value
+    )
   except preemption.Preempted as e:
     print(e, file=sys.stderr)
     sys.exit(e.exit_code)

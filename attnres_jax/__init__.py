@@ -5,9 +5,9 @@ from attnres_jax.depth import attn_res_read
 from attnres_jax.model import Transformer, convert_standard_to_attnres
 
 __all__ = [
-    'ModelConfig',
-    'Transformer',
-    'attn_res_read',
-    'convert_standard_to_attnres',
-    'model_config',
+  'ModelConfig',
+  'Transformer',
+  'attn_res_read',
+  'convert_standard_to_attnres',
+  'model_config',
 ]

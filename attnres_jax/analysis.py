@@ -38,8 +38,9 @@ ANALYSIS_NPZ = 'analysis.npz'
 # -- one model ------------------------------------------------------------------------
 
 
-def write_analysis(arrays: Mapping[str, np.ndarray], cfg, out_dir: str, *,
-                   title: str | None = None) -> list[str]:
+def write_analysis(
+  arrays: Mapping[str, np.ndarray], cfg, out_dir: str, *, title: str | None = None
+) -> list[str]:
   """analysis.npz and the figures of one model's statistics; returns the paths."""
   os.makedirs(out_dir, exist_ok=True)
   arrays = dict(arrays)
@@ -49,20 +50,37 @@ def write_analysis(arrays: Mapping[str, np.ndarray], cfg, out_dir: str, *,
   files = [os.path.join(out_dir, ANALYSIS_NPZ)]
   np.savez(files[0], **arrays)
   name = (f'{title}: ' if title else '') + residual.label
-  files.append(plots.plot_magnitudes(arrays, cfg, os.path.join(out_dir, 'magnitudes.png'),
-                                     f'{name}: magnitudes across depth'))
-  files.append(plots.plot_grad_norms(arrays['grad_norm'], cfg,
-                                     os.path.join(out_dir, 'grad_norms.png'),
-                                     f'{name}: gradient norm per sublayer'))
+  files.append(
+    plots.plot_magnitudes(
+      arrays,
+      cfg,
+      os.path.join(out_dir, 'magnitudes.png'),
+      f'{name}: magnitudes across depth',
+    )
+  )
+  files.append(
+    plots.plot_grad_norms(
+      arrays['grad_norm'],
+      cfg,
+      os.path.join(out_dir, 'grad_norms.png'),
+      f'{name}: gradient norm per sublayer',
+    )
+  )
   for figure in residual.figures:  # e.g. AttnRes depth weights, HC/mHC streams
     draw, suffix = plots.FIGURES[figure]
     files.append(draw(arrays, cfg, os.path.join(out_dir, f'{figure}.png'), name + suffix))
   return files
 
 
-def analyze(model: nnx.Module, batches: Iterable[Batch] | Callable[[], Iterable[Batch]],
-            out_dir: str, *, max_batches: int | None = None,
-            grad_batches: int | None = 8, title: str | None = None) -> dict[str, Any]:
+def analyze(
+  model: nnx.Module,
+  batches: Iterable[Batch] | Callable[[], Iterable[Batch]],
+  out_dir: str,
+  *,
+  max_batches: int | None = None,
+  grad_batches: int | None = 8,
+  title: str | None = None,
+) -> dict[str, Any]:
   """Held-out metrics, statistics, gradient norms, figures and `analysis.npz` of one
   model in `out_dir`: the one analysis path (`eval.py`, notebooks, benchmarks).
 
@@ -74,8 +92,9 @@ def analyze(model: nnx.Module, batches: Iterable[Batch] | Callable[[], Iterable[
   if not callable(batches):
     kept = list(batches) if iter(batches) is batches else batches
     batches = lambda: kept
-  metrics = evaluate_lib.evaluate_model(model, batches(), collect_stats=True,
-                                        max_batches=max_batches)
+  metrics = evaluate_lib.evaluate_model(
+    model, batches(), collect_stats=True, max_batches=max_batches
+  )
   arrays = metrics.pop('stats')
   arrays.update(statistics.gradient_norms(model, batches(), max_batches=grad_batches))
   files = write_analysis(arrays, model.cfg, out_dir, title=title)
@@ -92,14 +111,19 @@ def latest_eval_dir(workdir: str) -> str | None:
   root = os.path.join(workdir, EVAL_DIR)
   if not os.path.isdir(root):
     return None
-  steps = [int(name[5:]) for name in os.listdir(root)
-           if name.startswith('step_') and name[5:].isdigit()
-           and os.path.exists(os.path.join(root, name, EVAL_JSON))]
+  steps = [
+    int(name[5:])
+    for name in os.listdir(root)
+    if name.startswith('step_')
+    and name[5:].isdigit()
+    and os.path.exists(os.path.join(root, name, EVAL_JSON))
+  ]
   return eval_dir(workdir, max(steps)) if steps else None
 
 
 def read_metrics(workdir: str) -> list[dict[str, Any]]:
   """The records of `<workdir>/metrics.jsonl`, non-finite values ('nan') as floats."""
+
   def number(key, value):
     if key != 'step' and isinstance(value, str):
       try:
@@ -107,18 +131,27 @@ def read_metrics(workdir: str) -> list[dict[str, Any]]:
       except ValueError:
         return value
     return value
-  return [{k: number(k, v) for k, v in record.items()}
-          for record in metrics_lib.read_jsonl(workdir)]
+
+  return [
+    {k: number(k, v) for k, v in record.items()}
+    for record in metrics_lib.read_jsonl(workdir)
+  ]
 
 
 # -- comparing runs -----------------------------------------------------------------
 
 
 TABLE_COLUMNS = (  # (title, eval.json key, format)
-    ('run', 'run', '{}'), ('residual', 'residual', '{}'), ('S', 'block_size', '{}'),
-    ('step', 'step', '{:d}'), ('params', 'num_params', '{:,d}'),
-    ('held-out loss', 'loss', '{:.4f}'), ('bits/byte', 'bits_per_byte', '{:.4f}'),
-    ('perplexity', 'perplexity', '{:.4f}'), ('eval tokens', 'num_tokens', '{:,d}'))
+  ('run', 'run', '{}'),
+  ('residual', 'residual', '{}'),
+  ('S', 'block_size', '{}'),
+  ('step', 'step', '{:d}'),
+  ('params', 'num_params', '{:,d}'),
+  ('held-out loss', 'loss', '{:.4f}'),
+  ('bits/byte', 'bits_per_byte', '{:.4f}'),
+  ('perplexity', 'perplexity', '{:.4f}'),
+  ('eval tokens', 'num_tokens', '{:,d}'),
+)
 
 
 def _cell(value, fmt: str) -> str:
@@ -132,7 +165,9 @@ def _cell(value, fmt: str) -> str:
 def markdown_table(rows: Sequence[Mapping[str, Any]]) -> str:
   """A markdown table of held-out results, one row per run (missing values: '-')."""
   header = '| ' + ' | '.join(column[0] for column in TABLE_COLUMNS) + ' |'
-  rule = '|' + '|'.join('---' if i < 3 else '---:' for i in range(len(TABLE_COLUMNS))) + '|'
+  rule = (
+    '|' + '|'.join('---' if i < 3 else '---:' for i in range(len(TABLE_COLUMNS))) + '|'
+  )
   lines = [header, rule]
   for row in rows:
     cells = [_cell(row.get(key), fmt) for _, key, fmt in TABLE_COLUMNS]
@@ -146,8 +181,9 @@ def run_name(workdir: str) -> str:
   return os.path.basename(os.path.normpath(workdir))
 
 
-def compare_runs(workdirs: Sequence[str], out_dir: str, *,
-                 names: Sequence[str] | None = None) -> str:
+def compare_runs(
+  workdirs: Sequence[str], out_dir: str, *, names: Sequence[str] | None = None
+) -> str:
   """Overlays several runs and tabulates their latest evaluations (`eval.py` output).
 
   Writes `loss_curves.png` (from each run's metrics.jsonl), `magnitudes.png` (from
@@ -185,10 +221,15 @@ def compare_runs(workdirs: Sequence[str], out_dir: str, *,
 # -- one run, end to end (eval.py) ----------------------------------------------------
 
 
-def evaluate_and_analyze(workdir: str, step: int | None = None, *,
-                         output_dir: str | None = None, batch_size: int | None = None,
-                         max_eval_batches: int | None = None,
-                         grad_batches: int | None = 16) -> dict[str, Any]:
+def evaluate_and_analyze(
+  workdir: str,
+  step: int | None = None,
+  *,
+  output_dir: str | None = None,
+  batch_size: int | None = None,
+  max_eval_batches: int | None = None,
+  grad_batches: int | None = 16,
+) -> dict[str, Any]:
   """Restores `workdir`'s checkpoint `step` (default latest), evaluates it on the whole
   eval split and writes eval.json, analysis.npz and the figures.
 
@@ -202,33 +243,52 @@ def evaluate_and_analyze(workdir: str, step: int | None = None, *,
   model, config, step = checkpointing.restore_model(workdir, step)
   tc = config.train
   datasets = data_lib.build_datasets(
-      config.data, seq_len=tc.seq_len, global_batch_size=batch_size or tc.batch_size,
-      seed=tc.seed, process_index=0, process_count=1, workdir=workdir)
+    config.data,
+    seq_len=tc.seq_len,
+    global_batch_size=batch_size or tc.batch_size,
+    seed=tc.seed,
+    process_index=0,
+    process_count=1,
+    workdir=workdir,
+  )
   out_dir = output_dir or eval_dir(workdir, step)
   name = run_name(workdir)
-  result = analyze(model, datasets.eval_batches, out_dir, max_batches=max_eval_batches,
-                   grad_batches=grad_batches, title=name)
+  result = analyze(
+    model,
+    datasets.eval_batches,
+    out_dir,
+    max_batches=max_eval_batches,
+    grad_batches=grad_batches,
+    title=name,
+  )
   metrics, arrays, files = result['metrics'], result['arrays'], result['files']
   cfg = config.model
   record = dict(
-      metrics,
-      run=name, workdir=os.path.abspath(workdir), step=int(step),
-      dataset=config.data.name, split=config.data.eval_split,
-      whole_split=max_eval_batches is None,
-      split_tokens=int(datasets.num_eval_tokens),
-      seq_len=int(tc.seq_len), batch_size=int(batch_size or tc.batch_size),
-      residual=cfg.residual, block_size=None,
-      num_layers=int(cfg.num_layers), d_model=int(cfg.d_model),
-      num_params=int(model_lib.count_params(model)),
-      grad_tokens=float(arrays['grad_tokens']),
-      files=[os.path.basename(f) for f in files],
-      seconds=time.perf_counter() - start,
+    metrics,
+    run=name,
+    workdir=os.path.abspath(workdir),
+    step=int(step),
+    dataset=config.data.name,
+    split=config.data.eval_split,
+    whole_split=max_eval_batches is None,
+    split_tokens=int(datasets.num_eval_tokens),
+    seq_len=int(tc.seq_len),
+    batch_size=int(batch_size or tc.batch_size),
+    residual=cfg.residual,
+    block_size=None,
+    num_layers=int(cfg.num_layers),
+    d_model=int(cfg.d_model),
+    num_params=int(model_lib.count_params(model)),
+    grad_tokens=float(arrays['grad_tokens']),
+    files=[os.path.basename(f) for f in files],
+    seconds=time.perf_counter() - start,
   )
   record.update(model.residual.describe())  # e.g. the AttnRes block size
   if record['whole_split'] and record['num_tokens'] != record['split_tokens']:
     raise AssertionError(
-        f'Evaluated {record["num_tokens"]} tokens but the split has '
-        f'{record["split_tokens"]}: the eval batches do not cover the split exactly.')
+      f'Evaluated {record["num_tokens"]} tokens but the split has '
+      f'{record["split_tokens"]}: the eval batches do not cover the split exactly.'
+    )
   with open(os.path.join(out_dir, EVAL_JSON), 'w', encoding='utf-8') as f:
     json.dump(record, f, indent=2)
   return record

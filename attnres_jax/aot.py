@@ -48,10 +48,12 @@ from attnres_jax import train as train_lib
 
 REPORT_JSON = 'compile_report.json'
 STEPS = ('train', 'eval', 'decode')
-TOPOLOGY_FORM = ("'<generation>:<chips along each axis>', generation one of v4, v5e, "
-                 "v5p, v6e: e.g. v5e:2x2, v5e:4x4, v5p:2x2x1, v5p:4x4x4, v6e:8x8")
+TOPOLOGY_FORM = (
+  "'<generation>:<chips along each axis>', generation one of v4, v5e, "
+  'v5p, v6e: e.g. v5e:2x2, v5e:4x4, v5p:2x2x1, v5p:4x4x4, v6e:8x8'
+)
 _TOPOLOGY_NAME = re.compile(r'^(v4|v5e|v5p|v6e|v5litepod)[:=_]([0-9]+(x[0-9]+){1,2})$')
-GIB = 2 ** 30
+GIB = 2**30
 
 
 class AotError(ValueError):
@@ -61,6 +63,7 @@ class AotError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class Chip:
   """Public per-chip figures: dense bf16 peak FLOP/s, HBM and its bandwidth."""
+
   generation: str
   peak_flops: float
   hbm_bytes: int
@@ -68,10 +71,10 @@ class Chip:
 
 
 CHIPS = {  # by the compile-only devices' device_kind
-    'TPU v4': Chip('v4', 275e12, 32 * GIB, 1.2e12),
-    'TPU v5 lite': Chip('v5e', 197e12, 16 * GIB, 8.19e11),
-    'TPU v5': Chip('v5p', 459e12, 95 * GIB, 2.765e12),
-    'TPU v6 lite': Chip('v6e', 918e12, 32 * GIB, 1.64e12),
+  'TPU v4': Chip('v4', 275e12, 32 * GIB, 1.2e12),
+  'TPU v5 lite': Chip('v5e', 197e12, 16 * GIB, 8.19e11),
+  'TPU v5': Chip('v5p', 459e12, 95 * GIB, 2.765e12),
+  'TPU v6 lite': Chip('v6e', 918e12, 32 * GIB, 1.64e12),
 }
 
 
@@ -98,9 +101,11 @@ class Topology:
 
 def require_libtpu() -> None:
   if importlib.util.find_spec('libtpu') is None:
-    raise AotError('--compile_only needs the TPU compiler, which the libtpu wheel holds, '
-                   'and it is not installed: pip install -r requirements.txt (it pins '
-                   "libtpu), or pip install -e '.[tpu]'.")
+    raise AotError(
+      '--compile_only needs the TPU compiler, which the libtpu wheel holds, '
+      'and it is not installed: pip install -r requirements.txt (it pins '
+      "libtpu), or pip install -e '.[tpu]'."
+    )
 
 
 def get_topology(name: str, num_slices: int = 1) -> Topology:
@@ -121,25 +126,30 @@ def get_topology(name: str, num_slices: int = 1) -> Topology:
   os.environ.setdefault('ALLOW_MULTIPLE_LIBTPU_LOAD', '1')
   # Imported here: it loads libtpu's plugin, which a CPU run never needs.
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+
   try:
-    desc = topologies.get_topology_desc(platform='tpu', topology_name=name,
-                                        num_slices=num_slices)
+    desc = topologies.get_topology_desc(
+      platform='tpu', topology_name=name, num_slices=num_slices
+    )
   except jax.errors.JaxRuntimeError as e:
     reason = str(e).split('\n')[0]
-    raise AotError(f'libtpu refused the TPU topology {name!r} ({reason}); the form is '
-                   f'{TOPOLOGY_FORM}.') from None
+    raise AotError(
+      f'libtpu refused the TPU topology {name!r} ({reason}); the form is {TOPOLOGY_FORM}.'
+    ) from None
   devices = list(desc.devices)
   kind = devices[0].device_kind
   if kind not in CHIPS:
-    raise AotError(f'No chip figures for {kind!r} (topology {name!r}); known: '
-                   f'{sorted(CHIPS)}.')
+    raise AotError(
+      f'No chip figures for {kind!r} (topology {name!r}); known: {sorted(CHIPS)}.'
+    )
   chips = math.prod(int(x) for x in match.group(2).split('x')) * num_slices
   return Topology(name, num_slices, devices, CHIPS[kind], chips)
 
 
 def _structs(tree, shardings):
-  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                      tree, shardings)
+  return jax.tree.map(
+    lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
+  )
 
 
 def _batch_structs(layout, rows: int, seq_len: int):
@@ -158,33 +168,53 @@ def _decode_lowered(config, layout, mesh, rules):
   nnx.replace_by_pure_dict(abstract_state, params)
   _, layer_state = nnx.split(abstract_model.layers)
   stacked = params['layers']
-  unstacked = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-      x.shape[1:], x.dtype, sharding=NamedSharding(mesh, P(*x.sharding.spec[1:]))),
-                           stacked)
+  unstacked = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(
+      x.shape[1:], x.dtype, sharding=NamedSharding(mesh, P(*x.sharding.spec[1:]))
+    ),
+    stacked,
+  )
   layers = []
   for _ in range(cfg.num_layers):
     one = jax.tree.map(lambda x: x, layer_state)
     nnx.replace_by_pure_dict(one, unstacked)
     layers.append(one)
-  cache = jax.eval_shape(functools.partial(model_lib.Transformer.init_cache,
-                                           abstract_model, rows, slots))
+  cache = jax.eval_shape(
+    functools.partial(model_lib.Transformer.init_cache, abstract_model, rows, slots)
+  )
 
   def place(x, axes):
     spec = sharding.logical_to_spec(axes, rules, mesh=mesh, shape=x.shape)
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
 
-  cache = tuple(model_lib.KVCache(place(c.keys_BNHS, model_lib.KEYS_AXES),
-                                  place(c.values_BNSH, model_lib.VALUES_AXES))
-                for c in cache)
-  row = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=NamedSharding(
-      mesh, sharding.logical_to_spec(('batch',), rules, mesh=mesh, shape=(rows,))))
+  cache = tuple(
+    model_lib.KVCache(
+      place(c.keys_BNHS, model_lib.KEYS_AXES), place(c.values_BNSH, model_lib.VALUES_AXES)
+    )
+    for c in cache
+  )
+  row = jax.ShapeDtypeStruct(
+    (rows,),
+    jnp.int32,
+    sharding=NamedSharding(
+      mesh, sharding.logical_to_spec(('batch',), rules, mesh=mesh, shape=(rows,))
+    ),
+  )
   scalar = lambda dtype: jax.ShapeDtypeStruct((), dtype, sharding=layout.replicated)
   key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
-  args = (abstract_state, tuple(layers), row, cache, scalar(jnp.int32), row,
-          jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=layout.replicated),
-          scalar(jnp.float32), scalar(jnp.int32),
-          jax.ShapeDtypeStruct((1,), jnp.int32, sharding=layout.replicated),
-          jax.ShapeDtypeStruct((rows,), jnp.bool_, sharding=row.sharding))
+  args = (
+    abstract_state,
+    tuple(layers),
+    row,
+    cache,
+    scalar(jnp.int32),
+    row,
+    jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=layout.replicated),
+    scalar(jnp.float32),
+    scalar(jnp.int32),
+    jax.ShapeDtypeStruct((1,), jnp.int32, sharding=layout.replicated),
+    jax.ShapeDtypeStruct((rows,), jnp.bool_, sharding=row.sharding),
+  )
   with sharding.logical_rules(mesh, rules):  # traced here: constrain as in training
     return sampling._step.lower(graphdef, *args)  # pylint: disable=protected-access
 
@@ -203,42 +233,62 @@ def _summarize(compiled, seconds: float, topo: Topology, model_flops: float) -> 
   memory = compiled.memory_analysis()
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-  costs = hlo_cost.analyze(compiled.as_text(), topo.device_peak_flops,
-                           topo.chip.hbm_bandwidth / topo.devices_per_chip)
+  costs = hlo_cost.analyze(
+    compiled.as_text(),
+    topo.device_peak_flops,
+    topo.chip.hbm_bandwidth / topo.devices_per_chip,
+  )
   compiler_seconds = float(cost.get('optimal_seconds', 0.0))
   step_seconds = hlo_cost.estimated_seconds(costs, compiler_seconds)
-  total = (memory.argument_size_in_bytes + memory.output_size_in_bytes
-           - memory.alias_size_in_bytes + memory.temp_size_in_bytes
-           + memory.generated_code_size_in_bytes)
+  total = (
+    memory.argument_size_in_bytes
+    + memory.output_size_in_bytes
+    - memory.alias_size_in_bytes
+    + memory.temp_size_in_bytes
+    + memory.generated_code_size_in_bytes
+  )
   peak = topo.device_peak_flops * len(topo.devices)
   return {
-      'compile_seconds': seconds,
-      'memory': {'argument_bytes': memory.argument_size_in_bytes,
-                 'output_bytes': memory.output_size_in_bytes,
-                 'alias_bytes': memory.alias_size_in_bytes,
-                 'temp_bytes': memory.temp_size_in_bytes,
-                 'code_bytes': memory.generated_code_size_in_bytes,
-                 'total_bytes': total, 'capacity_bytes': topo.device_hbm_bytes},
-      'flops': costs['flops'], 'transcendentals': costs['transcendentals'],
-      'bytes_accessed': costs['bytes'], 'bytes_async_copies': costs['bytes_async_copies'],
-      'xla_flops_loops_once': float(cost.get('flops', 0.0)),
-      'xla_bytes_loops_once': float(cost.get('bytes accessed', 0.0)),
-      'xla_seconds_loops_once': compiler_seconds,
-      'est_step_seconds': step_seconds,
-      'model_flops': model_flops,
-      'est_mfu': model_flops / (step_seconds * peak) if step_seconds else None,
-      'collectives': costs['collectives'],
-      # Where the estimated time goes: shares of the loop-counted roofline.
-      'time_shares': {k: costs.get('roofline_' + k, 0.0) / costs['roofline']
-                      for k in ('matmul', 'matmul_bytes_bound', 'other', 'copies',
-                                'collectives')} if costs.get('roofline') else {},
-      'while_trip_counts': costs['while_trip_counts'],
-      'unknown_trip_counts': costs['unknown_trip_counts'],
+    'compile_seconds': seconds,
+    'memory': {
+      'argument_bytes': memory.argument_size_in_bytes,
+      'output_bytes': memory.output_size_in_bytes,
+      'alias_bytes': memory.alias_size_in_bytes,
+      'temp_bytes': memory.temp_size_in_bytes,
+      'code_bytes': memory.generated_code_size_in_bytes,
+      'total_bytes': total,
+      'capacity_bytes': topo.device_hbm_bytes,
+    },
+    'flops': costs['flops'],
+    'transcendentals': costs['transcendentals'],
+    'bytes_accessed': costs['bytes'],
+    'bytes_async_copies': costs['bytes_async_copies'],
+    'xla_flops_loops_once': float(cost.get('flops', 0.0)),
+    'xla_bytes_loops_once': float(cost.get('bytes accessed', 0.0)),
+    'xla_seconds_loops_once': compiler_seconds,
+    'est_step_seconds': step_seconds,
+    'model_flops': model_flops,
+    'est_mfu': model_flops / (step_seconds * peak) if step_seconds else None,
+    'collectives': costs['collectives'],
+    # Where the estimated time goes: shares of the loop-counted roofline.
+    'time_shares': {
+      k: costs.get('roofline_' + k, 0.0) / costs['roofline']
+      for k in ('matmul', 'matmul_bytes_bound', 'other', 'copies', 'collectives')
+    }
+    if costs.get('roofline')
+    else {},
+    'while_trip_counts': costs['while_trip_counts'],
+    'unknown_trip_counts': costs['unknown_trip_counts'],
   }
 
 
-def compile_report(config: ml_collections.ConfigDict, topology: str, num_slices: int = 1,
-                   steps=STEPS, check_hbm: bool = True) -> dict[str, Any]:
+def compile_report(
+  config: ml_collections.ConfigDict,
+  topology: str,
+  num_slices: int = 1,
+  steps=STEPS,
+  check_hbm: bool = True,
+) -> dict[str, Any]:
   """Compiles `steps` of `config` for a TPU topology; the report (see module doc).
 
   Raises AotError for a bad topology or missing libtpu and ValueError for a config or
@@ -262,18 +312,29 @@ def compile_report(config: ml_collections.ConfigDict, topology: str, num_slices:
   layout = train_lib.make_layout(config.model, tx, mesh, rules)
   batch = _batch_structs(layout, tc.batch_size, tc.seq_len)
   lowering = {
-      'train': lambda: train_lib.jit_train_step(
-          layout, graphdef=graphdef, tx=tx, schedule=schedule,
-          grad_accum_steps=tc.grad_accum_steps, loss_fn=pipeline.make_loss_fn(pipe)
-      ).lower(layout.abstract_state, batch),
-      'eval': lambda: train_lib.jit_eval_step(layout, graphdef=graphdef).lower(
-          layout.abstract_state.params, batch),
-      'decode': lambda: _decode_lowered(config, layout, mesh, rules),
+    'train': lambda: train_lib.jit_train_step(
+      layout,
+      graphdef=graphdef,
+      tx=tx,
+      schedule=schedule,
+      grad_accum_steps=tc.grad_accum_steps,
+      loss_fn=pipeline.make_loss_fn(pipe),
+    ).lower(layout.abstract_state, batch),
+    'eval': lambda: train_lib.jit_eval_step(layout, graphdef=graphdef).lower(
+      layout.abstract_state.params, batch
+    ),
+    'decode': lambda: _decode_lowered(config, layout, mesh, rules),
   }
-  report = {'topology': topology, 'num_slices': num_slices,
-            'chip': dataclasses.asdict(topo.chip), 'num_chips': topo.num_chips,
-            'num_devices': len(topo.devices), 'mesh': dict(mesh.shape),
-            'config': json.loads(config.to_json()), 'steps': {}}
+  report = {
+    'topology': topology,
+    'num_slices': num_slices,
+    'chip': dataclasses.asdict(topo.chip),
+    'num_chips': topo.num_chips,
+    'num_devices': len(topo.devices),
+    'mesh': dict(mesh.shape),
+    'config': json.loads(config.to_json()),
+    'steps': {},
+  }
   for step in steps:
     start = time.perf_counter()
     try:
@@ -282,44 +343,61 @@ def compile_report(config: ml_collections.ConfigDict, topology: str, num_slices:
       if 'RESOURCE_EXHAUSTED' not in str(e):
         raise
       raise ValueError(
-          f'The {step} step does not fit on {topology}: the TPU compiler says '
-          f'"{str(e).splitlines()[0]}" (HBM per device). Shard more (mesh.shape: fsdp, '
-          'tensor; mesh.stage), lower the batch or seq_len, raise grad_accum_steps, or '
-          'set model.remat.') from None
-    summary = _summarize(compiled, time.perf_counter() - start, topo,
-                         _model_flops(config, step))
+        f'The {step} step does not fit on {topology}: the TPU compiler says '
+        f'"{str(e).splitlines()[0]}" (HBM per device). Shard more (mesh.shape: fsdp, '
+        'tensor; mesh.stage), lower the batch or seq_len, raise grad_accum_steps, or '
+        'set model.remat.'
+      ) from None
+    summary = _summarize(
+      compiled, time.perf_counter() - start, topo, _model_flops(config, step)
+    )
     report['steps'][step] = summary
     if check_hbm:
-      train_lib.check_memory(config, topo.device_hbm_bytes, compiled=compiled,
-                             what=f'The {step} step on {topology}')
+      train_lib.check_memory(
+        config,
+        topo.device_hbm_bytes,
+        compiled=compiled,
+        what=f'The {step} step on {topology}',
+      )
   return report
 
 
 def format_table(report: dict[str, Any]) -> str:
   """The report as a readable table, one row per step."""
   chip = report['chip']
-  lines = [f"{report['topology']} x {report['num_slices']} slice(s): "
-           f"{report['num_chips']} {chip['generation']} chips, {report['num_devices']} "
-           f"devices, mesh {report['mesh']}; per device: {chip['hbm_bytes'] / GIB:.0f} GiB "
-           f"HBM per chip, {chip['peak_flops'] / 1e12:.0f} TFLOP/s peak per chip.",
-           f"{'step':<7}{'args GiB':>9}{'temp GiB':>9}{'total GiB':>10}{'TFLOP':>9}"
-           f"{'GB acc.':>9}{'est. ms':>9}{'MFU':>6}  {'collectives (count / GB)':<46}"
-           f"{'compile s':>9}"]
+  lines = [
+    f'{report["topology"]} x {report["num_slices"]} slice(s): '
+    f'{report["num_chips"]} {chip["generation"]} chips, {report["num_devices"]} '
+    f'devices, mesh {report["mesh"]}; per device: {chip["hbm_bytes"] / GIB:.0f} GiB '
+    f'HBM per chip, {chip["peak_flops"] / 1e12:.0f} TFLOP/s peak per chip.',
+    f'{"step":<7}{"args GiB":>9}{"temp GiB":>9}{"total GiB":>10}{"TFLOP":>9}'
+    f'{"GB acc.":>9}{"est. ms":>9}{"MFU":>6}  {"collectives (count / GB)":<46}'
+    f'{"compile s":>9}',
+  ]
   for step, s in report['steps'].items():
     m = s['memory']
-    coll = ' '.join(f"{''.join(w[0] for w in k.split('-')).upper()} {v['count']:.0f}/"
-                    f"{v['bytes'] / 1e9:.2f}" for k, v in s['collectives'].items()
-                    if v['count'])
-    mfu = f"{s['est_mfu']:.0%}" if s['est_mfu'] is not None and step != 'decode' else '-'
-    lines.append(f"{step:<7}{m['argument_bytes'] / GIB:>9.2f}{m['temp_bytes'] / GIB:>9.2f}"
-                 f"{m['total_bytes'] / GIB:>10.2f}{s['flops'] / 1e12:>9.3f}"
-                 f"{s['bytes_accessed'] / 1e9:>9.2f}{s['est_step_seconds'] * 1e3:>9.2f}"
-                 f"{mfu:>6}  {coll or '-':<46}{s['compile_seconds']:>9.1f}")
+    coll = ' '.join(
+      f'{"".join(w[0] for w in k.split("-")).upper()} {v["count"]:.0f}/'
+      f'{v["bytes"] / 1e9:.2f}'
+      for k, v in s['collectives'].items()
+      if v['count']
+    )
+    mfu = f'{s["est_mfu"]:.0%}' if s['est_mfu'] is not None and step != 'decode' else '-'
+    lines.append(
+      f'{step:<7}{m["argument_bytes"] / GIB:>9.2f}{m["temp_bytes"] / GIB:>9.2f}'
+      f'{m["total_bytes"] / GIB:>10.2f}{s["flops"] / 1e12:>9.3f}'
+      f'{s["bytes_accessed"] / 1e9:>9.2f}{s["est_step_seconds"] * 1e3:>9.2f}'
+      f'{mfu:>6}  {coll or "-":<46}{s["compile_seconds"]:>9.1f}'
+    )
     if s.get('time_shares'):
-      lines.append('        time: ' + ', '.join(
-          f'{k.replace("_", " ")} {v:.0%}' for k, v in s['time_shares'].items()))
-  lines.append('FLOPs, bytes and time per device with loops counted; AG all-gather, '
-               'RS reduce-scatter, AR all-reduce, CP collective-permute, ATA all-to-all.')
+      lines.append(
+        '        time: '
+        + ', '.join(f'{k.replace("_", " ")} {v:.0%}' for k, v in s['time_shares'].items())
+      )
+  lines.append(
+    'FLOPs, bytes and time per device with loops counted; AG all-gather, '
+    'RS reduce-scatter, AR all-reduce, CP collective-permute, ATA all-to-all.'
+  )
   return '\n'.join(lines)
 
 

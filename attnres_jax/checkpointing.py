@@ -77,7 +77,8 @@ def _cause(error: BaseException) -> str:
   for e in chain:  # an OS error with an errno says it best
     if isinstance(e, OSError) and e.errno is not None:
       return f'{type(e).__name__}: [Errno {e.errno}] {os.strerror(e.errno)}' + (
-          f': {e.filename}' if e.filename else '')
+        f': {e.filename}' if e.filename else ''
+      )
   text = str(chain[-1]).strip().splitlines()
   if any('No space left' in str(e) for e in chain):
     return f'[Errno {errno.ENOSPC}] No space left on device'
@@ -103,22 +104,30 @@ def load_config(workdir: str) -> ml_collections.ConfigDict:
     config = ml_collections.ConfigDict(json.load(f))
   if 'model' in config:
     config.model = ml_collections.ConfigDict(
-        config_lib.ModelConfig.from_config(config.model).to_dict())
+      config_lib.ModelConfig.from_config(config.model).to_dict()
+    )
   return config
 
 
 class Checkpointer:
   """Saves and restores (params, optimizer state, step, data iterator) by step."""
 
-  def __init__(self, workdir: str, *, save_every: int, keep: int | None,
-               async_save: bool = True, read_only: bool = False):
+  def __init__(
+    self,
+    workdir: str,
+    *,
+    save_every: int,
+    keep: int | None,
+    async_save: bool = True,
+    read_only: bool = False,
+  ):
     options = ocp.CheckpointManagerOptions(
-        save_interval_steps=0 if read_only else save_every,
-        max_to_keep=None if read_only else keep,
-        create=not read_only,
-        read_only=read_only,
-        cleanup_tmp_directories=not read_only,
-        enable_async_checkpointing=async_save,
+      save_interval_steps=0 if read_only else save_every,
+      max_to_keep=None if read_only else keep,
+      create=not read_only,
+      read_only=read_only,
+      cleanup_tmp_directories=not read_only,
+      enable_async_checkpointing=async_save,
     )
     self.directory = checkpoint_dir(workdir)
     with quiet.dropping('Given directory is read only=%s'):  # said at every read-only use
@@ -131,8 +140,15 @@ class Checkpointer:
   def all_steps(self) -> list[int]:
     return list(self.manager.all_steps())
 
-  def save(self, step: int, *, params, opt_state, train_iter: grain.DatasetIterator,
-           force: bool = False) -> bool:
+  def save(
+    self,
+    step: int,
+    *,
+    params,
+    opt_state,
+    train_iter: grain.DatasetIterator,
+    force: bool = False,
+  ) -> bool:
     """Starts saving step `step` (asynchronously if enabled); True if it saves.
 
     Raises CheckpointSaveError if the previous save or this one's synchronous part
@@ -141,15 +157,17 @@ class Checkpointer:
     self.finish(now=step)
     try:
       saved = self.manager.save(
-          step,
-          args=ocp.args.Composite(
-              params=ocp.args.StandardSave(params),
-              train_state=ocp.args.StandardSave({'step': step, 'opt_state': opt_state}),
-              data=grain.checkpoint.CheckpointSave(train_iter),
-              digest=ocp.args.JsonSave({'params': checksum.digest(params),
-                                        'opt_state': checksum.digest(opt_state)}),
+        step,
+        args=ocp.args.Composite(
+          params=ocp.args.StandardSave(params),
+          train_state=ocp.args.StandardSave({'step': step, 'opt_state': opt_state}),
+          data=grain.checkpoint.CheckpointSave(train_iter),
+          digest=ocp.args.JsonSave(
+            {'params': checksum.digest(params), 'opt_state': checksum.digest(opt_state)}
           ),
-          force=force)
+        ),
+        force=force,
+      )
     except Exception as e:  # pylint: disable=broad-except
       raise self._save_error(step, e, now=step) from e
     if saved:
@@ -160,9 +178,10 @@ class Checkpointer:
     self.manager.reload()  # forget the failed step
     last = self.manager.latest_step()
     return CheckpointSaveError(
-        f'Saving the checkpoint of step {step} in {self.directory} failed: '
-        f'{_cause(error)}. Training stopped at step {now}; the last good checkpoint is '
-        + (f'step {last}.' if last is not None else 'none (no checkpoint was saved).'))
+      f'Saving the checkpoint of step {step} in {self.directory} failed: '
+      f'{_cause(error)}. Training stopped at step {now}; the last good checkpoint is '
+      + (f'step {last}.' if last is not None else 'none (no checkpoint was saved).')
+    )
 
   def poll(self, now: int) -> None:
     """Raises CheckpointSaveError if a background save has failed (never blocks)."""
@@ -193,12 +212,19 @@ class Checkpointer:
       os.rename(os.path.join(self.directory, str(step)), target)
     if jax.process_count() > 1:
       from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+
       multihost_utils.sync_global_devices(f'checkpoint {step} moved aside')
     self.manager.reload()
     return target
 
-  def restore(self, step: int, *, abstract_params, abstract_opt_state,
-              train_iter: grain.DatasetIterator | None) -> tuple[Any, Any]:
+  def restore(
+    self,
+    step: int,
+    *,
+    abstract_params,
+    abstract_opt_state,
+    train_iter: grain.DatasetIterator | None,
+  ) -> tuple[Any, Any]:
     """(params, opt_state) of `step`; also sets `train_iter` (unless None) to its
     saved state.
 
@@ -207,9 +233,9 @@ class Checkpointer:
     of processes): every process reads the pieces its devices need.
     """
     items = dict(
-        params=ocp.args.StandardRestore(abstract_params),
-        train_state=ocp.args.StandardRestore(
-            {'step': 0, 'opt_state': abstract_opt_state}))
+      params=ocp.args.StandardRestore(abstract_params),
+      train_state=ocp.args.StandardRestore({'step': 0, 'opt_state': abstract_opt_state}),
+    )
     if train_iter is not None:
       items['data'] = grain.checkpoint.CheckpointRestore(train_iter)
     if self._has_digest(step):
@@ -228,9 +254,11 @@ class Checkpointer:
   def data_process_count(self, step: int) -> int | None:
     """How many processes wrote the data iterator states of `step` (None: unknown)."""
     directory = os.path.join(self.directory, str(step), 'data')
-    counts = {name.rsplit('-of-', 1)[-1].split('.')[0]
-              for name in (os.listdir(directory) if os.path.isdir(directory) else ())
-              if name.startswith('process_') and '-of-' in name}
+    counts = {
+      name.rsplit('-of-', 1)[-1].split('.')[0]
+      for name in (os.listdir(directory) if os.path.isdir(directory) else ())
+      if name.startswith('process_') and '-of-' in name
+    }
     return int(counts.pop()) if len(counts) == 1 else None
 
   def restore_params(self, step: int, abstract_params):
@@ -257,6 +285,7 @@ class Checkpointer:
 def abstract_model(config: ml_collections.ConfigDict):
   """(graphdef, abstract pure-dict params) of the model, without allocating it."""
   from attnres_jax import model as model_lib  # pylint: disable=g-import-not-at-top
+
   abstract = nnx.eval_shape(lambda: model_lib.Transformer(config, rngs=nnx.Rngs(0)))
   graphdef, state = nnx.split(abstract)
   return graphdef, nnx.to_pure_dict(state)
@@ -269,26 +298,31 @@ def restore_model(workdir: str, step: int | None = None):
   only (no optimizer or data state), on the first local device.
   """
   config = load_config(workdir)
-  checkpointer = Checkpointer(workdir, save_every=0, keep=None, async_save=False,
-                              read_only=True)
+  checkpointer = Checkpointer(
+    workdir, save_every=0, keep=None, async_save=False, read_only=True
+  )
   try:
     step = checkpointer.latest_step() if step is None else step
     if step is None:
       raise FileNotFoundError(f'No checkpoint in {checkpointer.directory}.')
     if step not in checkpointer.all_steps():
-      raise FileNotFoundError(f'No checkpoint of step {step} in {checkpointer.directory}; '
-                              f'steps: {checkpointer.all_steps()}.')
+      raise FileNotFoundError(
+        f'No checkpoint of step {step} in {checkpointer.directory}; '
+        f'steps: {checkpointer.all_steps()}.'
+      )
     graphdef, abstract = abstract_model(config.model)
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     abstract = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract)
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract
+    )
     try:
       params = checkpointer.restore_params(step, abstract)
     except Exception as e:  # pylint: disable=broad-except
       others = [s for s in checkpointer.all_steps() if s != step]
       raise CheckpointRestoreError(
-          f'The checkpoint of step {step} in {checkpointer.directory} does not restore '
-          f'({root_cause(e)}); other steps: {others}.') from e
+        f'The checkpoint of step {step} in {checkpointer.directory} does not restore '
+        f'({root_cause(e)}); other steps: {others}.'
+      ) from e
   finally:
     checkpointer.close()
   return nnx.merge(graphdef, params), config, step
@@ -307,10 +341,16 @@ def newest_that_restores(workdir: str, steps, fn, say=metrics.say):
       if i + 1 == len(steps):
         raise
       gone = not os.path.isdir(os.path.join(checkpoint_dir(workdir), str(step)))
-      say(f'WARNING: the checkpoint of step {step} '
-          + ('was deleted while it was read (a running training keeps only its newest '
-             'checkpoints)' if gone else f'does not restore ({root_cause(e)})')
-          + f'; using step {steps[i + 1]} instead.')
+      say(
+        f'WARNING: the checkpoint of step {step} '
+        + (
+          'was deleted while it was read (a running training keeps only its newest '
+          'checkpoints)'
+          if gone
+          else f'does not restore ({root_cause(e)})'
+        )
+        + f'; using step {steps[i + 1]} instead.'
+      )
 
 
 def _on_all_processes(ok: bool) -> bool:
@@ -318,11 +358,11 @@ def _on_all_processes(ok: bool) -> bool:
   if jax.process_count() == 1:
     return ok
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+
   return bool(np.all(multihost_utils.process_allgather(np.int32(ok))))
 
 
-def restore_newest(checkpointer: Checkpointer, layout,
-                    datasets, *, restore_data: bool):
+def restore_newest(checkpointer: Checkpointer, layout, datasets, *, restore_data: bool):
   """(step, params, opt_state) of the newest checkpoint that restores, or None.
 
   A checkpoint that fails to restore (truncated or zeroed files, a missing iterator
@@ -335,24 +375,31 @@ def restore_newest(checkpointer: Checkpointer, layout,
     train_iter = datasets.train if restore_data else None
     saved_processes = checkpointer.data_process_count(step)
     if train_iter is not None and saved_processes not in (None, jax.process_count()):
-      metrics.say(f'WARNING: the checkpoint of step {step} was written by {saved_processes} '
-           f'processes, this run has {jax.process_count()}: the model and optimizer '
-           'state are restored (resharded), but the training data order cannot be, so '
-           'the data iterators start afresh.')
+      metrics.say(
+        f'WARNING: the checkpoint of step {step} was written by {saved_processes} '
+        f'processes, this run has {jax.process_count()}: the model and optimizer '
+        'state are restored (resharded), but the training data order cannot be, so '
+        'the data iterators start afresh.'
+      )
       train_iter = None
     abstract = layout.abstract_state
     try:
       params, opt_state = checkpointer.restore(
-          step, abstract_params=abstract.params, abstract_opt_state=abstract.opt_state,
-          train_iter=train_iter)
+        step,
+        abstract_params=abstract.params,
+        abstract_opt_state=abstract.opt_state,
+        train_iter=train_iter,
+      )
       error = None
     except Exception as e:  # pylint: disable=broad-except
       error = e
     if not _on_all_processes(error is None):
       why = root_cause(error) if error else 'failed on another process'
       failures.append((step, why))
-      metrics.say(f'WARNING: the checkpoint of step {step} in {checkpointer.directory} does '
-           f'not restore ({failures[-1][1]}); trying the previous one.')
+      metrics.say(
+        f'WARNING: the checkpoint of step {step} in {checkpointer.directory} does '
+        f'not restore ({failures[-1][1]}); trying the previous one.'
+      )
       continue
     for bad, _ in failures:
       where = checkpointer.move_aside(bad)
@@ -360,8 +407,9 @@ def restore_newest(checkpointer: Checkpointer, layout,
     return step, params, opt_state
   if failures:
     raise CheckpointRestoreError(
-        f'No checkpoint in {checkpointer.directory} restores:'
-        + ''.join(f'\n  step {step}: {why}' for step, why in failures)
-        + '\nNothing was moved. Move the broken steps away to start from an older one, '
-        'or use another workdir.')
+      f'No checkpoint in {checkpointer.directory} restores:'
+      + ''.join(f'\n  step {step}: {why}' for step, why in failures)
+      + '\nNothing was moved. Move the broken steps away to start from an older one, '
+      'or use another workdir.'
+    )
   return None

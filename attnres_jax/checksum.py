@@ -32,11 +32,12 @@ def _digest_lanes(tree) -> jax.Array:
   offset = 0
   for leaf in jax.tree.leaves(tree):
     leaf = jnp.asarray(leaf)
-    strides = [math.prod(leaf.shape[k + 1:]) for k in range(leaf.ndim)]
+    strides = [math.prod(leaf.shape[k + 1 :]) for k in range(leaf.ndim)]
     index = jnp.full(leaf.shape, offset, jnp.uint32)
     for k, stride in enumerate(strides):
       index = index + jax.lax.broadcasted_iota(jnp.uint32, leaf.shape, k) * jnp.uint32(
-          stride % 2**32)
+        stride % 2**32
+      )
     words = _leaf_words(leaf)
     for lane, multiplier in enumerate((0x9E3779B1, 0x85EBCA6B)):
       weight = (index * jnp.uint32(2) + jnp.uint32(1)) * jnp.uint32(multiplier)
@@ -60,5 +61,7 @@ def verify(step: int, name: str, tree, saved: dict | None) -> None:
     return  # a checkpoint written before checksums were recorded
   actual = digest(tree)
   if actual != saved[name]:
-    raise ChecksumError(f'the {name} of checkpoint {step} do not match their checksum '
-                        f'(saved {saved[name]}, read {actual}): damaged array files')
+    raise ChecksumError(
+      f'the {name} of checkpoint {step} do not match their checksum '
+      f'(saved {saved[name]}, read {actual}): damaged array files'
+    )

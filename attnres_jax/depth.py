@@ -92,8 +92,9 @@ def _source_logits(sources_KBTD, folded_query_D, eps, inv_rms_KBT=None):
   fuses them into one pass over the buffer, where an einsum becomes a batched matmul
   of tiny matrices (2.2x slower for a [17, 8, 256, 256] read on CPU).
   """
-  dots_KBT = jnp.sum(sources_KBTD.astype(jnp.float32)
-                     * lead(folded_query_D, sources_KBTD.ndim), axis=-1)
+  dots_KBT = jnp.sum(
+    sources_KBTD.astype(jnp.float32) * lead(folded_query_D, sources_KBTD.ndim), axis=-1
+  )
   if inv_rms_KBT is None:
     inv_rms_KBT = rms_inverse(sources_KBTD, eps)
   return dots_KBT, inv_rms_KBT
@@ -118,12 +119,12 @@ def read_parts(buffer_KBTD, query_D, gain_D, *, eps, num_valid=None, inv_rms_KBT
 
 
 def attn_res_read(
-    sources_KBTD: jax.Array,
-    query_D: jax.Array,
-    gain_D: jax.Array,
-    *,
-    eps: float,
-    num_valid=None,
+  sources_KBTD: jax.Array,
+  query_D: jax.Array,
+  gain_D: jax.Array,
+  *,
+  eps: float,
+  num_valid=None,
 ) -> tuple[jax.Array, jax.Array]:
   """One AttnRes depth read: softmax attention of one pseudo-query over depth sources.
 
@@ -139,8 +140,9 @@ def attn_res_read(
     h_BTD: the weighted sum of the sources, cast back to the sources' dtype.
     weights_KBT: the float32 depth-attention weights (zero on invalid sources).
   """
-  h_BTD, (weights_KBT, _, _) = read_parts(sources_KBTD, query_D, gain_D, eps=eps,
-                                          num_valid=num_valid)
+  h_BTD, (weights_KBT, _, _) = read_parts(
+    sources_KBTD, query_D, gain_D, eps=eps, num_valid=num_valid
+  )
   return h_BTD, weights_KBT
 
 
@@ -164,8 +166,12 @@ def phase1(buffer_KBTD, queries_QD, gains_QD, *, eps, num_valid, inv_rms_KBT=Non
   folded_QD = queries_QD.astype(jnp.float32) * gains_QD.astype(jnp.float32)
   if inv_rms_KBT is None:
     inv_rms_KBT = rms_inverse(buffer_KBTD, eps)
-  logits_QKBT = jnp.einsum('kbtd,qd->qkbt', buffer_KBTD, folded_QD,
-                           preferred_element_type=jnp.float32) * inv_rms_KBT[None]
+  logits_QKBT = (
+    jnp.einsum(
+      'kbtd,qd->qkbt', buffer_KBTD, folded_QD, preferred_element_type=jnp.float32
+    )
+    * inv_rms_KBT[None]
+  )
   mask_K = valid_mask(buffer_KBTD.shape[0], num_valid)
   if mask_K is not None:
     logits_QKBT = jnp.where(mask_K[None, :, None, None], logits_QKBT, -jnp.inf)
@@ -173,13 +179,15 @@ def phase1(buffer_KBTD, queries_QD, gains_QD, *, eps, num_valid, inv_rms_KBT=Non
   exp_QKBT = jnp.exp(logits_QKBT - max_QBT[:, None])
   # A contraction, not multiply-and-reduce: XLA:CPU materialises the [Q, K, B, T, D]
   # product of the latter (and of its gradient) when Q > 1.
-  out_QBTD = jnp.einsum('qkbt,kbtd->qbtd', exp_QKBT, buffer_KBTD,
-                        preferred_element_type=jnp.float32)
+  out_QBTD = jnp.einsum(
+    'qkbt,kbtd->qbtd', exp_QKBT, buffer_KBTD, preferred_element_type=jnp.float32
+  )
   return max_QBT, jnp.sum(exp_QKBT, axis=1), out_QBTD
 
 
-def phase2(phase1_stats, local_JBTD, valid_J, query_D, gain_D, *, eps,
-           local_inv_rms_JBT=None):
+def phase2(
+  phase1_stats, local_JBTD, valid_J, query_D, gain_D, *, eps, local_inv_rms_JBT=None
+):
   """Phase 2: one sublayer merges its Phase 1 statistics with the J local sources
   (those of `valid_J` only) by online softmax. Returns h in the local sources' dtype.
 
@@ -187,15 +195,17 @@ def phase2(phase1_stats, local_JBTD, valid_J, query_D, gain_D, *, eps,
   embedding).
   """
   max_BT, sum_BT, out_BTD = phase1_stats
-  dots_JBT, inv_rms_JBT = _source_logits(local_JBTD, _folded_query(query_D, gain_D),
-                                         eps, local_inv_rms_JBT)
+  dots_JBT, inv_rms_JBT = _source_logits(
+    local_JBTD, _folded_query(query_D, gain_D), eps, local_inv_rms_JBT
+  )
   logits_JBT = jnp.where(valid_J[:, None, None], dots_JBT * inv_rms_JBT, -jnp.inf)
   new_max_BT = jax.lax.stop_gradient(jnp.maximum(max_BT, jnp.max(logits_JBT, axis=0)))
   old_scale_BT = jnp.exp(max_BT - new_max_BT)
   local_weights_JBT = jnp.exp(logits_JBT - new_max_BT[None])  # 0 where not valid
   total_BT = sum_BT * old_scale_BT + jnp.sum(local_weights_JBT, axis=0)
   h_BTD = out_BTD * old_scale_BT[..., None] + jnp.sum(
-      local_weights_JBT[..., None] * local_JBTD.astype(jnp.float32), axis=0)
+    local_weights_JBT[..., None] * local_JBTD.astype(jnp.float32), axis=0
+  )
   return (h_BTD / total_BT[..., None]).astype(local_JBTD.dtype)
 
 
@@ -212,18 +222,18 @@ def window_mask(num_sources: int, num_valid, window: int) -> jax.Array:
 
 
 def attn_res_read_variant(
-    sources_KBTD: jax.Array,
-    query: jax.Array,
-    gain_D: jax.Array,
-    *,
-    eps: float,
-    num_valid,
-    normalizer: str = 'softmax',
-    key_norm: bool = True,
-    window: int = 0,
-    num_heads: int = 1,
-    mixing_weights_K: jax.Array | None = None,
-    inv_rms_KBT: jax.Array | None = None,
+  sources_KBTD: jax.Array,
+  query: jax.Array,
+  gain_D: jax.Array,
+  *,
+  eps: float,
+  num_valid,
+  normalizer: str = 'softmax',
+  key_norm: bool = True,
+  window: int = 0,
+  num_heads: int = 1,
+  mixing_weights_K: jax.Array | None = None,
+  inv_rms_KBT: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """The depth read with the paper's ablations; the defaults compute `attn_res_read`.
 

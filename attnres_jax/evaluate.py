@@ -54,33 +54,40 @@ def loss_sums(params, batch: Batch, *, graphdef) -> tuple[jax.Array, jax.Array]:
 
 def _weighted_nll(logits_BTV, batch: Batch) -> tuple[jax.Array, jax.Array]:
   nll_BT = optax.softmax_cross_entropy_with_integer_labels(
-      logits_BTV.astype(jnp.float32), batch['targets'])
+    logits_BTV.astype(jnp.float32), batch['targets']
+  )
   weights_BT = batch['weights'].astype(jnp.float32)
   return jnp.sum(nll_BT * weights_BT), jnp.sum(weights_BT)
 
 
-def eval_sums(params, batch: Batch, *, graphdef, collect_stats: bool = False
-              ) -> dict[str, jax.Array]:
+def eval_sums(
+  params, batch: Batch, *, graphdef, collect_stats: bool = False
+) -> dict[str, jax.Array]:
   """The sums `evaluate` adds up for one batch: nll, tokens, bytes and, with
   `collect_stats`, 'stats/<name>': each statistic's token-weighted sum."""
   model = nnx.merge(graphdef, params)
   weights_BT = batch['weights'].astype(jnp.float32)
   if collect_stats:
-    logits_BTV, stats = model(batch['inputs'], collect_stats=True,
-                              stats_weights_BT=weights_BT)
+    logits_BTV, stats = model(
+      batch['inputs'], collect_stats=True, stats_weights_BT=weights_BT
+    )
   else:
     logits_BTV, stats = model(batch['inputs']), {}
   nll, tokens = _weighted_nll(logits_BTV, batch)
   # Without per-target byte counts, every weighted target is one byte (byte tokens).
-  num_bytes = (jnp.sum(batch['bytes'].astype(jnp.float32) * (weights_BT > 0))
-               if 'bytes' in batch else tokens)
+  num_bytes = (
+    jnp.sum(batch['bytes'].astype(jnp.float32) * (weights_BT > 0))
+    if 'bytes' in batch
+    else tokens
+  )
   sums = {'nll': nll, 'tokens': tokens, 'bytes': num_bytes}
   sums.update({STATS_PREFIX + name: value * tokens for name, value in stats.items()})
   return sums
 
 
-def metrics_from_sums(total_nll: float, total_weight: float,
-                      total_bytes: float | None = None) -> dict[str, float]:
+def metrics_from_sums(
+  total_nll: float, total_weight: float, total_bytes: float | None = None
+) -> dict[str, float]:
   """loss (nats per token), bits_per_byte and perplexity (per token) from the summed
   NLL, weights (tokens) and text bytes (default: one byte per token)."""
   if total_weight <= 0:
@@ -90,15 +97,20 @@ def metrics_from_sums(total_nll: float, total_weight: float,
     raise ValueError('The evaluated targets cover no text bytes.')
   loss = total_nll / total_weight
   return {
-      'loss': loss,
-      'bits_per_byte': bits_per_byte(total_nll, total_bytes),
-      'perplexity': math.exp(loss) if loss < 700 else math.inf,
+    'loss': loss,
+    'bits_per_byte': bits_per_byte(total_nll, total_bytes),
+    'perplexity': math.exp(loss) if loss < 700 else math.inf,
   }
 
 
-def evaluate(eval_fn: Callable[[Any, Batch], Mapping[str, jax.Array]], params,
-             batches: Iterable[Batch], *, to_device: Callable[[Batch], Batch] | None = None,
-             max_batches: int | None = None) -> dict[str, Any]:
+def evaluate(
+  eval_fn: Callable[[Any, Batch], Mapping[str, jax.Array]],
+  params,
+  batches: Iterable[Batch],
+  *,
+  to_device: Callable[[Batch], Batch] | None = None,
+  max_batches: int | None = None,
+) -> dict[str, Any]:
   """Held-out metrics over every batch of `batches` (at most `max_batches`).
 
   `eval_fn(params, batch)` is `eval_sums`, jitted by the caller (sharded in training);
@@ -117,24 +129,33 @@ def evaluate(eval_fn: Callable[[Any, Batch], Mapping[str, jax.Array]], params,
     per_batch.append(eval_fn(params, to_device(batch)))
   if not per_batch:
     raise ValueError('No evaluation batches.')
-  totals = jax.tree.map(lambda *xs: sum(np.asarray(x, np.float64) for x in xs),
-                        *jax.device_get(per_batch))
+  totals = jax.tree.map(
+    lambda *xs: sum(np.asarray(x, np.float64) for x in xs), *jax.device_get(per_batch)
+  )
   num_tokens, num_bytes = float(totals['tokens']), float(totals['bytes'])
   result: dict[str, Any] = metrics_from_sums(float(totals['nll']), num_tokens, num_bytes)
   result.update(num_tokens=num_tokens, num_bytes=num_bytes, num_batches=len(per_batch))
-  stats = {name[len(STATS_PREFIX):]: value / num_tokens
-           for name, value in totals.items() if name.startswith(STATS_PREFIX)}
+  stats = {
+    name[len(STATS_PREFIX) :]: value / num_tokens
+    for name, value in totals.items()
+    if name.startswith(STATS_PREFIX)
+  }
   if stats:
     stats['num_tokens'] = np.asarray(num_tokens, np.float64)
     result['stats'] = stats
   return result
 
 
-def evaluate_model(model: nnx.Module, batches: Iterable[Batch], *,
-                   collect_stats: bool = False, max_batches: int | None = None
-                   ) -> dict[str, Any]:
+def evaluate_model(
+  model: nnx.Module,
+  batches: Iterable[Batch],
+  *,
+  collect_stats: bool = False,
+  max_batches: int | None = None,
+) -> dict[str, Any]:
   """`evaluate` for a model in memory on the default device (notebooks, tests)."""
   graphdef, params = nnx.split(model)
-  eval_fn = jax.jit(functools.partial(eval_sums, graphdef=graphdef,
-                                      collect_stats=collect_stats))
+  eval_fn = jax.jit(
+    functools.partial(eval_sums, graphdef=graphdef, collect_stats=collect_stats)
+  )
   return evaluate(eval_fn, params, batches, max_batches=max_batches)

@@ -29,9 +29,9 @@ def forward_flops_per_token(model_cfg, seq_len: int) -> dict[str, float]:
   d, f, layers = model_cfg.d_model, model_cfg.mlp_dim, model_cfg.num_layers
   matmul_params = layers * (4 * d * d + 3 * d * f) + d * model_cfg.vocab_size
   terms = {
-      'matmul': 2.0 * matmul_params,
-      'attention': 2.0 * layers * seq_len * d,
-      'depth_read': residuals.make(model_cfg).forward_flops(),
+    'matmul': 2.0 * matmul_params,
+    'attention': 2.0 * layers * seq_len * d,
+    'depth_read': residuals.make(model_cfg).forward_flops(),
   }
   terms['total'] = sum(terms.values())
   return terms

@@ -33,25 +33,88 @@ from typing import Any
 
 from attnres_jax import hlo_text
 
-COLLECTIVES = ('all-gather', 'reduce-scatter', 'all-reduce', 'collective-permute',
-               'all-to-all')
+COLLECTIVES = (
+  'all-gather',
+  'reduce-scatter',
+  'all-reduce',
+  'collective-permute',
+  'all-to-all',
+)
 # No data of their own moves: structure, aliases, control.
-_FREE = {'parameter', 'constant', 'get-tuple-element', 'tuple', 'bitcast', 'while',
-         'call', 'conditional', 'after-all', 'partition-id', 'replica-id', 'iota',
-         'opt-barrier', 'add-dependency', 'domain', 'copy-done', 'all-gather-done',
-         'all-reduce-done', 'collective-permute-done', 'async-done', 'async-update',
-         'send-done', 'recv-done'}
-_TRANSCENDENTAL = {'exponential', 'exponential-minus-one', 'log', 'log-plus-one',
-                   'rsqrt', 'sqrt', 'cbrt', 'tanh', 'logistic', 'sine', 'cosine', 'tan',
-                   'power', 'atan2', 'erf'}
-_ARITHMETIC = {'add', 'subtract', 'multiply', 'divide', 'maximum', 'minimum', 'negate',
-               'abs', 'compare', 'select', 'and', 'or', 'xor', 'not', 'sign', 'floor',
-               'ceil', 'round-nearest-afz', 'round-nearest-even', 'remainder', 'clamp',
-               'shift-left', 'shift-right-logical', 'shift-right-arithmetic',
-               'is-finite'}
+_FREE = {
+  'parameter',
+  'constant',
+  'get-tuple-element',
+  'tuple',
+  'bitcast',
+  'while',
+  'call',
+  'conditional',
+  'after-all',
+  'partition-id',
+  'replica-id',
+  'iota',
+  'opt-barrier',
+  'add-dependency',
+  'domain',
+  'copy-done',
+  'all-gather-done',
+  'all-reduce-done',
+  'collective-permute-done',
+  'async-done',
+  'async-update',
+  'send-done',
+  'recv-done',
+}
+_TRANSCENDENTAL = {
+  'exponential',
+  'exponential-minus-one',
+  'log',
+  'log-plus-one',
+  'rsqrt',
+  'sqrt',
+  'cbrt',
+  'tanh',
+  'logistic',
+  'sine',
+  'cosine',
+  'tan',
+  'power',
+  'atan2',
+  'erf',
+}
+_ARITHMETIC = {
+  'add',
+  'subtract',
+  'multiply',
+  'divide',
+  'maximum',
+  'minimum',
+  'negate',
+  'abs',
+  'compare',
+  'select',
+  'and',
+  'or',
+  'xor',
+  'not',
+  'sign',
+  'floor',
+  'ceil',
+  'round-nearest-afz',
+  'round-nearest-even',
+  'remainder',
+  'clamp',
+  'shift-left',
+  'shift-right-logical',
+  'shift-right-arithmetic',
+  'is-finite',
+}
 
 
-def trip_count(computations, while_instr: hlo_text.Instruction, caller: hlo_text.Computation) -> int | None:
+def trip_count(
+  computations, while_instr: hlo_text.Instruction, caller: hlo_text.Computation
+) -> int | None:
   """A while loop's trip count: the compiler's `known_trip_count`, else from a
   condition `counter < N` (or <=) with the counter's start a constant."""
   known = re.search(r'"known_trip_count":\{"n":"(\d+)"', while_instr.attrs)
@@ -95,23 +158,33 @@ def _start_value(caller: hlo_text.Computation, tuple_name: str, index: int) -> i
   value = caller.by_name.get(tuple_instr.operands[index])
   while value is not None and value.opcode in ('copy', 'bitcast'):
     value = caller.by_name.get(value.operands[0])
-  return _constant_value(value) if value is not None and value.opcode == 'constant' else None
+  return (
+    _constant_value(value) if value is not None and value.opcode == 'constant' else None
+  )
 
 
-def _fusion_operand_bytes(fused: hlo_text.Computation, operand_index: int, full: float,
-                          computations=None) -> float:
+def _fusion_operand_bytes(
+  fused: hlo_text.Computation, operand_index: int, full: float, computations=None
+) -> float:
   """Bytes a fusion reads of its operand: the slices if it only feeds (dynamic)
   slices (or is the buffer of an in-place dynamic-update-slice), through bitcasts and
   nested fusions; else all of it."""
-  parameter = next((i for i in fused.instructions if i.opcode == 'parameter'
-                    and i.operands == [str(operand_index)]), None)
+  parameter = next(
+    (
+      i
+      for i in fused.instructions
+      if i.opcode == 'parameter' and i.operands == [str(operand_index)]
+    ),
+    None,
+  )
   if parameter is None:
     return full
   return min(full, _value_read_bytes(fused, parameter.name, full, computations))
 
 
-def _value_read_bytes(computation: hlo_text.Computation, name: str, full: float,
-                      computations) -> float:
+def _value_read_bytes(
+  computation: hlo_text.Computation, name: str, full: float, computations
+) -> float:
   total = 0.0
   for user in computation.instructions:
     if name not in user.operands:
@@ -137,8 +210,11 @@ def _fusion_output_bytes(fused: hlo_text.Computation) -> float:
   or only the update of an in-place dynamic-update-slice (through bitcasts)."""
   if fused.root is None:
     return 0.0
-  outputs = ([fused.by_name.get(o) for o in fused.root.operands]
-             if fused.root.opcode == 'tuple' else [fused.root])
+  outputs = (
+    [fused.by_name.get(o) for o in fused.root.operands]
+    if fused.root.opcode == 'tuple'
+    else [fused.root]
+  )
   total = 0.0
   for output in outputs:
     if output is None:
@@ -153,7 +229,9 @@ def _fusion_output_bytes(fused: hlo_text.Computation) -> float:
   return total
 
 
-def _dot_flops(instruction: hlo_text.Instruction, computation: hlo_text.Computation) -> float:
+def _dot_flops(
+  instruction: hlo_text.Instruction, computation: hlo_text.Computation
+) -> float:
   out = hlo_text.elements(instruction.type_str)
   if instruction.opcode == 'dot':
     lhs = hlo_text.arrays(computation.type_of(instruction.operands[0]))
@@ -174,11 +252,20 @@ def _dot_flops(instruction: hlo_text.Instruction, computation: hlo_text.Computat
   macs = float(out) * kernel[kernel_labels.index('i')]
   for d in sorted(c for c in out_labels if c.isdigit()):
     spatial = int(d)
-    get = lambda key, default: (window.get(key, [default] * (spatial + 1))[spatial])
+    get = lambda key, default: window.get(key, [default] * (spatial + 1))[spatial]
     o_size = out_shape[out_labels.index(d)]
-    macs *= _window_pairs(lhs[lhs_labels.index(d)], kernel[kernel_labels.index(d)],
-                          o_size, get('pad', (0, 0))[0], get('stride', 1),
-                          get('lhs_dilate', 1), get('rhs_dilate', 1)) / o_size
+    macs *= (
+      _window_pairs(
+        lhs[lhs_labels.index(d)],
+        kernel[kernel_labels.index(d)],
+        o_size,
+        get('pad', (0, 0))[0],
+        get('stride', 1),
+        get('lhs_dilate', 1),
+        get('rhs_dilate', 1),
+      )
+      / o_size
+    )
   return 2.0 * macs
 
 
@@ -186,7 +273,7 @@ def _window(attrs: str) -> dict[str, list]:
   """A convolution's window attributes: size, pad (lo, hi), stride, dilations."""
   match = re.search(r'window=\{([^}]*)\}', attrs)
   window = {}
-  for item in (match.group(1).split() if match else []):
+  for item in match.group(1).split() if match else []:
     key, _, value = item.partition('=')
     if key == 'pad':
       window[key] = [tuple(int(v) for v in p.split('_')) for p in value.split('x')]
@@ -195,8 +282,15 @@ def _window(attrs: str) -> dict[str, list]:
   return window
 
 
-def _window_pairs(size: int, kernel: int, out: int, pad_lo: int, stride: int,
-                  lhs_dilate: int, rhs_dilate: int) -> int:
+def _window_pairs(
+  size: int,
+  kernel: int,
+  out: int,
+  pad_lo: int,
+  stride: int,
+  lhs_dilate: int,
+  rhs_dilate: int,
+) -> int:
   """(output, kernel) position pairs of one spatial dimension that meet a real input
   element (not padding, not a hole of the input dilation): the MACs per output
   feature along it, as XLA counts a convolution."""
@@ -209,13 +303,17 @@ def _window_pairs(size: int, kernel: int, out: int, pad_lo: int, stride: int,
       high = min(out - 1, (last - offset) // stride)
       pairs += max(0, high - low + 1)
     else:
-      pairs += sum(1 for o in range(out) if 0 <= o * stride + offset <= last
-                   and (o * stride + offset) % lhs_dilate == 0)
+      pairs += sum(
+        1
+        for o in range(out)
+        if 0 <= o * stride + offset <= last and (o * stride + offset) % lhs_dilate == 0
+      )
   return pairs
 
 
-def _arithmetic(instruction: hlo_text.Instruction, computation: hlo_text.Computation,
-                computations) -> tuple[float, float]:
+def _arithmetic(
+  instruction: hlo_text.Instruction, computation: hlo_text.Computation, computations
+) -> tuple[float, float]:
   """(flops, transcendentals) of one instruction, inside fusions too."""
   op = instruction.opcode
   if op in ('dot', 'convolution'):
@@ -229,21 +327,31 @@ def _arithmetic(instruction: hlo_text.Instruction, computation: hlo_text.Computa
   if op in _ARITHMETIC:
     return float(hlo_text.elements(instruction.type_str)), 0.0
   if op in ('reduce', 'reduce-window'):
-    return float(sum(hlo_text.elements(computation.type_of(o))
-                     for o in instruction.operands[:len(instruction.operands) // 2])), 0.0
+    return float(
+      sum(
+        hlo_text.elements(computation.type_of(o))
+        for o in instruction.operands[: len(instruction.operands) // 2]
+      )
+    ), 0.0
   return 0.0, 0.0
 
 
-def _bytes(instruction: hlo_text.Instruction, computation: hlo_text.Computation, computations) -> float:
+def _bytes(
+  instruction: hlo_text.Instruction, computation: hlo_text.Computation, computations
+) -> float:
   op = instruction.opcode
   if op in _FREE:
     return 0.0
-  operand_bytes = [hlo_text.type_bytes(computation.type_of(o)) for o in instruction.operands]
+  operand_bytes = [
+    hlo_text.type_bytes(computation.type_of(o)) for o in instruction.operands
+  ]
   out = hlo_text.type_bytes(instruction.type_str)
   if op == 'fusion':
     fused = hlo_text.Computation(computations[instruction.called('calls')[0]])
-    operand_bytes = [_fusion_operand_bytes(fused, k, b, computations)
-                     for k, b in enumerate(operand_bytes)]
+    operand_bytes = [
+      _fusion_operand_bytes(fused, k, b, computations)
+      for k, b in enumerate(operand_bytes)
+    ]
     out = _fusion_output_bytes(fused)
   elif op in ('dynamic-slice', 'slice'):
     operand_bytes[0] = out
@@ -254,11 +362,17 @@ def _bytes(instruction: hlo_text.Instruction, computation: hlo_text.Computation,
   return sum(operand_bytes) + out
 
 
-def _start_output_bytes(instruction: hlo_text.Instruction, operand_bytes: list[float]) -> float:
+def _start_output_bytes(
+  instruction: hlo_text.Instruction, operand_bytes: list[float]
+) -> float:
   """An async start's result is (operands, results, context): the results alone."""
   parts = hlo_text.split_top(instruction.type_str[1:-1])
-  rest = parts[len(operand_bytes):] if len(parts) > len(operand_bytes) else parts
-  return sum(hlo_text.type_bytes(p) for p in rest if hlo_text.arrays(p) and any(s for _, s in hlo_text.arrays(p)))
+  rest = parts[len(operand_bytes) :] if len(parts) > len(operand_bytes) else parts
+  return sum(
+    hlo_text.type_bytes(p)
+    for p in rest
+    if hlo_text.arrays(p) and any(s for _, s in hlo_text.arrays(p))
+  )
 
 
 def _collective(instruction: hlo_text.Instruction, computations) -> str | None:
@@ -266,16 +380,22 @@ def _collective(instruction: hlo_text.Instruction, computations) -> str | None:
   if op == 'async-start':
     called = computations.get((instruction.called('calls') or [''])[0], [])
     op = called[-1].opcode if called else ''
-  base = op[:-len('-start')] if op.endswith('-start') else op
+  base = op[: -len('-start')] if op.endswith('-start') else op
   return base if base in COLLECTIVES else None
 
 
-def _collective_bytes(instruction: hlo_text.Instruction, computation: hlo_text.Computation) -> float:
-  operands = sum(hlo_text.type_bytes(computation.type_of(o)) for o in instruction.operands)
+def _collective_bytes(
+  instruction: hlo_text.Instruction, computation: hlo_text.Computation
+) -> float:
+  operands = sum(
+    hlo_text.type_bytes(computation.type_of(o)) for o in instruction.operands
+  )
   out = hlo_text.type_bytes(instruction.type_str)
   if instruction.opcode.endswith('-start') and instruction.type_str.startswith('('):
-    out = _start_output_bytes(instruction, [hlo_text.type_bytes(computation.type_of(o))
-                                            for o in instruction.operands])
+    out = _start_output_bytes(
+      instruction,
+      [hlo_text.type_bytes(computation.type_of(o)) for o in instruction.operands],
+    )
   return max(operands, out)
 
 
@@ -284,8 +404,9 @@ def _contains_dot(instruction: hlo_text.Instruction, computations) -> bool:
     return True
   if instruction.opcode != 'fusion':
     return False
-  return any(_contains_dot(i, computations)
-             for i in computations[instruction.called('calls')[0]])
+  return any(
+    _contains_dot(i, computations) for i in computations[instruction.called('calls')[0]]
+  )
 
 
 def _kind(instruction: hlo_text.Instruction, computations) -> str:
@@ -311,8 +432,14 @@ def multiplicities(computations, entry: str) -> tuple[dict[str, float], list[str
       return
     seen.add(name)
     for instruction in computations[name]:
-      for key in ('body', 'condition', 'to_apply', 'branch_computations',
-                  'true_computation', 'false_computation'):
+      for key in (
+        'body',
+        'condition',
+        'to_apply',
+        'branch_computations',
+        'true_computation',
+        'false_computation',
+      ):
         if instruction.opcode in ('while', 'call', 'conditional'):
           for callee in instruction.called(key):
             visit(callee)
@@ -330,15 +457,20 @@ def multiplicities(computations, entry: str) -> tuple[dict[str, float], list[str
         counts[instruction.called('body')[0]] += counts[name] * n
         counts[instruction.called('condition')[0]] += counts[name] * (n + 1)
       elif instruction.opcode in ('call', 'conditional'):
-        for key in ('to_apply', 'branch_computations', 'true_computation',
-                    'false_computation'):
+        for key in (
+          'to_apply',
+          'branch_computations',
+          'true_computation',
+          'false_computation',
+        ):
           for callee in instruction.called(key):
             counts[callee] += counts[name]
   return dict(counts), unknown
 
 
-def analyze(text: str, peak_flops: float = 1.0,
-            hbm_bandwidth: float = 1.0) -> dict[str, Any]:
+def analyze(
+  text: str, peak_flops: float = 1.0, hbm_bandwidth: float = 1.0
+) -> dict[str, Any]:
   """Costs of one device's optimized HLO, loops counted (see the module docstring):
   flops, transcendentals, bytes (`bytes_async_copies`: the share of copy-start, async
   moves between memories), cycles, roofline seconds (per kernel the larger of flops /
@@ -363,8 +495,13 @@ def analyze(text: str, peak_flops: float = 1.0,
       totals['roofline_' + kind] += times * roofline
       if kind == 'matmul' and moved / hbm_bandwidth > flops / peak_flops:
         totals['roofline_matmul_bytes_bound'] += times * roofline
-      for key, once in (('flops', flops), ('transcendentals', transcendentals),
-                        ('bytes', moved), ('cycles', cycles), ('roofline', roofline)):
+      for key, once in (
+        ('flops', flops),
+        ('transcendentals', transcendentals),
+        ('bytes', moved),
+        ('cycles', cycles),
+        ('roofline', roofline),
+      ):
         totals[key] += times * once
         totals[key + '_once'] += once
       if instruction.opcode == 'copy-start':
@@ -375,8 +512,9 @@ def analyze(text: str, peak_flops: float = 1.0,
         collectives[kind]['bytes'] += times * _collective_bytes(instruction, computation)
       if instruction.opcode == 'while':
         trips.append(trip_count(computations, instruction, computation))
-  return dict(totals, collectives=collectives, while_trip_counts=trips,
-              unknown_trip_counts=unknown)
+  return dict(
+    totals, collectives=collectives, while_trip_counts=trips, unknown_trip_counts=unknown
+  )
 
 
 def estimated_seconds(costs: dict[str, Any], compiler_seconds: float) -> float:
@@ -385,4 +523,3 @@ def estimated_seconds(costs: dict[str, Any], compiler_seconds: float) -> float:
   if not costs.get('roofline_once'):
     return compiler_seconds
   return compiler_seconds * costs['roofline'] / costs['roofline_once']
-

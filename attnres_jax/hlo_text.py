@@ -12,15 +12,37 @@ import math
 import re
 
 _DTYPE_BYTES = {
-    'pred': 1, 's4': 0.5, 'u4': 0.5, 's8': 1, 'u8': 1, 'f8e4m3fn': 1, 'f8e5m2': 1,
-    'f8e4m3': 1, 'f8e4m3fnuz': 1, 'f8e5m2fnuz': 1, 's16': 2, 'u16': 2, 'f16': 2,
-    'bf16': 2, 's32': 4, 'u32': 4, 'f32': 4, 's64': 8, 'u64': 8, 'f64': 8, 'c64': 8,
-    'c128': 16,
+  'pred': 1,
+  's4': 0.5,
+  'u4': 0.5,
+  's8': 1,
+  'u8': 1,
+  'f8e4m3fn': 1,
+  'f8e5m2': 1,
+  'f8e4m3': 1,
+  'f8e4m3fnuz': 1,
+  'f8e5m2fnuz': 1,
+  's16': 2,
+  'u16': 2,
+  'f16': 2,
+  'bf16': 2,
+  's32': 4,
+  'u32': 4,
+  'f32': 4,
+  's64': 8,
+  'u64': 8,
+  'f64': 8,
+  'c64': 8,
+  'c128': 16,
 }
-_ARRAY = re.compile(r'\b(' + '|'.join(sorted(_DTYPE_BYTES, key=len, reverse=True))
-                    + r')\[([0-9,]*)\]')
-_LAID_OUT = re.compile(r'\b(' + '|'.join(sorted(_DTYPE_BYTES, key=len, reverse=True))
-                       + r')\[([0-9,]*)\](?:\{([^}]*)\})?')
+_ARRAY = re.compile(
+  r'\b(' + '|'.join(sorted(_DTYPE_BYTES, key=len, reverse=True)) + r')\[([0-9,]*)\]'
+)
+_LAID_OUT = re.compile(
+  r'\b('
+  + '|'.join(sorted(_DTYPE_BYTES, key=len, reverse=True))
+  + r')\[([0-9,]*)\](?:\{([^}]*)\})?'
+)
 _HEADER = re.compile(r'^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->.*\{\s*$')
 _INSTRUCTION = re.compile(r'^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$')
 
@@ -76,7 +98,7 @@ def parse_instruction(line: str) -> Instruction | None:
   name, rest = match.group(2), match.group(3)
   if rest.startswith('('):
     end = _closing(rest, 0)
-    type_str, rest = rest[:end + 1], rest[end + 1:].lstrip()
+    type_str, rest = rest[: end + 1], rest[end + 1 :].lstrip()
   else:
     type_str, _, rest = rest.partition(' ')
   paren = rest.find('(')
@@ -84,10 +106,13 @@ def parse_instruction(line: str) -> Instruction | None:
     return None
   opcode = rest[:paren].strip()
   end = _closing(rest, paren)
-  operands = [re.findall(r'%?([\w.\-]+)$', o)[0] if re.search(r'%?[\w.\-]+$', o) else o
-              for o in split_top(rest[paren + 1:end])]
-  return Instruction(name, type_str, opcode, operands, rest[end + 1:],
-                     is_root=bool(match.group(1)))
+  operands = [
+    re.findall(r'%?([\w.\-]+)$', o)[0] if re.search(r'%?[\w.\-]+$', o) else o
+    for o in split_top(rest[paren + 1 : end])
+  ]
+  return Instruction(
+    name, type_str, opcode, operands, rest[end + 1 :], is_root=bool(match.group(1))
+  )
 
 
 def parse_module(hlo_text: str) -> tuple[dict[str, list[Instruction]], str]:
@@ -113,8 +138,10 @@ def parse_module(hlo_text: str) -> tuple[dict[str, list[Instruction]], str]:
 
 def arrays(type_str: str) -> list[tuple[str, tuple[int, ...]]]:
   """The (dtype, dims) of every array in a (tuple) type."""
-  return [(d, tuple(int(x) for x in dims.split(',') if x))
-          for d, dims in _ARRAY.findall(type_str)]
+  return [
+    (d, tuple(int(x) for x in dims.split(',') if x))
+    for d, dims in _ARRAY.findall(type_str)
+  ]
 
 
 def type_bytes(type_str: str) -> float:
@@ -129,7 +156,8 @@ def type_bytes(type_str: str) -> float:
     tile = re.match(r'T\(([0-9,]+)\)', rest)
     if tile and shape:
       order = [int(x) for x in minor_to_major.split(',') if x] or list(
-          reversed(range(len(shape))))
+        reversed(range(len(shape)))
+      )
       physical = [shape[d] for d in reversed(order)]  # major to minor
       sizes = [int(t) for t in tile.group(1).split(',')]
       for k, t in enumerate(reversed(sizes)):

@@ -74,8 +74,7 @@ class WorkdirLock:
   stale lock taken over).
   """
 
-  def __init__(self, workdir: str, purpose: str, *,
-               lease_seconds: float = LEASE_SECONDS):
+  def __init__(self, workdir: str, purpose: str, *, lease_seconds: float = LEASE_SECONDS):
     self.path = os.path.join(workdir, LOCK_FILE)
     self.messages: list[str] = []
     fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -87,39 +86,53 @@ class WorkdirLock:
           raise
         holder = _read_holder(fd)
         raise WorkdirLockedError(
-            f'Workdir {workdir!r} is in use by {_describe(holder)}; refusing to '
-            f'write into it. Wait for that process to finish or stop it (lock file '
-            f'{self.path}).') from None
+          f'Workdir {workdir!r} is in use by {_describe(holder)}; refusing to '
+          f'write into it. Wait for that process to finish or stop it (lock file '
+          f'{self.path}).'
+        ) from None
       previous = _read_holder(fd)
       if previous and previous.get('host') != socket.gethostname():
         why = _lease_expired(fd, previous, self.path)
         if why is None:
           fcntl.flock(fd, fcntl.LOCK_UN)
           raise WorkdirLockedError(
-              f'Workdir {workdir!r} is in use by {_describe(previous)}, on another '
-              + ('host, which renews its lease; refusing to write into it.'
-                 if _renews(previous) else
-                 f'host, whose liveness cannot be checked from here (its record has no '
-                 f'lease). If that run is over, delete {self.path} and start again.'))
+            f'Workdir {workdir!r} is in use by {_describe(previous)}, on another '
+            + (
+              'host, which renews its lease; refusing to write into it.'
+              if _renews(previous)
+              else f'host, whose liveness cannot be checked from here (its record has no '
+              f'lease). If that run is over, delete {self.path} and start again.'
+            )
+          )
         self.messages.append(f'Taking over the lock of {_describe(previous)}: {why}.')
       elif previous:
         pid = previous.get('pid')
-        state = ('no longer running' if not isinstance(pid, int) or not _pid_alive(pid)
-                 else 'not holding the lock (a new process with the same pid)')
+        state = (
+          'no longer running'
+          if not isinstance(pid, int) or not _pid_alive(pid)
+          else 'not holding the lock (a new process with the same pid)'
+        )
         self.messages.append(
-            f'Taking over the stale lock of {_describe(previous)}, {state}; its run '
-            f'ended without releasing {self.path} (killed or crashed).')
-      self._record = dict(pid=os.getpid(), host=socket.gethostname(), started=now(),
-                          purpose=purpose, renewed=time.time(),
-                          lease_seconds=lease_seconds)
+          f'Taking over the stale lock of {_describe(previous)}, {state}; its run '
+          f'ended without releasing {self.path} (killed or crashed).'
+        )
+      self._record = dict(
+        pid=os.getpid(),
+        host=socket.gethostname(),
+        started=now(),
+        purpose=purpose,
+        renewed=time.time(),
+        lease_seconds=lease_seconds,
+      )
       _write_record(fd, self._record)
     except BaseException:
       os.close(fd)
       raise
     self._fd = fd
     self._stop = threading.Event()
-    self._renewer = threading.Thread(target=self._renew, args=(lease_seconds / 4,),
-                                     daemon=True, name='workdir-lease')
+    self._renewer = threading.Thread(
+      target=self._renew, args=(lease_seconds / 4,), daemon=True, name='workdir-lease'
+    )
     self._renewer.start()
 
   def _renew(self, every: float) -> None:
@@ -157,7 +170,9 @@ def _write_record(fd: int, record: Mapping[str, Any]) -> None:
 
 
 def _renews(holder: Mapping[str, Any]) -> bool:
-  return all(isinstance(holder.get(k), (int, float)) for k in ('renewed', 'lease_seconds'))
+  return all(
+    isinstance(holder.get(k), (int, float)) for k in ('renewed', 'lease_seconds')
+  )
 
 
 def _lease_expired(fd: int, holder: Mapping[str, Any], path: str) -> str | None:
@@ -171,15 +186,19 @@ def _lease_expired(fd: int, holder: Mapping[str, Any], path: str) -> str | None:
     return None
   lease, renewed = holder['lease_seconds'], holder['renewed']
   if time.time() - renewed <= lease:
-    metrics.say(f'{path}: waiting up to {lease - (time.time() - renewed):.0f} s for the '
-                f'lease of {_describe(holder)} to expire (it renews every '
-                f'{lease / 4:g} s while it runs).')
+    metrics.say(
+      f'{path}: waiting up to {lease - (time.time() - renewed):.0f} s for the '
+      f'lease of {_describe(holder)} to expire (it renews every '
+      f'{lease / 4:g} s while it runs).'
+    )
   while time.time() - renewed <= lease:
     time.sleep(min(1.0, lease / 20))
     if _read_holder(fd) != holder:
       return None
-  return (f'its lease expired {time.time() - renewed - lease:.0f} s ago (last renewed '
-          f'{time.time() - renewed:.0f} s ago), so it is gone')
+  return (
+    f'its lease expired {time.time() - renewed - lease:.0f} s ago (last renewed '
+    f'{time.time() - renewed:.0f} s ago), so it is gone'
+  )
 
 
 def _read_holder(fd: int) -> dict[str, Any]:
@@ -197,8 +216,10 @@ def _describe(holder: Mapping[str, Any]) -> str:
     return 'another process (no holder recorded yet)'
   if 'unreadable' in holder:
     return f'an unknown holder ({holder["unreadable"]!r})'
-  return (f'pid {holder.get("pid")} on host {holder.get("host")} '
-          f'({holder.get("purpose", "?")}, started {holder.get("started", "?")})')
+  return (
+    f'pid {holder.get("pid")} on host {holder.get("host")} '
+    f'({holder.get("purpose", "?")}, started {holder.get("started", "?")})'
+  )
 
 
 def lock_workdir(workdir: str, purpose: str) -> WorkdirLock | None:
@@ -212,10 +233,12 @@ def lock_workdir(workdir: str, purpose: str) -> WorkdirLock | None:
       error = e
   if jax.process_count() > 1:
     from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+
     locked = multihost_utils.broadcast_one_to_all(np.int32(error is None))
     if not locked and error is None:
       error = WorkdirLockedError(
-          f'Process 0 could not lock the workdir {workdir!r} (see its output).')
+        f'Process 0 could not lock the workdir {workdir!r} (see its output).'
+      )
   if error is not None:
     raise error
   for message in lock.messages if lock is not None else ():

@@ -34,6 +34,8 @@ from tensorboardX.proto import summary_pb2
 JSONL = 'metrics.jsonl'
 TENSORBOARD = 'tensorboard'
 FLUSH_SECONDS = 60  # how often TensorBoard's events reach the file while a run runs
+
+
 class MetricsWriteError(OSError):
   """Writing `metrics.jsonl` or the TensorBoard events failed; the run must stop."""
 
@@ -62,15 +64,24 @@ class MetricWriter:
       # One event file per segment; the number keeps files of one second (same name
       # prefix) unique and in order, as TensorBoard reads them in name order.
       segment = len(glob.glob(os.path.join(logdir, 'events.out.tfevents.*')))
-      self._tb = event_file_writer.EventsWriter(os.path.join(logdir, 'events'),
-                                                f'.{segment:04d}')
+      self._tb = event_file_writer.EventsWriter(
+        os.path.join(logdir, 'events'), f'.{segment:04d}'
+      )
       # TensorBoard drops the events of steps > resume_step read before this one.
-      self._tb.write_event(event_pb2.Event(
-          step=resume_step + 1, wall_time=time.time(),
-          session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START)))
+      self._tb.write_event(
+        event_pb2.Event(
+          step=resume_step + 1,
+          wall_time=time.time(),
+          session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START),
+        )
+      )
       self._jsonl = open(self.jsonl_path, 'a', encoding='utf-8')
-      shown = {(tag, step) for tag, values in shown.items() for step, _ in values
-               if step <= resume_step}
+      shown = {
+        (tag, step)
+        for tag, values in shown.items()
+        for step, _ in values
+        if step <= resume_step
+      }
       for record in read_jsonl(workdir):  # steps <= resume_step, after the truncation
         for tag, value in record.items():
           if tag != 'step' and (tag, record['step']) not in shown:
@@ -78,10 +89,15 @@ class MetricWriter:
       self._tb.flush()
 
   def _add_scalar(self, tag: str, value: float, step: int) -> None:
-    self._tb.write_event(event_pb2.Event(
-        step=step, wall_time=time.time(),
-        summary=summary_pb2.Summary(value=[summary_pb2.Summary.Value(
-            tag=tag, simple_value=value)])))
+    self._tb.write_event(
+      event_pb2.Event(
+        step=step,
+        wall_time=time.time(),
+        summary=summary_pb2.Summary(
+          value=[summary_pb2.Summary.Value(tag=tag, simple_value=value)]
+        ),
+      )
+    )
 
   def write_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
     """Appends one record; raises OSError if a write fails."""
@@ -165,10 +181,13 @@ def read_tensorboard(workdir: str) -> dict[str, list[tuple[int, float]]]:
   if not glob.glob(os.path.join(logdir, 'events.out.tfevents.*')):
     return {}
   accumulator = event_accumulator.EventAccumulator(
-      logdir, size_guidance={event_accumulator.SCALARS: 0})  # 0: keep every event
+    logdir, size_guidance={event_accumulator.SCALARS: 0}
+  )  # 0: keep every event
   accumulator.Reload()
-  return {tag: [(e.step, e.value) for e in accumulator.Scalars(tag)]
-          for tag in accumulator.Tags()[event_accumulator.SCALARS]}
+  return {
+    tag: [(e.step, e.value) for e in accumulator.Scalars(tag)]
+    for tag in accumulator.Tags()[event_accumulator.SCALARS]
+  }
 
 
 def say(message: str, bar=None) -> None:

@@ -66,22 +66,27 @@ def rotary_embedding(x_BTNH: Array, positions_BT: Array, theta: float) -> Array:
 class KVCache:
   """One layer's key/value cache for decoding, in the layouts the attention dots read
   without a transpose: keys [B, N, H, S] (S: cache slots), values [B, N, S, H]."""
+
   keys_BNHS: Array
   values_BNSH: Array
 
 
-KEYS_AXES = ('batch', 'heads', 'head_dim', 'length')    # sharded like activations
+KEYS_AXES = ('batch', 'heads', 'head_dim', 'length')  # sharded like activations
 VALUES_AXES = ('batch', 'heads', 'length', 'head_dim')
 
 
 def shard_cache(cache: tuple[KVCache, ...], mesh, rules) -> tuple[KVCache, ...]:
   """The cache placed on `mesh` like the activations (batch over data/fsdp, heads over
   tensor under the default rules); a step under `sharding.logical_rules` keeps it so."""
+
   def place(x, axes):
     spec = sharding.logical_to_spec(axes, rules, mesh=mesh, shape=x.shape)
     return jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))
-  return tuple(KVCache(place(c.keys_BNHS, KEYS_AXES), place(c.values_BNSH, VALUES_AXES))
-               for c in cache)
+
+  return tuple(
+    KVCache(place(c.keys_BNHS, KEYS_AXES), place(c.values_BNSH, VALUES_AXES))
+    for c in cache
+  )
 
 
 def cached_attention(q_BTNH, k_BTNH, v_BTNH, cache: KVCache, cache_index, start_B):
@@ -93,25 +98,35 @@ def cached_attention(q_BTNH, k_BTNH, v_BTNH, cache: KVCache, cache_index, start_
   """
   dtype = q_BTNH.dtype
   keys_BNHS = jax.lax.dynamic_update_slice_in_dim(
-      cache.keys_BNHS, k_BTNH.transpose(0, 2, 3, 1).astype(cache.keys_BNHS.dtype),
-      cache_index, axis=3)
+    cache.keys_BNHS,
+    k_BTNH.transpose(0, 2, 3, 1).astype(cache.keys_BNHS.dtype),
+    cache_index,
+    axis=3,
+  )
   values_BNSH = jax.lax.dynamic_update_slice_in_dim(
-      cache.values_BNSH, v_BTNH.transpose(0, 2, 1, 3).astype(cache.values_BNSH.dtype),
-      cache_index, axis=2)
+    cache.values_BNSH,
+    v_BTNH.transpose(0, 2, 1, 3).astype(cache.values_BNSH.dtype),
+    cache_index,
+    axis=2,
+  )
   keys_BNHS = sharding.constrain(keys_BNHS, KEYS_AXES)
   values_BNSH = sharding.constrain(values_BNSH, VALUES_AXES)
   num_new, num_slots = q_BTNH.shape[1], keys_BNHS.shape[-1]
-  logits_BNTS = jnp.einsum('bnth,bnhs->bnts', q_BTNH.transpose(0, 2, 1, 3),
-                           keys_BNHS.astype(dtype), preferred_element_type=jnp.float32)
+  logits_BNTS = jnp.einsum(
+    'bnth,bnhs->bnts',
+    q_BTNH.transpose(0, 2, 1, 3),
+    keys_BNHS.astype(dtype),
+    preferred_element_type=jnp.float32,
+  )
   logits_BNTS = logits_BNTS * q_BTNH.shape[-1] ** -0.5
   slot_S = jnp.arange(num_slots)
   query_slot_T = cache_index + jnp.arange(num_new)
-  visible_BTS = ((slot_S[None, None, :] <= query_slot_T[None, :, None])
-                 & (slot_S[None, None, :] >= start_B[:, None, None]))
+  visible_BTS = (slot_S[None, None, :] <= query_slot_T[None, :, None]) & (
+    slot_S[None, None, :] >= start_B[:, None, None]
+  )
   # A finite floor, not -inf: a padding query sees no slot and gets uniform weights
   # over masked (finite) values instead of NaN.
-  logits_BNTS = jnp.where(visible_BTS[:, None], logits_BNTS,
-                          jnp.finfo(jnp.float32).min)
+  logits_BNTS = jnp.where(visible_BTS[:, None], logits_BNTS, jnp.finfo(jnp.float32).min)
   probs_BNTS = jax.nn.softmax(logits_BNTS, axis=-1).astype(dtype)
   out_BNTH = jnp.einsum('bnts,bnsh->bnth', probs_BNTS, values_BNSH.astype(dtype))
   return out_BNTH.transpose(0, 2, 1, 3), KVCache(keys_BNHS, values_BNSH)
@@ -124,10 +139,12 @@ class Attention(nnx.Module):
     d, n = cfg.d_model, cfg.num_heads
     h = d // n
     pdt = _dtype(cfg.param_dtype)
-    init = nnx.initializers.variance_scaling(1.0, 'fan_in', 'normal', in_axis=0,
-                                              out_axis=(1, 2))
-    out_init = nnx.initializers.variance_scaling(1.0, 'fan_in', 'normal',
-                                                  in_axis=(0, 1), out_axis=2)
+    init = nnx.initializers.variance_scaling(
+      1.0, 'fan_in', 'normal', in_axis=0, out_axis=(1, 2)
+    )
+    out_init = nnx.initializers.variance_scaling(
+      1.0, 'fan_in', 'normal', in_axis=(0, 1), out_axis=2
+    )
     self.query = _param(init, (d, n, h), ('embed', 'heads', 'head_dim'), rngs, pdt)
     self.key = _param(init, (d, n, h), ('embed', 'heads', 'head_dim'), rngs, pdt)
     self.value = _param(init, (d, n, h), ('embed', 'heads', 'head_dim'), rngs, pdt)
@@ -135,8 +152,14 @@ class Attention(nnx.Module):
     self.rope_theta = cfg.rope_theta
     self.dtype = _dtype(cfg.dtype)
 
-  def __call__(self, x_BTD: Array, positions_BT: Array,
-               cache: KVCache | None = None, cache_index=None, start_B=None):
+  def __call__(
+    self,
+    x_BTD: Array,
+    positions_BT: Array,
+    cache: KVCache | None = None,
+    cache_index=None,
+    start_B=None,
+  ):
     """Self-attention; with a cache (decoding), writes this call's keys and values at
     `cache_index` and attends over the cache (`cached_attention`).
 
@@ -144,8 +167,9 @@ class Attention(nnx.Module):
     """
     x_BTD = x_BTD.astype(self.dtype)
     project = lambda w: sharding.constrain(
-        jnp.einsum('btd,dnh->btnh', x_BTD, w[...].astype(self.dtype)),
-        ('batch', 'length', 'heads', 'head_dim'))
+      jnp.einsum('btd,dnh->btnh', x_BTD, w[...].astype(self.dtype)),
+      ('batch', 'length', 'heads', 'head_dim'),
+    )
     q_BTNH = rotary_embedding(project(self.query), positions_BT, self.rope_theta)
     k_BTNH = rotary_embedding(project(self.key), positions_BT, self.rope_theta)
     v_BTNH = project(self.value)
@@ -153,13 +177,15 @@ class Attention(nnx.Module):
       out_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BTNH, v_BTNH, is_causal=True)
       out_BTD = jnp.einsum('btnh,nhd->btd', out_BTNH, self.out[...].astype(self.dtype))
     else:
-      out_BTNH, cache = cached_attention(q_BTNH, k_BTNH, v_BTNH, cache, cache_index,
-                                         start_B)
+      out_BTNH, cache = cached_attention(
+        q_BTNH, k_BTNH, v_BTNH, cache, cache_index, start_B
+      )
       # One [B T, N H] x [N H, D] dot: as an einsum over (n, h), XLA transposed the
       # (large) weight to the (small) activation's order every step.
       b, t, n, h = out_BTNH.shape
-      out_BTD = (out_BTNH.reshape(b, t, n * h)
-                 @ self.out[...].astype(self.dtype).reshape(n * h, -1))
+      out_BTD = out_BTNH.reshape(b, t, n * h) @ self.out[...].astype(self.dtype).reshape(
+        n * h, -1
+      )
     out_BTD = sharding.constrain(out_BTD, sharding.HIDDEN)
     return out_BTD if cache is None else (out_BTD, cache)
 
@@ -178,10 +204,12 @@ class SwiGLU(nnx.Module):
 
   def __call__(self, x_BTD: Array) -> Array:
     x_BTD = x_BTD.astype(self.dtype)
-    hidden = lambda w: sharding.constrain(x_BTD @ w[...].astype(self.dtype),
-                                          ('batch', 'length', 'mlp'))
-    out_BTD = (jax.nn.silu(hidden(self.gate)) * hidden(self.up)
-               ) @ self.down[...].astype(self.dtype)
+    hidden = lambda w: sharding.constrain(
+      x_BTD @ w[...].astype(self.dtype), ('batch', 'length', 'mlp')
+    )
+    out_BTD = (jax.nn.silu(hidden(self.gate)) * hidden(self.up)) @ self.down[...].astype(
+      self.dtype
+    )
     return sharding.constrain(out_BTD, sharding.HIDDEN)
 
 
@@ -198,15 +226,23 @@ class TransformerLayer(nnx.Module):
     self.mlp = SwiGLU(cfg, rngs=rngs)
     self.residual = residual.layer_params()
 
-  def sublayer(self, which: int, h_BTD: Array, positions_BT: Array,
-               cache: KVCache | None = None, cache_index=None, start_B=None):
+  def sublayer(
+    self,
+    which: int,
+    h_BTD: Array,
+    positions_BT: Array,
+    cache: KVCache | None = None,
+    cache_index=None,
+    start_B=None,
+  ):
     """f(h): the raw output of the attention (0) or MLP (1) sublayer.
 
     With a KV cache (decoding), the attention sublayer returns (output, new cache).
     """
     if which == ATTENTION:
-      return self.attention(self.attention_norm(h_BTD), positions_BT, cache,
-                            cache_index, start_B)
+      return self.attention(
+        self.attention_norm(h_BTD), positions_BT, cache, cache_index, start_B
+      )
     return self.mlp(self.mlp_norm(h_BTD))
 
 
@@ -221,12 +257,12 @@ class Transformer(nnx.Module):
     pdt = _dtype(cfg.param_dtype)
     d = cfg.d_model
     # Std 1/sqrt(d): tied logits h.E start with unit variance after the final norm.
-    embed_init = nnx.initializers.normal(stddev=d ** -0.5)
-    self.embedding = _param(embed_init, (cfg.vocab_size, d), ('vocab', 'embed'), rngs,
-                            pdt)
+    embed_init = nnx.initializers.normal(stddev=d**-0.5)
+    self.embedding = _param(
+      embed_init, (cfg.vocab_size, d), ('vocab', 'embed'), rngs, pdt
+    )
 
-    @nnx.vmap(in_axes=0, out_axes=0,
-              transform_metadata={nnx.PARTITION_NAME: 'layers'})
+    @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: 'layers'})
     def make_layers(layer_rngs):
       return TransformerLayer(cfg, residual, rngs=layer_rngs)
 
@@ -234,8 +270,13 @@ class Transformer(nnx.Module):
     self.final_residual = residual.final_params()
     self.final_norm = RMSNorm(d, eps=cfg.norm_eps, param_dtype=pdt)
     if not cfg.tie_embeddings:
-      self.lm_head = _param(nnx.initializers.lecun_normal(), (d, cfg.vocab_size),
-                            ('embed', 'vocab'), rngs, pdt)
+      self.lm_head = _param(
+        nnx.initializers.lecun_normal(),
+        (d, cfg.vocab_size),
+        ('embed', 'vocab'),
+        rngs,
+        pdt,
+      )
 
   # -- pieces shared by training, analysis and decoding ------------------------------
 
@@ -257,8 +298,9 @@ class Transformer(nnx.Module):
       w_DV = self.embedding[...].astype(dtype).T
     else:
       w_DV = self.lm_head[...].astype(dtype)
-    logits_BTV = jnp.einsum('btd,dv->btv', x_BTD.astype(dtype), w_DV,
-                            preferred_element_type=jnp.float32)
+    logits_BTV = jnp.einsum(
+      'btd,dv->btv', x_BTD.astype(dtype), w_DV, preferred_element_type=jnp.float32
+    )
     return sharding.constrain(logits_BTV, ('batch', 'length', 'vocab'))
 
   def init_cache(self, batch_size: int, max_length: int) -> tuple[KVCache, ...]:
@@ -266,21 +308,31 @@ class Transformer(nnx.Module):
     cfg = self.cfg
     n, h = cfg.num_heads, cfg.d_model // cfg.num_heads
     dtype = _dtype(cfg.dtype)
-    return tuple(KVCache(jnp.zeros((batch_size, n, h, max_length), dtype),
-                         jnp.zeros((batch_size, n, max_length, h), dtype))
-                 for _ in range(cfg.num_layers))
+    return tuple(
+      KVCache(
+        jnp.zeros((batch_size, n, h, max_length), dtype),
+        jnp.zeros((batch_size, n, max_length, h), dtype),
+      )
+      for _ in range(cfg.num_layers)
+    )
 
   def decoding_layers(self) -> tuple[nnx.State, ...]:
     """The layers' parameters one state per layer (a copy, made once): passed to a
     jitted `decode` as `layers`, every weight is its own buffer, which the dots read
     in place; slicing the stacked parameters inside the step copies them every token."""
     _, layer_state = nnx.split(self.layers)
-    return tuple(jax.tree.map(lambda x, i=i: x[i], layer_state)
-                 for i in range(self.cfg.num_layers))
+    return tuple(
+      jax.tree.map(lambda x, i=i: x[i], layer_state) for i in range(self.cfg.num_layers)
+    )
 
-  def decode(self, tokens_BT: Array, cache: tuple[KVCache, ...], cache_index,
-             start_B: Array | None = None, layers: tuple[nnx.State, ...] | None = None
-             ) -> tuple[Array, tuple[KVCache, ...]]:
+  def decode(
+    self,
+    tokens_BT: Array,
+    cache: tuple[KVCache, ...],
+    cache_index,
+    start_B: Array | None = None,
+    layers: tuple[nnx.State, ...] | None = None,
+  ) -> tuple[Array, tuple[KVCache, ...]]:
     """Logits for the tokens in cache slots cache_index .. cache_index + T - 1, using
     and extending the KV cache: a prompt prefill or a chunk of it (T > 1) or one
     generation step (T = 1).
@@ -296,16 +348,31 @@ class Transformer(nnx.Module):
     positions_BT = (cache_index + jnp.arange(num_new))[None, :] - start_B[:, None]
     graphdef, layer_state = nnx.split(self.layers)
     if layers is None:
-      layers = tuple(jax.tree.map(lambda x, i=i: x[i], layer_state)
-                     for i in range(self.cfg.num_layers))
+      layers = tuple(
+        jax.tree.map(lambda x, i=i: x[i], layer_state) for i in range(self.cfg.num_layers)
+      )
     carry, cache = stack_lib.apply_layers_cached(
-        self.residual, graphdef, layers, self.embed(tokens_BT), positions_BT, cache, cache_index,
-        start_B, cfg=self.cfg)
+      self.residual,
+      graphdef,
+      layers,
+      self.embed(tokens_BT),
+      positions_BT,
+      cache,
+      cache_index,
+      start_B,
+      cfg=self.cfg,
+    )
     h_BTD, _ = self.final_read(carry)
     return self.head(h_BTD), cache
 
-  def __call__(self, tokens_BT: Array, positions_BT: Array | None = None, *,
-               collect_stats: bool = False, stats_weights_BT: Array | None = None):
+  def __call__(
+    self,
+    tokens_BT: Array,
+    positions_BT: Array | None = None,
+    *,
+    collect_stats: bool = False,
+    stats_weights_BT: Array | None = None,
+  ):
     """Logits [B, T, V] in float32; with `collect_stats`, also per-sublayer statistics.
 
     Statistics (for analysis) are means over tokens, weighted by `stats_weights_BT`
@@ -313,13 +380,21 @@ class Transformer(nnx.Module):
     order: attention, MLP; input and output RMS, and the residual's own, e.g. AttnRes
     depth weights) plus the final read's (`Residual.final_statistics`) and input RMS.
     """
-    return self.forward_embeddings(self.embed(tokens_BT), positions_BT,
-                                   collect_stats=collect_stats,
-                                   stats_weights_BT=stats_weights_BT)
+    return self.forward_embeddings(
+      self.embed(tokens_BT),
+      positions_BT,
+      collect_stats=collect_stats,
+      stats_weights_BT=stats_weights_BT,
+    )
 
-  def forward_embeddings(self, x_BTD: Array, positions_BT: Array | None = None, *,
-                         collect_stats: bool = False,
-                         stats_weights_BT: Array | None = None):
+  def forward_embeddings(
+    self,
+    x_BTD: Array,
+    positions_BT: Array | None = None,
+    *,
+    collect_stats: bool = False,
+    stats_weights_BT: Array | None = None,
+  ):
     """The model from token embeddings on (e.g. to differentiate wrt the inputs)."""
     if positions_BT is None:
       positions_BT = jnp.broadcast_to(jnp.arange(x_BTD.shape[1]), x_BTD.shape[:2])
@@ -327,14 +402,22 @@ class Transformer(nnx.Module):
       stats_weights_BT = jnp.ones(x_BTD.shape[:2], jnp.float32)
     graphdef, layer_state = nnx.split(self.layers)
     carry, stats = stack_lib.apply_layers(
-        self.residual, graphdef, layer_state, x_BTD, positions_BT, cfg=self.cfg,
-        collect_stats=collect_stats, stats_weights_BT=stats_weights_BT)
+      self.residual,
+      graphdef,
+      layer_state,
+      x_BTD,
+      positions_BT,
+      cfg=self.cfg,
+      collect_stats=collect_stats,
+      stats_weights_BT=stats_weights_BT,
+    )
     h_BTD, final_weights = self.final_read(carry)
     logits_BTV = self.head(h_BTD)
     if not collect_stats:
       return logits_BTV
-    mean = functools.partial(stack_lib.token_mean,
-                             token_weights_BT=stats_weights_BT.astype(jnp.float32))
+    mean = functools.partial(
+      stack_lib.token_mean, token_weights_BT=stats_weights_BT.astype(jnp.float32)
+    )
     stats.update(self.residual.for_statistics().final_statistics(final_weights, mean))
     stats['final_input_rms'] = mean(1.0 / depth.rms_inverse(h_BTD, 0.0))
     return logits_BTV, stats
@@ -350,11 +433,14 @@ def convert_standard_to_attnres(standard_model: Transformer, attnres_cfg) -> Tra
   attnres_cfg = config_lib.ModelConfig.from_config(attnres_cfg)
   for name, value in standard_model.cfg.to_dict().items():
     requested = getattr(attnres_cfg, name)
-    if (name not in ('residual', 'block_size') + config_lib.EXECUTION_FIELDS
-        and requested != value):
+    if (
+      name not in ('residual', 'block_size') + config_lib.EXECUTION_FIELDS
+      and requested != value
+    ):
       raise ValueError(
-          f'Cannot convert: config field {name!r} differs '
-          f'({value!r} in the standard model, {requested!r} requested).')
+        f'Cannot convert: config field {name!r} differs '
+        f'({value!r} in the standard model, {requested!r} requested).'
+      )
   target = Transformer(attnres_cfg, rngs=nnx.Rngs(0))
   nnx.update(target, nnx.state(standard_model, nnx.Param))
   return target
@@ -362,4 +448,3 @@ def convert_standard_to_attnres(standard_model: Transformer, attnres_cfg) -> Tra
 
 def count_params(model: nnx.Module) -> int:
   return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-

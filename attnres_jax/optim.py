@@ -43,19 +43,21 @@ def learning_rate_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
   final = peak * config.min_lr_ratio
   warm = optax.linear_schedule(0.0, peak, max(warmup, 1))
   if config.schedule == 'cosine':
-    rest = optax.cosine_decay_schedule(peak, max(total - warmup, 1),
-                                       alpha=config.min_lr_ratio)
+    rest = optax.cosine_decay_schedule(
+      peak, max(total - warmup, 1), alpha=config.min_lr_ratio
+    )
   elif config.schedule == 'wsd':
     decay = max(1, min(total - warmup, round(config.decay_fraction * total)))
     stable = total - warmup - decay
     rest = optax.join_schedules(
-        [optax.constant_schedule(peak), optax.linear_schedule(peak, final, decay)],
-        [stable])
+      [optax.constant_schedule(peak), optax.linear_schedule(peak, final, decay)], [stable]
+    )
   elif config.schedule == 'constant':
     rest = optax.constant_schedule(peak)
   else:
-    raise ValueError(f'Unknown schedule {config.schedule!r}; available: '
-                     f'{config_lib.SCHEDULES}.')
+    raise ValueError(
+      f'Unknown schedule {config.schedule!r}; available: {config_lib.SCHEDULES}.'
+    )
   if warmup == 0:
     return rest
   return optax.join_schedules([warm, rest], [warmup])
@@ -81,15 +83,22 @@ def decay_mask(params, *, decay_embeddings: bool = False):
   return jax.tree_util.tree_map_with_path(decayed, params)
 
 
-def make_optimizer(config: ml_collections.ConfigDict
-                   ) -> tuple[optax.GradientTransformation, optax.Schedule]:
+def make_optimizer(
+  config: ml_collections.ConfigDict,
+) -> tuple[optax.GradientTransformation, optax.Schedule]:
   """The optax transformation for `config` (the `train` section) and its schedule."""
   schedule = learning_rate_schedule(config)
   parts = []
   if config.grad_clip:
     parts.append(optax.clip_by_global_norm(config.grad_clip))
-  parts.append(optax.adamw(
-      schedule, b1=config.b1, b2=config.b2, eps=config.eps,
+  parts.append(
+    optax.adamw(
+      schedule,
+      b1=config.b1,
+      b2=config.b2,
+      eps=config.eps,
       weight_decay=config.weight_decay,
-      mask=lambda params: decay_mask(params, decay_embeddings=config.decay_embeddings)))
+      mask=lambda params: decay_mask(params, decay_embeddings=config.decay_embeddings),
+    )
+  )
   return optax.chain(*parts), schedule

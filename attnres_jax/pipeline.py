@@ -83,15 +83,27 @@ class _Resume(residuals.Residual):
     return self.base.end_segment(carry, inner, segment + self.segment_offset)
 
 
-def run_chunk(residual, graphdef, chunk_state, carry, segment_offset, positions_BT,
-              *, model_config, layers_per_chunk: int):
+def run_chunk(
+  residual,
+  graphdef,
+  chunk_state,
+  carry,
+  segment_offset,
+  positions_BT,
+  *,
+  model_config,
+  layers_per_chunk: int,
+):
   """The carry after one chunk's layers (`chunk_state`: their stacked parameters)."""
-  chunk_config = types.SimpleNamespace(num_layers=layers_per_chunk,
-                                       remat=model_config.remat,
-                                       scan_layers=model_config.scan_layers)
+  chunk_config = types.SimpleNamespace(
+    num_layers=layers_per_chunk,
+    remat=model_config.remat,
+    scan_layers=model_config.scan_layers,
+  )
   resumed = _Resume(residual, carry, segment_offset)
-  carry, _ = stack_lib.run_layers(resumed, graphdef, chunk_state, None, positions_BT,
-                                  cfg=chunk_config)
+  carry, _ = stack_lib.run_layers(
+    resumed, graphdef, chunk_state, None, positions_BT, cfg=chunk_config
+  )
   return carry
 
 
@@ -124,13 +136,15 @@ class CachedTransfer:
   def send(self, carry, chunk):
     start = self.starts[chunk]
     return jax.tree.map(
-        lambda x: jax.lax.dynamic_slice_in_dim(x, start, self.plan.width, 0), carry)
+      lambda x: jax.lax.dynamic_slice_in_dim(x, start, self.plan.width, 0), carry
+    )
 
   def receive(self, message, base, chunk):
     """`chunk`: the sender's chunk; `base`: the receiver's cached carry."""
     start = self.starts[chunk]
     return jax.tree.map(
-        lambda b, w: jax.lax.dynamic_update_slice_in_dim(b, w, start, 0), base, message)
+      lambda b, w: jax.lax.dynamic_update_slice_in_dim(b, w, start, 0), base, message
+    )
 
 
 def _constrain_stages(tree, axes, leading: int = 0):
@@ -141,8 +155,11 @@ def _constrain_stages(tree, axes, leading: int = 0):
     return None
   is_axes = lambda x: isinstance(x, tuple) and all(isinstance(a, str) for a in x)
   return jax.tree.map(
-      lambda names, x: sharding.constrain(x, ('stages',) + (None,) * leading + names),
-      axes, tree, is_leaf=is_axes)
+    lambda names, x: sharding.constrain(x, ('stages',) + (None,) * leading + names),
+    axes,
+    tree,
+    is_leaf=is_axes,
+  )
 
 
 def pipeline_hidden(model, x_MBTD, positions_BT, pipe: PipelineConfig):
@@ -154,8 +171,9 @@ def pipeline_hidden(model, x_MBTD, positions_BT, pipe: PipelineConfig):
   layers_per_chunk = cfg.num_layers // num_chunks
   residual, segments_per_chunk = model.residual.pipeline_chunk(layers_per_chunk)
   cached = residual.cached_transfer and pipe.transfer == 'cached'
-  transfer = (CachedTransfer(pipeline_plan.transfer_plan(cfg, pipe)) if cached
-              else NaiveTransfer())
+  transfer = (
+    CachedTransfer(pipeline_plan.transfer_plan(cfg, pipe)) if cached else NaiveTransfer()
+  )
   keeps_cache = cached and num_virtual > 1  # else a stage sees each microbatch once
   graphdef, layer_state = nnx.split(model.layers)
   final_params = model.final_residual
@@ -164,28 +182,35 @@ def pipeline_hidden(model, x_MBTD, positions_BT, pipe: PipelineConfig):
   # Each stage's chunks where the stage is; the other axes as the parameters' names say.
   is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)
   stage_state = jax.tree.map(
-      lambda x, spec: sharding.constrain(
-          x.reshape(num_virtual, num_stages, layers_per_chunk, *x.shape[1:])
-          .swapaxes(0, 1),
-          ('stages', None, None) + tuple(spec)[1:]),
-      layer_state, nnx.get_partition_spec(layer_state), is_leaf=is_spec)
+    lambda x, spec: sharding.constrain(
+      x.reshape(num_virtual, num_stages, layers_per_chunk, *x.shape[1:]).swapaxes(0, 1),
+      ('stages', None, None) + tuple(spec)[1:],
+    ),
+    layer_state,
+    nnx.get_partition_spec(layer_state),
+    is_leaf=is_spec,
+  )
 
   zero_carry = jax.tree.map(jnp.zeros_like, residual.init(x_MBTD[0]))
   zero_message = transfer.send(zero_carry, 0)
   stacked = lambda tree, *n: jax.tree.map(
-      lambda x: jnp.zeros((*n, *x.shape), x.dtype), tree)
+    lambda x: jnp.zeros((*n, *x.shape), x.dtype), tree
+  )
   state = dict(
-      inbox=stacked(zero_message, num_stages),
-      outputs=jnp.zeros((num_stages, *x_MBTD.shape), x_MBTD.dtype),
-      wrap=stacked(zero_message, num_stages, num_micro) if num_virtual > 1 else None,
-      cache=stacked(zero_carry, num_stages, num_micro) if keeps_cache else None)
+    inbox=stacked(zero_message, num_stages),
+    outputs=jnp.zeros((num_stages, *x_MBTD.shape), x_MBTD.dtype),
+    wrap=stacked(zero_message, num_stages, num_micro) if num_virtual > 1 else None,
+    cache=stacked(zero_carry, num_stages, num_micro) if keeps_cache else None,
+  )
   carry_axes = residual.carry_axes()
 
   def constrain_state(state):
-    return dict(inbox=_constrain_stages(state['inbox'], carry_axes),
-                outputs=_constrain_stages(state['outputs'], sharding.HIDDEN, 1),
-                wrap=_constrain_stages(state['wrap'], carry_axes, 1),
-                cache=_constrain_stages(state['cache'], carry_axes, 1))
+    return dict(
+      inbox=_constrain_stages(state['inbox'], carry_axes),
+      outputs=_constrain_stages(state['outputs'], sharding.HIDDEN, 1),
+      wrap=_constrain_stages(state['wrap'], carry_axes, 1),
+      cache=_constrain_stages(state['cache'], carry_axes, 1),
+    )
 
   def stage_step(stage, virtual_states, inbox, outputs, wrap, cache, t):
     """One iteration of one stage: receive, run its chunk, emit."""
@@ -199,38 +224,56 @@ def pipeline_hidden(model, x_MBTD, positions_BT, pipe: PipelineConfig):
     if num_virtual > 1:  # stage 0 stores what the last stage sent, reads its own
       arrived = (t - num_stages) % num_micro
       wrap = jax.tree.map(
-          lambda w, x: w.at[arrived].set(jnp.where(stage == 0, x, w[arrived])),
-          wrap, inbox)
+        lambda w, x: w.at[arrived].set(jnp.where(stage == 0, x, w[arrived])), wrap, inbox
+      )
       message = _select(stage == 0, jax.tree.map(lambda w: w[micro], wrap), inbox)
-    base = (jax.tree.map(lambda c: c[micro], cache) if keeps_cache else zero_carry)
+    base = jax.tree.map(lambda c: c[micro], cache) if keeps_cache else zero_carry
     received = transfer.receive(message, base, jnp.maximum(chunk - 1, 0))
     carry = _select(first, residual.init(x_MBTD[micro]), received)
     if keeps_cache:  # what this stage had of the microbatch, for its next visit
-      cache = jax.tree.map(lambda c, x: c.at[micro].set(jnp.where(valid, x, c[micro])),
-                           cache, carry)
+      cache = jax.tree.map(
+        lambda c, x: c.at[micro].set(jnp.where(valid, x, c[micro])), cache, carry
+      )
     chunk_state = jax.tree.map(lambda x: x[virtual], virtual_states)
-    carry = run_chunk(residual, graphdef, chunk_state, carry,
-                      chunk * segments_per_chunk, positions_BT, model_config=cfg,
-                      layers_per_chunk=layers_per_chunk)
+    carry = run_chunk(
+      residual,
+      graphdef,
+      chunk_state,
+      carry,
+      chunk * segments_per_chunk,
+      positions_BT,
+      model_config=cfg,
+      layers_per_chunk=layers_per_chunk,
+    )
     h_BTD, _ = residual.final(carry, final_params)
     outputs = outputs.at[micro].set(
-        jnp.where(valid & (chunk == num_chunks - 1), h_BTD, outputs[micro]))
+      jnp.where(valid & (chunk == num_chunks - 1), h_BTD, outputs[micro])
+    )
     return transfer.send(carry, chunk), outputs, wrap, cache
 
-  stages_step = jax.vmap(stage_step, in_axes=(0, 0, 0, 0, 0, 0, None),
-                         spmd_axis_name=sharding.STAGE_AXIS)
+  stages_step = jax.vmap(
+    stage_step, in_axes=(0, 0, 0, 0, 0, 0, None), spmd_axis_name=sharding.STAGE_AXIS
+  )
 
   def iteration(state, t):
     sent, outputs, wrap, cache = stages_step(
-        jnp.arange(num_stages), stage_state, state['inbox'], state['outputs'],
-        state['wrap'], state['cache'], t)
+      jnp.arange(num_stages),
+      stage_state,
+      state['inbox'],
+      state['outputs'],
+      state['wrap'],
+      state['cache'],
+      t,
+    )
     # Stage p's message goes to stage p + 1 (and stage P - 1's to stage 0).
     inbox = jax.tree.map(lambda x: jnp.roll(x, 1, axis=0), sent)
-    return constrain_state(dict(inbox=inbox, outputs=outputs, wrap=wrap,
-                                cache=cache)), None
+    return constrain_state(
+      dict(inbox=inbox, outputs=outputs, wrap=wrap, cache=cache)
+    ), None
 
-  state, _ = jax.lax.scan(iteration, constrain_state(state),
-                          jnp.arange(pipe.num_iterations))
+  state, _ = jax.lax.scan(
+    iteration, constrain_state(state), jnp.arange(pipe.num_iterations)
+  )
   return state['outputs'][num_stages - 1]
 
 
@@ -238,8 +281,11 @@ def split_microbatches(tree, num_microbatches: int):
   """[B, ...] -> [M, B / M, ...], microbatch m = rows m, m + M, ... (as train.py's
   gradient accumulation splits)."""
   return jax.tree.map(
-      lambda x: x.reshape(x.shape[0] // num_microbatches, num_microbatches,
-                          *x.shape[1:]).swapaxes(0, 1), tree)
+    lambda x: x.reshape(
+      x.shape[0] // num_microbatches, num_microbatches, *x.shape[1:]
+    ).swapaxes(0, 1),
+    tree,
+  )
 
 
 def loss_sums(params, batch, *, graphdef, pipe: PipelineConfig):
@@ -255,12 +301,14 @@ def loss_sums(params, batch, *, graphdef, pipe: PipelineConfig):
   def microbatch_sums(h_BTD, targets_BT, weights_BT):
     logits_BTV = model.head(h_BTD)
     losses_BT = optax.softmax_cross_entropy_with_integer_labels(
-        logits_BTV.astype(jnp.float32), targets_BT)
+      logits_BTV.astype(jnp.float32), targets_BT
+    )
     weights_BT = weights_BT.astype(jnp.float32)
     return jnp.sum(losses_BT * weights_BT), jnp.sum(weights_BT)
 
-  loss_MB, weight_MB = jax.vmap(microbatch_sums)(h_MBTD, micro['targets'],
-                                                 micro['weights'])
+  loss_MB, weight_MB = jax.vmap(microbatch_sums)(
+    h_MBTD, micro['targets'], micro['weights']
+  )
   return jnp.sum(loss_MB), jnp.sum(weight_MB)
 
 

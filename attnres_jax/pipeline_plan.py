@@ -19,10 +19,10 @@ from attnres_jax.residuals import attnres
 
 @dataclasses.dataclass(frozen=True)
 class PipelineConfig:
-  stages: int                 # P
-  virtual_stages: int = 1     # V
-  num_microbatches: int = 1   # M
-  transfer: str = 'cached'    # 'naive' | 'cached' (AttnRes only)
+  stages: int  # P
+  virtual_stages: int = 1  # V
+  num_microbatches: int = 1  # M
+  transfer: str = 'cached'  # 'naive' | 'cached' (AttnRes only)
 
   @property
   def num_chunks(self) -> int:
@@ -37,40 +37,54 @@ def from_mesh_config(mesh_config) -> PipelineConfig | None:
   """The pipeline of a mesh config section; None without one (stage = 1)."""
   if mesh_config.get('stage', 1) == 1:
     return None
-  return PipelineConfig(stages=mesh_config.stage,
-                        virtual_stages=mesh_config.get('virtual_stages', 1),
-                        num_microbatches=mesh_config.get('num_microbatches', 1),
-                        transfer=mesh_config.get('pipeline_transfer', 'cached'))
+  return PipelineConfig(
+    stages=mesh_config.stage,
+    virtual_stages=mesh_config.get('virtual_stages', 1),
+    num_microbatches=mesh_config.get('num_microbatches', 1),
+    transfer=mesh_config.get('pipeline_transfer', 'cached'),
+  )
 
 
-def validate(pipe: PipelineConfig | None, model_config, batch_size: int,
-             data_shards: int = 1) -> None:
+def validate(
+  pipe: PipelineConfig | None, model_config, batch_size: int, data_shards: int = 1
+) -> None:
   """Raises ValueError (before anything compiles) for a pipeline that cannot run.
   `model_config`: a `ModelConfig` (`config.validate` checks a run config's pipeline)."""
   if pipe is None:
     return
 
   def fail(message):
-    raise ValueError(f'Invalid pipeline (mesh.stage={pipe.stages}, '
-                     f'virtual_stages={pipe.virtual_stages}, '
-                     f'num_microbatches={pipe.num_microbatches}): {message}')
+    raise ValueError(
+      f'Invalid pipeline (mesh.stage={pipe.stages}, '
+      f'virtual_stages={pipe.virtual_stages}, '
+      f'num_microbatches={pipe.num_microbatches}): {message}'
+    )
 
   if model_config.num_layers % pipe.num_chunks:
-    fail(f'num_layers={model_config.num_layers} is not divisible by stage x '
-         f'virtual_stages = {pipe.num_chunks} chunks.')
+    fail(
+      f'num_layers={model_config.num_layers} is not divisible by stage x '
+      f'virtual_stages = {pipe.num_chunks} chunks.'
+    )
   if batch_size % pipe.num_microbatches:
-    fail(f'the batch of {batch_size} rows does not split into '
-         f'{pipe.num_microbatches} microbatches.')
+    fail(
+      f'the batch of {batch_size} rows does not split into '
+      f'{pipe.num_microbatches} microbatches.'
+    )
   if (batch_size // pipe.num_microbatches) % data_shards:
-    fail(f'a microbatch of {batch_size // pipe.num_microbatches} rows does not split '
-         f'over the {data_shards} data-parallel devices.')
+    fail(
+      f'a microbatch of {batch_size // pipe.num_microbatches} rows does not split '
+      f'over the {data_shards} data-parallel devices.'
+    )
   if pipe.virtual_stages > 1 and pipe.num_microbatches < pipe.stages:
-    fail('the interleaved schedule needs num_microbatches >= stage (a microbatch '
-         'returns to stage 0 for its next virtual stage after P iterations).')
+    fail(
+      'the interleaved schedule needs num_microbatches >= stage (a microbatch '
+      'returns to stage 0 for its next virtual stage after P iterations).'
+    )
   if pipe.transfer not in sharding.PIPELINE_TRANSFERS:
     fail(f'pipeline_transfer must be one of {sharding.PIPELINE_TRANSFERS}.')
   refusal = residuals.make(model_config).pipeline_refusal(
-      model_config.num_layers // pipe.num_chunks)
+    model_config.num_layers // pipe.num_chunks
+  )
   if refusal:
     fail(f'residual={model_config.residual!r}: {refusal}')
 
@@ -109,10 +123,11 @@ class TransferPlan:
   `needed[c]`: the slot range [lo, hi) the receiver lacks; `starts[c]`: where the
   fixed-width window of `width` slots that carries it starts (clamped to the buffer).
   """
-  num_slots: int                       # K: the embedding + one per block
-  width: int                           # W slots per cached message
+
+  num_slots: int  # K: the embedding + one per block
+  width: int  # W slots per cached message
   needed: tuple[tuple[int, int], ...]  # per transition c = 0 .. C - 2
-  starts: tuple[int, ...]              # per chunk c = 0 .. C - 1 (the last: unused)
+  starts: tuple[int, ...]  # per chunk c = 0 .. C - 1 (the last: unused)
 
   def block_transmissions(self) -> tuple[int, int]:
     """(naive, cached) block sums sent over all transitions of one microbatch, not
@@ -132,8 +147,10 @@ def transfer_plan(model_config, pipe: PipelineConfig) -> TransferPlan:
 
   def touched(c):  # the slots chunk c writes: [first, last + 1)
     first = c * sublayers_per_chunk
-    return (depth.output_slot(first, block_size),
-            depth.output_slot(first + sublayers_per_chunk - 1, block_size) + 1)
+    return (
+      depth.output_slot(first, block_size),
+      depth.output_slot(first + sublayers_per_chunk - 1, block_size) + 1,
+    )
 
   needed = []
   for c in range(num_chunks - 1):

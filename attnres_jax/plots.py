@@ -27,23 +27,36 @@ def _save(fig, path: str) -> str:
 def _heatmap(ax, values_RS, mask_RS, row_labels, col_labels, title, vmax):
   masked = np.ma.masked_array(values_RS, mask=~mask_RS)
   cmap = matplotlib.colormaps['viridis'].with_extremes(bad='0.92')
-  image = ax.imshow(masked, cmap=cmap, vmin=0.0, vmax=vmax, aspect='auto',
-                    interpolation='nearest')
+  image = ax.imshow(
+    masked, cmap=cmap, vmin=0.0, vmax=vmax, aspect='auto', interpolation='nearest'
+  )
   ax.set_title(title)
-  ax.set_xticks(range(len(col_labels)), col_labels, rotation=90 if len(col_labels) > 12
-                else 0, fontsize=8)
+  ax.set_xticks(
+    range(len(col_labels)),
+    col_labels,
+    rotation=90 if len(col_labels) > 12 else 0,
+    fontsize=8,
+  )
   ax.set_yticks(range(len(row_labels)), row_labels, fontsize=8)
   ax.set_xlabel('source')
   if values_RS.size <= 256:
     for (r, s), v in np.ndenumerate(values_RS):
       if mask_RS[r, s]:
-        ax.text(s, r, f'{v:.2f}', ha='center', va='center', fontsize=6,
-                color='white' if v < 0.6 * vmax else 'black')
+        ax.text(
+          s,
+          r,
+          f'{v:.2f}',
+          ha='center',
+          va='center',
+          fontsize=6,
+          color='white' if v < 0.6 * vmax else 'black',
+        )
   return image
 
 
-def plot_depth_weights(stats: Mapping[str, np.ndarray], cfg, path: str,
-                       title: str | None = None) -> str:
+def plot_depth_weights(
+  stats: Mapping[str, np.ndarray], cfg, path: str, title: str | None = None
+) -> str:
   """Heatmaps of the mean depth weights: pre-attention, pre-MLP and final reads."""
   weights = np.asarray(stats['depth_weights'])  # [num_layers, 2, num_slots]
   final = np.asarray(stats['final_depth_weights'])
@@ -54,12 +67,17 @@ def plot_depth_weights(stats: Mapping[str, np.ndarray], cfg, path: str,
   height = 1.5 + 0.35 * cfg.num_layers
   width = max(6.0, 0.45 * len(cols))
   fig, axes = plt.subplots(
-      3, 1, figsize=(width, 2 * height + 2.0), layout='constrained',
-      gridspec_kw={'height_ratios': [cfg.num_layers, cfg.num_layers, 1.4]})
+    3,
+    1,
+    figsize=(width, 2 * height + 2.0),
+    layout='constrained',
+    gridspec_kw={'height_ratios': [cfg.num_layers, cfg.num_layers, 1.4]},
+  )
   _heatmap(axes[0], weights[:, 0], mask[:, 0], rows, cols, 'pre-attention reads', vmax)
   _heatmap(axes[1], weights[:, 1], mask[:, 1], rows, cols, 'pre-MLP reads', vmax)
-  image = _heatmap(axes[2], final[None], final_mask[None], ['final'], cols,
-                   'final read', vmax)
+  image = _heatmap(
+    axes[2], final[None], final_mask[None], ['final'], cols, 'final read', vmax
+  )
   for ax in axes[:2]:
     ax.set_xlabel('')
   fig.colorbar(image, ax=list(axes), shrink=0.8, label='mean depth weight')
@@ -74,15 +92,21 @@ def _sublayer_axis(ax, cfg, final=False):
   ax.set_xlabel('sublayer (A = attention, M = MLP)')
 
 
-def plot_magnitudes(stats: Mapping[str, np.ndarray], cfg, path: str,
-                    title: str | None = None) -> str:
+def plot_magnitudes(
+  stats: Mapping[str, np.ndarray], cfg, path: str, title: str | None = None
+) -> str:
   """RMS of each sublayer's output and of the hidden state it reads, across depth."""
   x = np.arange(config_lib.num_sublayers(cfg))
   fig, ax = plt.subplots(figsize=(7, 4))
   ax.plot(x, np.asarray(stats['output_rms']).reshape(-1), 'o-', label='output RMS')
   ax.plot(x, np.asarray(stats['input_rms']).reshape(-1), 's--', label='input RMS')
-  ax.plot([x[-1] + 1], [float(stats['final_input_rms'])], 'k*', markersize=10,
-          label='final read RMS')
+  ax.plot(
+    [x[-1] + 1],
+    [float(stats['final_input_rms'])],
+    'k*',
+    markersize=10,
+    label='final read RMS',
+  )
   ax.set_yscale('log')
   ax.set_ylabel('RMS (mean over tokens)')
   _sublayer_axis(ax, cfg, final=True)
@@ -92,8 +116,9 @@ def plot_magnitudes(stats: Mapping[str, np.ndarray], cfg, path: str,
   return _save(fig, path)
 
 
-def plot_grad_norms(grad_norm: np.ndarray, cfg, path: str,
-                    title: str | None = None) -> str:
+def plot_grad_norms(
+  grad_norm: np.ndarray, cfg, path: str, title: str | None = None
+) -> str:
   """Gradient norm of the held-out loss per sublayer, across depth."""
   x = np.arange(config_lib.num_sublayers(cfg))
   fig, ax = plt.subplots(figsize=(7, 4))
@@ -110,15 +135,17 @@ def plot_grad_norms(grad_norm: np.ndarray, cfg, path: str,
   return _save(fig, path)
 
 
-def plot_depth_entropy(stats: Mapping[str, np.ndarray], cfg, path: str,
-                       title: str | None = None) -> str:
+def plot_depth_entropy(
+  stats: Mapping[str, np.ndarray], cfg, path: str, title: str | None = None
+) -> str:
   """Mean entropy of each sublayer's depth weights, against the uniform maximum."""
   x = np.arange(config_lib.num_sublayers(cfg))
   mask, _ = statistics.valid_source_mask(cfg)
   fig, ax = plt.subplots(figsize=(7, 4))
   ax.plot(x, np.asarray(stats['depth_entropy']).reshape(-1), 'o-', label='entropy')
-  ax.plot(x, np.log(mask.reshape(len(x), -1).sum(-1)), 'k:',
-          label='uniform (log #sources)')
+  ax.plot(
+    x, np.log(mask.reshape(len(x), -1).sum(-1)), 'k:', label='uniform (log #sources)'
+  )
   ax.set_ylabel('entropy (nats)')
   _sublayer_axis(ax, cfg)
   ax.grid(True, alpha=0.3)
@@ -127,8 +154,9 @@ def plot_depth_entropy(stats: Mapping[str, np.ndarray], cfg, path: str,
   return _save(fig, path)
 
 
-def plot_streams(stats: Mapping[str, np.ndarray], cfg, path: str,
-                 title: str | None = None) -> str:
+def plot_streams(
+  stats: Mapping[str, np.ndarray], cfg, path: str, title: str | None = None
+) -> str:
   """HC/mHC: per-stream magnitudes, read and write weights across depth (from the
   analysis statistics stream_rms, read_weights, write_weights [num_layers, 2, m] and
   final_stream_rms [m])."""
@@ -138,16 +166,20 @@ def plot_streams(stats: Mapping[str, np.ndarray], cfg, path: str,
   rms = np.asarray(stats['stream_rms']).reshape(num_sub, m)
   final = np.asarray(stats['final_stream_rms'])
   for i in range(m):
-    axes[0].plot(range(num_sub + 1), list(rms[:, i]) + [final[i]], 'o-',
-                 label=f'stream {i}')
+    axes[0].plot(
+      range(num_sub + 1), list(rms[:, i]) + [final[i]], 'o-', label=f'stream {i}'
+    )
   axes[0].set_yscale('log')
   axes[0].set_xticks(range(num_sub + 1), labels + ['final'], fontsize=7)
   axes[0].set_ylabel('RMS before the sublayer (mean over tokens)')
   axes[0].legend(fontsize=8)
-  for ax, key, name in ((axes[1], 'read_weights', 'read weights a (stream -> input)'),
-                        (axes[2], 'write_weights', 'write weights b (output -> stream)')):
-    image = ax.imshow(np.asarray(stats[key]).reshape(num_sub, m).T, aspect='auto',
-                      cmap='viridis')
+  for ax, key, name in (
+    (axes[1], 'read_weights', 'read weights a (stream -> input)'),
+    (axes[2], 'write_weights', 'write weights b (output -> stream)'),
+  ):
+    image = ax.imshow(
+      np.asarray(stats[key]).reshape(num_sub, m).T, aspect='auto', cmap='viridis'
+    )
     ax.set_xticks(range(num_sub), labels, fontsize=7)
     ax.set_yticks(range(m), [f'stream {i}' for i in range(m)])
     ax.set_title(name)
@@ -158,9 +190,9 @@ def plot_streams(stats: Mapping[str, np.ndarray], cfg, path: str,
 
 # The residual-specific figures (`Residual.figures` names): (draw, title suffix).
 FIGURES = {
-    'depth_weights': (plot_depth_weights, ''),
-    'depth_entropy': (plot_depth_entropy, ': depth-weight entropy'),
-    'streams': (plot_streams, ': streams across depth'),
+  'depth_weights': (plot_depth_weights, ''),
+  'depth_entropy': (plot_depth_entropy, ': depth-weight entropy'),
+  'streams': (plot_streams, ': streams across depth'),
 }
 
 
@@ -185,8 +217,15 @@ def plot_loss_curves(runs: Mapping[str, Sequence[Mapping[str, Any]]], path: str)
   for i, (name, records) in enumerate(runs.items()):
     for tag, (steps, values) in sorted(_loss_series(records).items()):
       held_out = 'eval' in tag or 'valid' in tag
-      ax.plot(steps, values, '--' if held_out else '-', color=colors[i % len(colors)],
-              marker='o' if held_out else None, markersize=3, label=f'{name} {tag}')
+      ax.plot(
+        steps,
+        values,
+        '--' if held_out else '-',
+        color=colors[i % len(colors)],
+        marker='o' if held_out else None,
+        markersize=3,
+        label=f'{name} {tag}',
+      )
   ax.set_xlabel('step')
   ax.set_ylabel('loss (nats per token)')
   ax.grid(True, alpha=0.3)
@@ -196,13 +235,17 @@ def plot_loss_curves(runs: Mapping[str, Sequence[Mapping[str, Any]]], path: str)
   return _save(fig, path)
 
 
-def plot_magnitude_overlay(runs: Mapping[str, Mapping[str, np.ndarray]],
-                           path: str) -> str:
+def plot_magnitude_overlay(
+  runs: Mapping[str, Mapping[str, np.ndarray]], path: str
+) -> str:
   """Output RMS and input RMS across depth of several runs (x: relative depth when the
   runs have different depths)."""
   fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
-  keys = (('output_rms', 'sublayer output RMS'), ('input_rms', 'sublayer input RMS'),
-          ('grad_norm', 'gradient norm'))
+  keys = (
+    ('output_rms', 'sublayer output RMS'),
+    ('input_rms', 'sublayer input RMS'),
+    ('grad_norm', 'gradient norm'),
+  )
   for name, arrays in runs.items():
     for ax, (key, label) in zip(axes, keys):
       if key not in arrays:

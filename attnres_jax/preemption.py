@@ -44,6 +44,7 @@ def _sync_point_available() -> bool:
     return False
   # Private (no public probe of the sync manager); imported only where it is needed.
   from jax._src import distributed  # pylint: disable=g-import-not-at-top
+
   return getattr(distributed.global_state, 'preemption_sync_manager', None) is not None
 
 

@@ -42,8 +42,9 @@ class _DropBackgroundErrors(std_logging.Filter):
 
   def filter(self, record: std_logging.LogRecord) -> bool:
     path = record.pathname.replace(os.sep, '/')
-    return not (record.levelno >= std_logging.ERROR
-                and ('/orbax/' in path or '/asyncio/' in path))
+    return not (
+      record.levelno >= std_logging.ERROR and ('/orbax/' in path or '/asyncio/' in path)
+    )
 
 
 def silence_save_errors() -> None:
@@ -55,8 +56,10 @@ def silence_save_errors() -> None:
   previous_hook = sys.unraisablehook
 
   def hook(unraisable):
-    if not (isinstance(unraisable.exc_value, RuntimeError)
-            and str(unraisable.exc_value) == 'Event loop is closed'):
+    if not (
+      isinstance(unraisable.exc_value, RuntimeError)
+      and str(unraisable.exc_value) == 'Event loop is closed'
+    ):
       previous_hook(unraisable)
 
   logging.get_absl_handler().addFilter(_DropBackgroundErrors())  # all loggers

@@ -27,8 +27,12 @@ CACHE_ROUNDING = 64  # the KV cache length is a multiple of this
 _BYTES = tokenizer_lib.ByteTokenizer()
 
 
-def encode_text(text: str, *, add_separator: bool = False,
-                tokenizer: tokenizer_lib.Tokenizer | None = None) -> np.ndarray:
+def encode_text(
+  text: str,
+  *,
+  add_separator: bool = False,
+  tokenizer: tokenizer_lib.Tokenizer | None = None,
+) -> np.ndarray:
   """int32 tokens of `text` (default tokenizer: UTF-8 bytes); with `add_separator`,
   after a document start (the tokenizer's BOS id; 0 for bytes)."""
   tokenizer = tokenizer or _BYTES
@@ -72,15 +76,27 @@ def _first_token(logits_BV, key, position, temperature, top_k):
 
 
 @functools.partial(jax.jit, static_argnames=('graphdef',), donate_argnames=('cache',))
-def _step(graphdef, state, layers, token_B, cache, index, start_B, key, temperature, top_k,
-          stop_S, done_B):
+def _step(
+  graphdef,
+  state,
+  layers,
+  token_B,
+  cache,
+  index,
+  start_B,
+  key,
+  temperature,
+  top_k,
+  stop_S,
+  done_B,
+):
   """Feeds the token in slot `index` and chooses the one of slot `index + 1`. A row
   that is done (it produced one of `stop_S`) repeats its last token."""
   model = nnx.merge(graphdef, state)
-  logits_B1V, cache = model.decode(token_B[:, None], cache, index, start_B,
-                                   layers=layers)
-  chosen_B = _choose(logits_B1V[:, 0], jax.random.fold_in(key, index + 1), temperature,
-                     top_k)
+  logits_B1V, cache = model.decode(token_B[:, None], cache, index, start_B, layers=layers)
+  chosen_B = _choose(
+    logits_B1V[:, 0], jax.random.fold_in(key, index + 1), temperature, top_k
+  )
   chosen_B = jnp.where(done_B, token_B, chosen_B)
   done_B = done_B | jnp.any(chosen_B[:, None] == stop_S[None, :], axis=-1)
   return chosen_B, logits_B1V[:, 0], cache, done_B
@@ -91,19 +107,29 @@ def left_pad(prompts, pad_id: int = SEPARATOR) -> tuple[np.ndarray, np.ndarray]:
   `pad_id` padding, and the first slot of each row's prompt (its start) [B]."""
   prompts = [np.asarray(p, np.int32).reshape(-1) for p in prompts]
   if not prompts or min(len(p) for p in prompts) < 1:
-    raise ValueError('Every prompt needs at least one token (an empty text prompt '
-                     'starts a document: add_separator).')
+    raise ValueError(
+      'Every prompt needs at least one token (an empty text prompt '
+      'starts a document: add_separator).'
+    )
   longest = max(len(p) for p in prompts)
   batch_BT = np.full((len(prompts), longest), pad_id, np.int32)
   for row, p in enumerate(prompts):
-    batch_BT[row, longest - len(p):] = p
+    batch_BT[row, longest - len(p) :] = p
   return batch_BT, np.asarray([longest - len(p) for p in prompts], np.int32)
 
 
-def generate(model: nnx.Module, prompt_tokens, max_new_tokens: int, *,
-             temperature: float = 1.0, top_k: int | None = None, seed: int = 0,
-             return_logits: bool = False, stop_tokens=(),
-             prefill_chunk: int | None = None):
+def generate(
+  model: nnx.Module,
+  prompt_tokens,
+  max_new_tokens: int,
+  *,
+  temperature: float = 1.0,
+  top_k: int | None = None,
+  seed: int = 0,
+  return_logits: bool = False,
+  stop_tokens=(),
+  prefill_chunk: int | None = None,
+):
   """Continues `prompt_tokens` by `max_new_tokens` tokens.
 
   `prompt_tokens`: an array [T] or [B, T] (T >= 1), or a list of 1-D prompts of any
@@ -120,7 +146,8 @@ def generate(model: nnx.Module, prompt_tokens, max_new_tokens: int, *,
   [max_new_tokens, V] (or [B, max_new_tokens, V], or a list of [N_b, V]).
   """
   ragged = isinstance(prompt_tokens, (list, tuple)) and any(
-      np.ndim(p) >= 1 for p in prompt_tokens)
+    np.ndim(p) >= 1 for p in prompt_tokens
+  )
   if ragged:
     if any(np.ndim(p) != 1 for p in prompt_tokens):
       raise ValueError('A list of prompts must hold 1-D token sequences.')
@@ -131,8 +158,9 @@ def generate(model: nnx.Module, prompt_tokens, max_new_tokens: int, *,
     single = prompt.ndim == 1
     prompt_BT = prompt[None] if single else prompt
     if prompt_BT.ndim != 2 or prompt_BT.shape[1] < 1:
-      raise ValueError(f'prompt_tokens must be [T] or [B, T] with T >= 1, got '
-                       f'shape {prompt.shape}.')
+      raise ValueError(
+        f'prompt_tokens must be [T] or [B, T] with T >= 1, got shape {prompt.shape}.'
+      )
     start_B = np.zeros((prompt_BT.shape[0],), np.int32)
   if temperature < 0:
     raise ValueError(f'temperature must be >= 0, got {temperature}.')
@@ -156,9 +184,15 @@ def generate(model: nnx.Module, prompt_tokens, max_new_tokens: int, *,
   start = jnp.asarray(start_B)
   chunk = prefill_chunk or prompt_len
   for index in range(0, prompt_len, chunk):
-    logits_BV, cache = _prefill_chunk(graphdef, state, layers,
-                                      jnp.asarray(prompt_BT[:, index:index + chunk]),
-                                      cache, jnp.int32(index), start)
+    logits_BV, cache = _prefill_chunk(
+      graphdef,
+      state,
+      layers,
+      jnp.asarray(prompt_BT[:, index : index + chunk]),
+      cache,
+      jnp.int32(index),
+      start,
+    )
   token_B = _first_token(logits_BV, key, jnp.int32(prompt_len), *options)
   stop_S = jnp.asarray(np.asarray(stop_tokens, np.int32).reshape(-1))
   done_B = jnp.any(token_B[:, None] == stop_S[None, :], axis=-1)
@@ -167,9 +201,19 @@ def generate(model: nnx.Module, prompt_tokens, max_new_tokens: int, *,
     # Asking whether every row is done waits for the step: only every 8 steps.
     if len(stop_tokens) and (index - prompt_len) % 8 == 0 and bool(done_B.all()):
       break
-    token_B, logits_BV, cache, done_B = _step(graphdef, state, layers, token_B, cache,
-                                              jnp.int32(index), start, key, *options,
-                                              stop_S, done_B)
+    token_B, logits_BV, cache, done_B = _step(
+      graphdef,
+      state,
+      layers,
+      token_B,
+      cache,
+      jnp.int32(index),
+      start,
+      key,
+      *options,
+      stop_S,
+      done_B,
+    )
     tokens.append(token_B)
     if return_logits:
       logits.append(logits_BV)
@@ -179,8 +223,7 @@ def generate(model: nnx.Module, prompt_tokens, max_new_tokens: int, *,
     rest = max_new_tokens - tokens_BN.shape[1]
     tokens_BN = np.concatenate([tokens_BN, np.repeat(tokens_BN[:, -1:], rest, 1)], 1)
     if return_logits:
-      logits_BNV = np.concatenate(
-          [logits_BNV, np.repeat(logits_BNV[:, -1:], rest, 1)], 1)
+      logits_BNV = np.concatenate([logits_BNV, np.repeat(logits_BNV[:, -1:], rest, 1)], 1)
   if ragged:
     lengths = [_length_to_stop(row, stop_tokens) for row in tokens_BN]
     tokens_out = [row[:n] for row, n in zip(tokens_BN, lengths)]
@@ -202,22 +245,39 @@ def _unbatch(x, single):
   return x[0] if single else x
 
 
-def generate_text(model: nnx.Module, prompt, max_new_tokens: int, *,
-                  temperature: float = 1.0, top_k: int | None = None, seed: int = 0,
-                  add_separator: bool = False,
-                  tokenizer: tokenizer_lib.Tokenizer | None = None,
-                  stop_tokens=(), prefill_chunk: int | None = None):
+def generate_text(
+  model: nnx.Module,
+  prompt,
+  max_new_tokens: int,
+  *,
+  temperature: float = 1.0,
+  top_k: int | None = None,
+  seed: int = 0,
+  add_separator: bool = False,
+  tokenizer: tokenizer_lib.Tokenizer | None = None,
+  stop_tokens=(),
+  prefill_chunk: int | None = None,
+):
   """The prompt's continuation as text, `max_new_tokens` tokens long (default
   tokenizer: bytes; a run's own is `data.make_tokenizer(config.data, workdir=...)`).
   An empty prompt starts a document. A list of prompts is generated as one batch and
   gives a list of texts."""
   many = isinstance(prompt, (list, tuple))
   prompts = list(prompt) if many else [prompt]
-  tokens = [encode_text(p, add_separator=add_separator or not p, tokenizer=tokenizer)
-            for p in prompts]
-  new_tokens = generate(model, tokens if many else tokens[0], max_new_tokens,
-                        temperature=temperature, top_k=top_k, seed=seed,
-                        stop_tokens=stop_tokens, prefill_chunk=prefill_chunk)
+  tokens = [
+    encode_text(p, add_separator=add_separator or not p, tokenizer=tokenizer)
+    for p in prompts
+  ]
+  new_tokens = generate(
+    model,
+    tokens if many else tokens[0],
+    max_new_tokens,
+    temperature=temperature,
+    top_k=top_k,
+    seed=seed,
+    stop_tokens=stop_tokens,
+    prefill_chunk=prefill_chunk,
+  )
   if not many:
     return decode_tokens(new_tokens, tokenizer)
   return [decode_tokens(t, tokenizer) for t in new_tokens]

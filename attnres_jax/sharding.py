@@ -51,26 +51,26 @@ PIPELINE_TRANSFERS = ('naive', 'cached')
 # config.mesh.rules. Tuples, so that one rule can be overridden on the command line:
 # --config.mesh.rules.hidden=tensor.
 DEFAULT_RULES = {
-    # activations
-    'batch': ('data', 'fsdp'),  # activations and batches
-    'length': (),
-    'hidden': (),           # model width of activations and depth sources
-    'depth': (),            # the AttnRes source axis of the depth buffers (HC: streams)
-    # parameters (and the activations along the same dimension)
-    'embed': ('fsdp',),     # model width of weights: FSDP splits parameters here
-    'heads': ('tensor',),
-    'head_dim': (),
-    'mlp': ('tensor',),
-    'vocab': ('tensor',),
-    'layers': ('stage',),   # the stacked-layer axis: pipeline stages hold slices of it
-    'stages': ('stage',),   # the pipeline's per-stage axis of activations
-    'sublayers': (),        # attention / MLP rows of the residuals' layer parameters
+  # activations
+  'batch': ('data', 'fsdp'),  # activations and batches
+  'length': (),
+  'hidden': (),  # model width of activations and depth sources
+  'depth': (),  # the AttnRes source axis of the depth buffers (HC: streams)
+  # parameters (and the activations along the same dimension)
+  'embed': ('fsdp',),  # model width of weights: FSDP splits parameters here
+  'heads': ('tensor',),
+  'head_dim': (),
+  'mlp': ('tensor',),
+  'vocab': ('tensor',),
+  'layers': ('stage',),  # the stacked-layer axis: pipeline stages hold slices of it
+  'stages': ('stage',),  # the pipeline's per-stage axis of activations
+  'sublayers': (),  # attention / MLP rows of the residuals' layer parameters
 }
 
 Rules = Mapping[str, Any]
 
 # Logical axes of the key activations.
-HIDDEN = ('batch', 'length', 'hidden')                 # residual stream, sublayer I/O
+HIDDEN = ('batch', 'length', 'hidden')  # residual stream, sublayer I/O
 DEPTH_BUFFER = ('depth', 'batch', 'length', 'hidden')  # AttnRes sources [S, B, T, D]
 
 
@@ -80,15 +80,17 @@ def default_mesh_config(**overrides) -> ml_collections.ConfigDict:
   --config.mesh.shape='(2,2,2)' for data x FSDP x tensor parallelism, and
   --config.mesh.stage=2 to pipeline the layers over 2 stages (`pipeline.py`; the shape
   then covers the devices of one stage)."""
-  cfg = ml_collections.ConfigDict(dict(
+  cfg = ml_collections.ConfigDict(
+    dict(
       shape=(-1, 1, 1),
       axis_names=AXIS_NAMES,
       rules=dict(DEFAULT_RULES),
-      stage=1,                 # pipeline stages P (1: no pipeline)
-      virtual_stages=1,        # V chunks per stage: 1 GPipe, > 1 interleaved (circular)
-      num_microbatches=1,      # M microbatches in flight in the pipeline (V > 1: M >= P)
+      stage=1,  # pipeline stages P (1: no pipeline)
+      virtual_stages=1,  # V chunks per stage: 1 GPipe, > 1 interleaved (circular)
+      num_microbatches=1,  # M microbatches in flight in the pipeline (V > 1: M >= P)
       pipeline_transfer='cached',  # AttnRes state between stages: 'naive' | 'cached'
-  ))
+    )
+  )
   cfg.update(overrides)
   return cfg
 
@@ -103,8 +105,9 @@ def _as_axes(value) -> tuple[str, ...]:
   return tuple(value)
 
 
-def rules_from_config(mesh_config: ml_collections.ConfigDict
-                      ) -> dict[str, tuple[str, ...]]:
+def rules_from_config(
+  mesh_config: ml_collections.ConfigDict,
+) -> dict[str, tuple[str, ...]]:
   """The rules of a mesh config section (the defaults if it has none)."""
   rules = mesh_config.get('rules')
   if rules is None:
@@ -118,37 +121,48 @@ def validate_mesh_config(mesh_config: ml_collections.ConfigDict) -> None:
   """Raises ValueError for a malformed mesh section (before any device is touched)."""
   shape, names = tuple(mesh_config.shape), tuple(mesh_config.axis_names)
   if len(shape) != len(names) or list(shape).count(-1) > 1:
-    raise ValueError(f'Invalid mesh config: shape {shape} and axis_names {names} must '
-                     'have equal lengths, with at most one -1.')
+    raise ValueError(
+      f'Invalid mesh config: shape {shape} and axis_names {names} must '
+      'have equal lengths, with at most one -1.'
+    )
   if 'data' not in names:
     raise ValueError(f"Invalid mesh config: axis_names {names} has no 'data' axis.")
   if STAGE_AXIS in names:
-    raise ValueError(f'Invalid mesh config: axis_names {names} must not name '
-                     f'{STAGE_AXIS!r}: it is added by mesh.stage.')
+    raise ValueError(
+      f'Invalid mesh config: axis_names {names} must not name '
+      f'{STAGE_AXIS!r}: it is added by mesh.stage.'
+    )
   for name in ('stage', 'virtual_stages', 'num_microbatches'):
     value = mesh_config.get(name, 1)
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-      raise ValueError(f'Invalid mesh config: {name} must be a positive integer, got '
-                       f'{value!r}.')
+      raise ValueError(
+        f'Invalid mesh config: {name} must be a positive integer, got {value!r}.'
+      )
   transfer = mesh_config.get('pipeline_transfer', 'cached')
   if transfer not in PIPELINE_TRANSFERS:
-    raise ValueError(f'Invalid mesh config: pipeline_transfer must be one of '
-                     f'{PIPELINE_TRANSFERS}, got {transfer!r}.')
+    raise ValueError(
+      f'Invalid mesh config: pipeline_transfer must be one of '
+      f'{PIPELINE_TRANSFERS}, got {transfer!r}.'
+    )
   if mesh_config.get('stage', 1) == 1 and (mesh_config.get('virtual_stages', 1) > 1):
-    raise ValueError('Invalid mesh config: virtual_stages > 1 needs a pipeline '
-                     '(mesh.stage > 1).')
+    raise ValueError(
+      'Invalid mesh config: virtual_stages > 1 needs a pipeline (mesh.stage > 1).'
+    )
   names = names + (STAGE_AXIS,)
   for name, axes in rules_from_config(mesh_config).items():
     unknown = [a for a in axes if a not in names]
     if unknown:
-      raise ValueError(f'Invalid mesh config: rule {name!r} -> {axes!r} names mesh '
-                       f'axes {unknown} that are not in axis_names {names}.')
+      raise ValueError(
+        f'Invalid mesh config: rule {name!r} -> {axes!r} names mesh '
+        f'axes {unknown} that are not in axis_names {names}.'
+      )
     if len(set(axes)) != len(axes):
       raise ValueError(f'Invalid mesh config: rule {name!r} -> {axes!r} repeats an axis.')
 
 
-def make_mesh(mesh_config: ml_collections.ConfigDict,
-              devices: Sequence[jax.Device] | None = None) -> Mesh:
+def make_mesh(
+  mesh_config: ml_collections.ConfigDict, devices: Sequence[jax.Device] | None = None
+) -> Mesh:
   """The device mesh of `mesh_config` over `devices` (default: all devices of all
   processes); one -1 in the shape takes the remaining devices.
 
@@ -159,22 +173,32 @@ def make_mesh(mesh_config: ml_collections.ConfigDict,
   shape = mesh_shape(mesh_config, count)
   names, sizes = tuple(shape), list(shape.values())
   axis_types = (jax.sharding.AxisType.Auto,) * len(names)
-  slices = len({getattr(d, 'slice_index', 0)
-                for d in (jax.devices() if devices is None else devices)})
+  slices = len(
+    {
+      getattr(d, 'slice_index', 0)
+      for d in (jax.devices() if devices is None else devices)
+    }
+  )
   if slices > 1:  # multi-slice: the data axis spans the slices (DCN), the rest ICI
     data = names.index('data')
     if sizes[data] % slices:
-      raise ValueError(f'The data axis ({sizes[data]} devices) must be a multiple of the '
-                       f'{slices} slices: only data parallelism crosses slices.')
+      raise ValueError(
+        f'The data axis ({sizes[data]} devices) must be a multiple of the '
+        f'{slices} slices: only data parallelism crosses slices.'
+      )
     ici, dcn = list(sizes), [1] * len(sizes)
     ici[data], dcn[data] = sizes[data] // slices, slices
-    return Mesh(mesh_utils.create_hybrid_device_mesh(ici, dcn, devices=devices), names,
-                axis_types=axis_types)
+    return Mesh(
+      mesh_utils.create_hybrid_device_mesh(ici, dcn, devices=devices),
+      names,
+      axis_types=axis_types,
+    )
   return jax.make_mesh(tuple(sizes), names, devices=devices, axis_types=axis_types)
 
 
-def mesh_shape(mesh_config: ml_collections.ConfigDict, num_devices: int
-               ) -> dict[str, int]:
+def mesh_shape(
+  mesh_config: ml_collections.ConfigDict, num_devices: int
+) -> dict[str, int]:
   """Mesh axis name -> size on `num_devices` devices, `stage` first (the -1 resolved);
   ValueError if the shape does not cover the devices."""
   validate_mesh_config(mesh_config)
@@ -183,12 +207,16 @@ def mesh_shape(mesh_config: ml_collections.ConfigDict, num_devices: int
   if -1 in shape:
     known = math.prod(s for s in shape if s != -1)
     if known < 1 or num_devices % known:
-      raise ValueError(f'Mesh shape {tuple(mesh_config.shape)} with stage={stages} '
-                       f'does not fit {num_devices} devices.')
+      raise ValueError(
+        f'Mesh shape {tuple(mesh_config.shape)} with stage={stages} '
+        f'does not fit {num_devices} devices.'
+      )
     shape[shape.index(-1)] = num_devices // known
   if math.prod(shape) != num_devices:
-    raise ValueError(f'Mesh shape {tuple(mesh_config.shape)} with stage={stages} does '
-                     f'not cover the {num_devices} devices.')
+    raise ValueError(
+      f'Mesh shape {tuple(mesh_config.shape)} with stage={stages} does '
+      f'not cover the {num_devices} devices.'
+    )
   return dict(zip((STAGE_AXIS,) + tuple(mesh_config.axis_names), shape))
 
 
@@ -197,13 +225,20 @@ def mesh_axes(logical_name: str | None, rules: Rules) -> tuple[str, ...]:
   if logical_name is None:
     return ()
   if logical_name not in rules:
-    raise KeyError(f'No sharding rule for the logical axis {logical_name!r}; rules '
-                   f'exist for {sorted(rules)} (config.mesh.rules).')
+    raise KeyError(
+      f'No sharding rule for the logical axis {logical_name!r}; rules '
+      f'exist for {sorted(rules)} (config.mesh.rules).'
+    )
   return _as_axes(rules[logical_name])
 
 
-def logical_to_spec(logical_axes: Sequence[str | None], rules: Rules, *,
-                    mesh: Mesh | None = None, shape: Sequence[int] | None = None) -> P:
+def logical_to_spec(
+  logical_axes: Sequence[str | None],
+  rules: Rules,
+  *,
+  mesh: Mesh | None = None,
+  shape: Sequence[int] | None = None,
+) -> P:
   """The PartitionSpec of an array whose dimensions have `logical_axes` names.
 
   Given the `mesh` and the array `shape`, a dimension that the mesh axes of its rule
@@ -228,8 +263,7 @@ def logical_axes_tree(abstract_state: nnx.State):
   """The logical axis names (a tuple per leaf) of an NNX state with `out_sharding`
   metadata, as a pure dict like `nnx.to_pure_dict(state)`."""
   specs = nnx.get_partition_spec(abstract_state)
-  return nnx.to_pure_dict(jax.tree.map(
-      tuple, specs, is_leaf=lambda x: isinstance(x, P)))
+  return nnx.to_pure_dict(jax.tree.map(tuple, specs, is_leaf=lambda x: isinstance(x, P)))
 
 
 def param_shardings(abstract_state: nnx.State, mesh: Mesh, rules: Rules):
@@ -241,19 +275,29 @@ def param_shardings(abstract_state: nnx.State, mesh: Mesh, rules: Rules):
     spec = logical_to_spec(axes, rules, mesh=mesh, shape=leaf.shape)
     wanted = logical_to_spec(axes, rules, mesh=mesh)
     if spec != wanted:
-      logging.warning('Parameter %s %s%s: its logical axes %s -> %s do not divide '
-                      'evenly on mesh %s; using %s.', jax.tree_util.keystr(path),
-                      leaf.dtype, leaf.shape, axes, wanted, dict(mesh.shape), spec)
+      logging.warning(
+        'Parameter %s %s%s: its logical axes %s -> %s do not divide '
+        'evenly on mesh %s; using %s.',
+        jax.tree_util.keystr(path),
+        leaf.dtype,
+        leaf.shape,
+        axes,
+        wanted,
+        dict(mesh.shape),
+        spec,
+      )
     return NamedSharding(mesh, spec)
 
   return jax.tree_util.tree_map_with_path(
-      sharding, names, shapes, is_leaf=lambda x: isinstance(x, tuple))
+    sharding, names, shapes, is_leaf=lambda x: isinstance(x, tuple)
+  )
 
 
 # -- activation constraints -----------------------------------------------------------
 
 _ACTIVE: contextvars.ContextVar[tuple[Mesh, Rules] | None] = contextvars.ContextVar(
-    'attnres_sharding_rules', default=None)
+  'attnres_sharding_rules', default=None
+)
 
 
 @contextlib.contextmanager
@@ -278,8 +322,10 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
     return x
   mesh, rules = active
   if len(logical_axes) != x.ndim:
-    raise ValueError(f'constrain: {len(logical_axes)} names {tuple(logical_axes)} for '
-                     f'an array of shape {x.shape}.')
+    raise ValueError(
+      f'constrain: {len(logical_axes)} names {tuple(logical_axes)} for '
+      f'an array of shape {x.shape}.'
+    )
   spec = logical_to_spec(logical_axes, rules, mesh=mesh, shape=x.shape)
   return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
@@ -295,9 +341,10 @@ class Layout:
   names say under `rules`, its optimizer moments likewise, scalars replicated.
   `abstract_state` holds the matching `jax.ShapeDtypeStruct`s (restore targets).
   """
+
   mesh: jax.sharding.Mesh
   rules: dict[str, Any]
-  state: Any           # the train state as NamedShardings
+  state: Any  # the train state as NamedShardings
   abstract_state: Any  # its jax.ShapeDtypeStructs (restore targets)
   batch: NamedSharding
 
@@ -307,12 +354,18 @@ class Layout:
 
   def to_global(self, batch: Mapping[str, Any]) -> dict[str, jax.Array]:
     """This process's rows of a global batch -> global arrays split over the mesh."""
-    return {k: jax.make_array_from_process_local_data(self.batch, v)
-            for k, v in batch.items()}
+    return {
+      k: jax.make_array_from_process_local_data(self.batch, v) for k, v in batch.items()
+    }
 
 
-def train_state_layout(abstract_state, abstract_params: nnx.State,
-                       tx: optax.GradientTransformation, mesh: Mesh, rules) -> Layout:
+def train_state_layout(
+  abstract_state,
+  abstract_params: nnx.State,
+  tx: optax.GradientTransformation,
+  mesh: Mesh,
+  rules,
+) -> Layout:
   """The shardings of a train state (a flax struct with step, params, opt_state, as
   `jax.eval_shape` gives it) and of the batches: each parameter split as its logical
   axis names (in `abstract_params`) say under `rules`, its optimizer moments
@@ -321,13 +374,17 @@ def train_state_layout(abstract_state, abstract_params: nnx.State,
   params = param_shardings(abstract_params, mesh, rules)
   replicated = NamedSharding(mesh, P())
   opt_state = optax.tree_map_params(
-      tx, lambda _, s: s, abstract_state.opt_state, params,
-      transform_non_params=lambda _: replicated,
-      is_leaf=lambda x: isinstance(x, NamedSharding))
+    tx,
+    lambda _, s: s,
+    abstract_state.opt_state,
+    params,
+    transform_non_params=lambda _: replicated,
+    is_leaf=lambda x: isinstance(x, NamedSharding),
+  )
   state = abstract_state.replace(step=replicated, params=params, opt_state=opt_state)
   abstract = jax.tree.map(
-      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_state,
-      state)
+    lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_state, state
+  )
   batch = NamedSharding(mesh, logical_to_spec(('batch', 'length'), rules, mesh=mesh))
   return Layout(mesh=mesh, rules=rules, state=state, abstract_state=abstract, batch=batch)
 

@@ -53,8 +53,10 @@ def _sublayer_stats(residual, applied, token_weights_BT):
   """Token-weighted means of one sublayer's statistics (for the analysis): its input
   and output RMS, and the residual's own (`Residual.sublayer_statistics`)."""
   mean = functools.partial(token_mean, token_weights_BT=token_weights_BT)
-  entry = {'input_rms': mean(1.0 / depth.rms_inverse(applied.h_BTD, 0.0)),
-           'output_rms': mean(1.0 / depth.rms_inverse(applied.out_BTD, 0.0))}
+  entry = {
+    'input_rms': mean(1.0 / depth.rms_inverse(applied.h_BTD, 0.0)),
+    'output_rms': mean(1.0 / depth.rms_inverse(applied.out_BTD, 0.0)),
+  }
   entry.update(residual.sublayer_statistics(applied.weights, mean))
   return entry
 
@@ -77,11 +79,13 @@ def split_segments(tree, num_layers: int, size: int):
   full = tail = None
   if num_full:
     grouped = jax.tree.map(
-        lambda x: x[:num_full * size].reshape(num_full, size, *x.shape[1:]), tree)
+      lambda x: x[: num_full * size].reshape(num_full, size, *x.shape[1:]), tree
+    )
     full = tuple(jax.tree.map(lambda x: x[:, j], grouped) for j in range(size))
   if rest:
-    tail = tuple(jax.tree.map(lambda x: x[num_full * size + j], tree)
-                 for j in range(rest))
+    tail = tuple(
+      jax.tree.map(lambda x: x[num_full * size + j], tree) for j in range(rest)
+    )
   return full, tail
 
 
@@ -103,13 +107,24 @@ def stacked_residual_params(graphdef, layer_states):
   if modules[0] is None:
     return None
   graph = nnx.graphdef(modules[0])
-  return nnx.merge(graph, jax.tree.map(lambda *x: jnp.stack(x),
-                                       *[nnx.state(m) for m in modules]))
+  return nnx.merge(
+    graph, jax.tree.map(lambda *x: jnp.stack(x), *[nnx.state(m) for m in modules])
+  )
 
 
-def run_layers(residual, graphdef, layer_state, x_BTD, positions_BT, *, cfg,
-               apply_sublayer: SublayerHook | None = None, collect_stats=False,
-               stats_weights_BT=None, extra_xs=None):
+def run_layers(
+  residual,
+  graphdef,
+  layer_state,
+  x_BTD,
+  positions_BT,
+  *,
+  cfg,
+  apply_sublayer: SublayerHook | None = None,
+  collect_stats=False,
+  stats_weights_BT=None,
+  extra_xs=None,
+):
   """Runs every layer through `residual`; returns (final carry, per-layer outputs).
 
   Per-layer outputs: what `apply_sublayer` saved for each sublayer (a pair) and the
@@ -119,8 +134,9 @@ def run_layers(residual, graphdef, layer_state, x_BTD, positions_BT, *, cfg,
   `extra_xs`: per-layer inputs stacked over layers (a KV cache), handed to the hook.
   """
   if apply_sublayer is None:
-    functions = [sublayer_function(graphdef, which, cfg.remat == 'sublayer')
-                 for which in SUBLAYERS]
+    functions = [
+      sublayer_function(graphdef, which, cfg.remat == 'sublayer') for which in SUBLAYERS
+    ]
 
     def apply_sublayer(which, layer_in_segment, state_k, h_BTD, *, inner, extra):
       del layer_in_segment, inner, extra
@@ -130,8 +146,9 @@ def run_layers(residual, graphdef, layer_state, x_BTD, positions_BT, *, cfg,
     params = nnx.merge(graphdef, state_k).residual
     saved, stats = [], []
     for which in SUBLAYERS:
-      branch = functools.partial(apply_sublayer, which, j, state_k, inner=inner,
-                                 extra=extra)
+      branch = functools.partial(
+        apply_sublayer, which, j, state_k, inner=inner, extra=extra
+      )
       inner, applied = residual.sublayer(inner, params, per_layer, j, which, branch)
       saved.append(applied.saved)
       if collect_stats:
@@ -158,36 +175,58 @@ def run_layers(residual, graphdef, layer_state, x_BTD, positions_BT, *, cfg,
     stats_weights_BT = jnp.ones(x_BTD.shape[:2], jnp.float32)
   size = residual.segment_layers
   num_full = cfg.num_layers // size
-  states, extras = (split_segments(tree, cfg.num_layers, size)
-                    for tree in (layer_state, extra_xs))
+  states, extras = (
+    split_segments(tree, cfg.num_layers, size) for tree in (layer_state, extra_xs)
+  )
   carry = residual.init(x_BTD)
   full_ys = tail_ys = None
   if states[0] is not None:
     extras_full = extras[0] if extras[0] is not None else (None,) * size
     carry, full_ys = scan_or_loop(
-        run_segment, carry, (states[0], jnp.arange(num_full), extras_full),
-        unroll=not cfg.scan_layers)
+      run_segment,
+      carry,
+      (states[0], jnp.arange(num_full), extras_full),
+      unroll=not cfg.scan_layers,
+    )
   if states[1] is not None:
     extras_tail = extras[1] if extras[1] is not None else (None,) * len(states[1])
     carry, tail_ys = run_segment(carry, (states[1], num_full, extras_tail))
   return carry, (full_ys, tail_ys)
 
 
-def apply_layers(residual, graphdef, layer_state, x_BTD, positions_BT, *, cfg,
-                 collect_stats=False, stats_weights_BT=None):
+def apply_layers(
+  residual,
+  graphdef,
+  layer_state,
+  x_BTD,
+  positions_BT,
+  *,
+  cfg,
+  collect_stats=False,
+  stats_weights_BT=None,
+):
   """Runs the stacked layers from the embedding; returns (final residual carry,
   per-sublayer statistics [num_layers, 2, ...] or None; see `run_layers`)."""
   if collect_stats:
     residual = residual.for_statistics()
   if residual.custom_stack is not None and not collect_stats:
     return residual.custom_stack(graphdef, layer_state, x_BTD, positions_BT), None
-  carry, ys = run_layers(residual, graphdef, layer_state, x_BTD, positions_BT, cfg=cfg,
-                         collect_stats=collect_stats, stats_weights_BT=stats_weights_BT)
+  carry, ys = run_layers(
+    residual,
+    graphdef,
+    layer_state,
+    x_BTD,
+    positions_BT,
+    cfg=cfg,
+    collect_stats=collect_stats,
+    stats_weights_BT=stats_weights_BT,
+  )
   return carry, join_layers(ys)[1] if collect_stats else None
 
 
-def apply_layers_cached(residual, graphdef, layers, x_BTD, positions_BT, caches,
-                        cache_index, start_B, *, cfg):
+def apply_layers_cached(
+  residual, graphdef, layers, x_BTD, positions_BT, caches, cache_index, start_B, *, cfg
+):
   """Decoding: runs the layers with their KV caches; returns (final carry, caches).
 
   `layers` and `caches` hold one state / `KVCache` per layer, and the layers run
@@ -202,22 +241,31 @@ def apply_layers_cached(residual, graphdef, layers, x_BTD, positions_BT, caches,
   carry = residual.init(x_BTD)
   caches = list(caches)
   for segment, first in enumerate(range(0, cfg.num_layers, size)):
-    states = layers[first:first + size]
+    states = layers[first : first + size]
     inner, per_layer = residual.begin_segment(
-        carry, stacked_residual_params(graphdef, states), segment)
+      carry, stacked_residual_params(graphdef, states), segment
+    )
     for j, state_j in enumerate(states):
       layer = nnx.merge(graphdef, state_j)
       per_layer_j = jax.tree.map(lambda x, j=j: x[j], per_layer)
       for which in SUBLAYERS:
         if which == 0:  # the attention sublayer also returns its updated cache
-          branch = functools.partial(layer.sublayer, which, positions_BT=positions_BT,
-                                     cache=caches[first + j], cache_index=cache_index,
-                                     start_B=start_B)
+          branch = functools.partial(
+            layer.sublayer,
+            which,
+            positions_BT=positions_BT,
+            cache=caches[first + j],
+            cache_index=cache_index,
+            start_B=start_B,
+          )
         else:
           branch = lambda h_BTD, layer=layer: (
-              layer.sublayer(1, h_BTD, positions_BT), None)
-        inner, applied = residual.sublayer(inner, layer.residual, per_layer_j, j,
-                                           which, branch)
+            layer.sublayer(1, h_BTD, positions_BT),
+            None,
+          )
+        inner, applied = residual.sublayer(
+          inner, layer.residual, per_layer_j, j, which, branch
+        )
         if which == 0:
           caches[first + j] = applied.saved
     carry = residual.end_segment(carry, inner, segment)

@@ -67,15 +67,14 @@ def mode_name(cfg) -> str:
   return residuals.make(cfg).label
 
 
-
-
 # -- gradient norms -------------------------------------------------------------------
 
 
 @functools.partial(jax.jit, static_argnums=0)
 def _grad_sums(graphdef, params, batch):
-  return jax.grad(lambda p: evaluate_lib.loss_sums(p, batch, graphdef=graphdef),
-                  has_aux=True)(params)
+  return jax.grad(
+    lambda p: evaluate_lib.loss_sums(p, batch, graphdef=graphdef), has_aux=True
+  )(params)
 
 
 def sublayer_grad_norms(layer_grads: Mapping[str, Any]) -> np.ndarray:
@@ -85,22 +84,27 @@ def sublayer_grad_norms(layer_grads: Mapping[str, Any]) -> np.ndarray:
   rows = []
   for which, names in enumerate(groups):
     squares = sum(
-        np.sum(np.square(np.asarray(x, np.float64)).reshape(x.shape[0], -1), axis=1)
-        for name in names for x in jax.tree.leaves(g[name]))
+      np.sum(np.square(np.asarray(x, np.float64)).reshape(x.shape[0], -1), axis=1)
+      for name in names
+      for x in jax.tree.leaves(g[name])
+    )
     # The residual's parameters hold one row per sublayer: [num_layers, 2, ...]
     # (the contract of `Residual.layer_params`).
     for x in jax.tree.leaves(g.get('residual')):
       if x.ndim < 2 or x.shape[1] != 2:
-        raise ValueError(f'A residual layer parameter of shape {x.shape} has no row per '
-                         'sublayer ([num_layers, 2, ...]): see Residual.layer_params.')
+        raise ValueError(
+          f'A residual layer parameter of shape {x.shape} has no row per '
+          'sublayer ([num_layers, 2, ...]): see Residual.layer_params.'
+        )
       row = np.asarray(x, np.float64)[:, which]
       squares = squares + np.sum(np.square(row).reshape(row.shape[0], -1), axis=1)
     rows.append(np.sqrt(squares))
   return np.stack(rows, axis=1)
 
 
-def gradient_norms(model: nnx.Module, batches: Iterable[Batch], *,
-                   max_batches: int | None = None) -> dict[str, np.ndarray]:
+def gradient_norms(
+  model: nnx.Module, batches: Iterable[Batch], *, max_batches: int | None = None
+) -> dict[str, np.ndarray]:
   """Per-sublayer gradient norms [num_layers, 2] of the held-out loss.
 
   The loss is the token-weighted mean NLL over the first `max_batches` batches.
@@ -120,5 +124,7 @@ def gradient_norms(model: nnx.Module, batches: Iterable[Batch], *,
   if weight <= 0:
     raise ValueError('No batches with weight > 0 for the gradient norms.')
   mean_grads = jax.tree.map(lambda x: np.asarray(x, np.float64) / weight, total)
-  return {'grad_norm': sublayer_grad_norms(mean_grads),
-          'grad_tokens': np.asarray(weight, np.float64)}
+  return {
+    'grad_norm': sublayer_grad_norms(mean_grads),
+    'grad_tokens': np.asarray(weight, np.float64),
+  }

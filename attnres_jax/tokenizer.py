@@ -92,8 +92,9 @@ class SentencePieceTokenizer:
     # EOS then starts documents.
     bos = self._sp.bos_id() if self._sp.bos_id() >= 0 else self._sp.eos_id()
     if bos < 0:
-      raise ValueError('The SentencePiece model has neither a BOS nor an EOS id to '
-                       'start documents with.')
+      raise ValueError(
+        'The SentencePiece model has neither a BOS nor an EOS id to start documents with.'
+      )
     self.bos_id = bos
 
   @classmethod
@@ -123,17 +124,24 @@ class SentencePieceTokenizer:
     pieces = self._sp.encode(text, out_type='proto').pieces
     tokens = np.fromiter((p.id for p in pieces), np.int32, len(pieces))
     num_bytes = np.fromiter(
-        (1 if self._sp.is_byte(p.id) else p.end - p.begin for p in pieces), np.int32,
-        len(pieces))
+      (1 if self._sp.is_byte(p.id) else p.end - p.begin for p in pieces),
+      np.int32,
+      len(pieces),
+    )
     expected = len(text.encode('utf-8'))
     if int(num_bytes.sum()) != expected:
-      raise ValueError(f'The SentencePiece pieces cover {int(num_bytes.sum())} bytes of a '
-                       f'{expected}-byte text: bits per byte would be wrong.')
+      raise ValueError(
+        f'The SentencePiece pieces cover {int(num_bytes.sum())} bytes of a '
+        f'{expected}-byte text: bits per byte would be wrong.'
+      )
     return tokens, num_bytes
 
   def decode(self, tokens) -> str:
-    ids = [int(t) for t in np.asarray(tokens).reshape(-1)
-           if 0 <= int(t) < self.vocab_size and int(t) != self.bos_id]
+    ids = [
+      int(t)
+      for t in np.asarray(tokens).reshape(-1)
+      if 0 <= int(t) < self.vocab_size and int(t) != self.bos_id
+    ]
     return self._sp.decode(ids)
 
   def __repr__(self) -> str:
@@ -148,8 +156,8 @@ def sentences(documents: Iterable[str | bytes]) -> Iterator[str]:
     chunk, size = [], 0
     for line in text.splitlines(keepends=True):
       while len(line) > MAX_SENTENCE_BYTES // 4:  # a character is at most 4 bytes
-        yield line[:MAX_SENTENCE_BYTES // 4]
-        line = line[MAX_SENTENCE_BYTES // 4:]
+        yield line[: MAX_SENTENCE_BYTES // 4]
+        line = line[MAX_SENTENCE_BYTES // 4 :]
       line_size = len(line.encode('utf-8'))
       if chunk and size + line_size > MAX_SENTENCE_BYTES:
         yield ''.join(chunk)
@@ -160,8 +168,13 @@ def sentences(documents: Iterable[str | bytes]) -> Iterator[str]:
       yield ''.join(chunk)
 
 
-def train_sentencepiece(documents: Iterable[str | bytes], vocab_size: int, *,
-                        seed: int = 0, verbose: bool = True) -> SentencePieceTokenizer:
+def train_sentencepiece(
+  documents: Iterable[str | bytes],
+  vocab_size: int,
+  *,
+  seed: int = 0,
+  verbose: bool = True,
+) -> SentencePieceTokenizer:
   """A unigram SentencePiece model of `vocab_size` pieces trained on `documents`.
 
   Ids: 0 = BOS (document start), 1 = unknown (never produced: byte fallback), then
@@ -169,26 +182,44 @@ def train_sentencepiece(documents: Iterable[str | bytes], vocab_size: int, *,
   number of distinct characters worth a piece of their own.
   """
   if vocab_size < 300:
-    raise ValueError(f'vocab_size {vocab_size} is too small for a SentencePiece model '
-                     'with byte fallback (258 ids are reserved); use >= 300.')
+    raise ValueError(
+      f'vocab_size {vocab_size} is too small for a SentencePiece model '
+      'with byte fallback (258 ids are reserved); use >= 300.'
+    )
   model = io.BytesIO()
   start = time.perf_counter()
   spm.set_random_generator_seed(seed)
   try:
     spm.SentencePieceTrainer.train(
-        sentence_iterator=sentences(documents), model_writer=model,
-        vocab_size=vocab_size, model_type='unigram', character_coverage=0.9999,
-        byte_fallback=True, normalization_rule_name='identity',
-        remove_extra_whitespaces=False, allow_whitespace_only_pieces=True,
-        split_digits=True, max_sentence_length=MAX_SENTENCE_BYTES,
-        bos_id=BOS_ID, unk_id=UNK_ID, eos_id=-1, pad_id=-1,
-        num_threads=TRAIN_THREADS, input_sentence_size=0,
-        minloglevel=0 if verbose else 2)
+      sentence_iterator=sentences(documents),
+      model_writer=model,
+      vocab_size=vocab_size,
+      model_type='unigram',
+      character_coverage=0.9999,
+      byte_fallback=True,
+      normalization_rule_name='identity',
+      remove_extra_whitespaces=False,
+      allow_whitespace_only_pieces=True,
+      split_digits=True,
+      max_sentence_length=MAX_SENTENCE_BYTES,
+      bos_id=BOS_ID,
+      unk_id=UNK_ID,
+      eos_id=-1,
+      pad_id=-1,
+      num_threads=TRAIN_THREADS,
+      input_sentence_size=0,
+      minloglevel=0 if verbose else 2,
+    )
   except RuntimeError as e:
-    raise ValueError(f'Training a SentencePiece model of {vocab_size} pieces failed '
-                     f'({e}); a smaller vocab_size or a bigger sample may help.') from e
+    raise ValueError(
+      f'Training a SentencePiece model of {vocab_size} pieces failed '
+      f'({e}); a smaller vocab_size or a bigger sample may help.'
+    ) from e
   tokenizer = SentencePieceTokenizer(model.getvalue())
   if verbose:
-    print(f'Trained a SentencePiece model of {vocab_size} pieces in '
-          f'{time.perf_counter() - start:.1f} s.', flush=True)
+    print(
+      f'Trained a SentencePiece model of {vocab_size} pieces in '
+      f'{time.perf_counter() - start:.1f} s.',
+      flush=True,
+    )
   return tokenizer

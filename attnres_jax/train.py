@@ -45,9 +45,14 @@ class NonFiniteLossError(FloatingPointError):
 
 
 # Errors whose message says everything a user needs (train.py prints them alone).
-RUN_ERRORS = (NonFiniteLossError, checkpointing.CheckpointSaveError,
-              checkpointing.CheckpointRestoreError, metrics_lib.MetricsWriteError,
-              workdir_lib.WorkdirLockedError, workdir_lib.RunConfigError)
+RUN_ERRORS = (
+  NonFiniteLossError,
+  checkpointing.CheckpointSaveError,
+  checkpointing.CheckpointRestoreError,
+  metrics_lib.MetricsWriteError,
+  workdir_lib.WorkdirLockedError,
+  workdir_lib.RunConfigError,
+)
 
 
 @flax.struct.dataclass
@@ -57,6 +62,7 @@ class TrainState:
   `params` is a pure dict (`nnx.to_pure_dict`); the model structure (graphdef)
   and the optimizer are static and passed to `train_step` separately.
   """
+
   step: jax.Array  # int32 scalar: optimizer updates done
   params: Any
   opt_state: Any
@@ -66,16 +72,23 @@ class TrainState:
 class TrainResult:
   state: TrainState
   step: int
-  train_loss: float | None       # mean over the last logging interval of this run
+  train_loss: float | None  # mean over the last logging interval of this run
   eval: dict[str, float] | None  # the final evaluation; None if stopped early
 
 
 # -- pure functions -------------------------------------------------------------------
 
 
-def train_step(state: TrainState, batch, *, graphdef, tx: optax.GradientTransformation,
-               schedule: optax.Schedule | None = None, grad_accum_steps: int = 1,
-               loss_fn=None) -> tuple[TrainState, dict[str, jax.Array]]:
+def train_step(
+  state: TrainState,
+  batch,
+  *,
+  graphdef,
+  tx: optax.GradientTransformation,
+  schedule: optax.Schedule | None = None,
+  grad_accum_steps: int = 1,
+  loss_fn=None,
+) -> tuple[TrainState, dict[str, jax.Array]]:
   """One optimizer update on `batch`: the weighted mean cross-entropy's gradient.
 
   Metrics: loss (nats per token, before the update), grad_norm (before clipping),
@@ -87,28 +100,36 @@ def train_step(state: TrainState, batch, *, graphdef, tx: optax.GradientTransfor
   float summation order. `loss_fn`: another `loss_sums` (the pipelined one).
   """
   loss_fn = loss_fn or evaluate_lib.loss_sums
-  grad_fn = jax.value_and_grad(functools.partial(loss_fn, graphdef=graphdef),
-                               has_aux=True)
+  grad_fn = jax.value_and_grad(
+    functools.partial(loss_fn, graphdef=graphdef), has_aux=True
+  )
   if grad_accum_steps == 1:
     (loss_sum, weight_sum), grad_sums = grad_fn(state.params, batch)
   else:
     k = grad_accum_steps
-    micro = jax.tree.map(lambda x: x.reshape(x.shape[0] // k, k, *x.shape[1:])
-                         .swapaxes(0, 1), batch)
+    micro = jax.tree.map(
+      lambda x: x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1), batch
+    )
 
     def accumulate(carry, microbatch):
       (loss_sum, weight_sum), grad_sums = grad_fn(state.params, microbatch)
       return jax.tree.map(jnp.add, carry, (loss_sum, weight_sum, grad_sums)), None
 
-    zeros = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32),
-             jax.tree.map(jnp.zeros_like, state.params))
+    zeros = (
+      jnp.zeros((), jnp.float32),
+      jnp.zeros((), jnp.float32),
+      jax.tree.map(jnp.zeros_like, state.params),
+    )
     (loss_sum, weight_sum, grad_sums), _ = jax.lax.scan(accumulate, zeros, micro)
   denominator = jnp.maximum(weight_sum, 1.0)
   grads = jax.tree.map(lambda g: g / denominator, grad_sums)
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
-  metrics = {'loss': loss_sum / denominator, 'grad_norm': optax.tree.norm(grads),
-             'tokens': weight_sum}
+  metrics = {
+    'loss': loss_sum / denominator,
+    'grad_norm': optax.tree.norm(grads),
+    'tokens': weight_sum,
+  }
   if schedule is not None:
     metrics['learning_rate'] = schedule(state.step)
   return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
@@ -117,9 +138,14 @@ def train_step(state: TrainState, batch, *, graphdef, tx: optax.GradientTransfor
 # -- checks that run before anything compiles ----------------------------------------
 
 
-def check_memory(config: ml_collections.ConfigDict,
-                 memory_bytes: int | None = None, *, num_devices: int | None = None,
-                 compiled=None, what: str = 'The step') -> None:
+def check_memory(
+  config: ml_collections.ConfigDict,
+  memory_bytes: int | None = None,
+  *,
+  num_devices: int | None = None,
+  compiled=None,
+  what: str = 'The step',
+) -> None:
   """Raises ValueError if the run cannot fit in a device's memory.
 
   Without `compiled`, a lower bound that never refuses a run that fits: the causal
@@ -134,87 +160,128 @@ def check_memory(config: ml_collections.ConfigDict,
   if memory_bytes is None:
     stats = jax.local_devices()[0].memory_stats() or {}
     memory_bytes = stats.get('bytes_limit') or (
-        os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES'))
+      os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
+    )
   if compiled is not None:
     m = compiled.memory_analysis()
-    need = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-            + m.temp_size_in_bytes + m.generated_code_size_in_bytes)
+    need = (
+      m.argument_size_in_bytes
+      + m.output_size_in_bytes
+      - m.alias_size_in_bytes
+      + m.temp_size_in_bytes
+      + m.generated_code_size_in_bytes
+    )
     if need > memory_bytes:
       raise ValueError(
-          f'{what} does not fit: it needs {need / 2**30:,.2f} GiB per device '
-          f'(arguments {m.argument_size_in_bytes / 2**30:,.2f}, temporaries '
-          f'{m.temp_size_in_bytes / 2**30:,.2f}), and a device has '
-          f'{memory_bytes / 2**30:,.2f} GiB. Shard more (mesh.shape: fsdp, tensor; '
-          'mesh.stage), lower the batch or seq_len, raise grad_accum_steps, or set '
-          'model.remat.')
+        f'{what} does not fit: it needs {need / 2**30:,.2f} GiB per device '
+        f'(arguments {m.argument_size_in_bytes / 2**30:,.2f}, temporaries '
+        f'{m.temp_size_in_bytes / 2**30:,.2f}), and a device has '
+        f'{memory_bytes / 2**30:,.2f} GiB. Shard more (mesh.shape: fsdp, tensor; '
+        'mesh.stage), lower the batch or seq_len, raise grad_accum_steps, or set '
+        'model.remat.'
+      )
     return
   itemsize = 2 if cfg.dtype == 'bfloat16' else 4
-  scores = (tc.batch_size // tc.grad_accum_steps) * cfg.num_heads * tc.seq_len ** 2
+  scores = (tc.batch_size // tc.grad_accum_steps) * cfg.num_heads * tc.seq_len**2
   per_device = scores * itemsize / (num_devices or jax.device_count())
   if per_device > memory_bytes:
     raise ValueError(
-        f'seq_len={tc.seq_len} cannot fit: the attention scores of one layer '
-        f'([{tc.batch_size // tc.grad_accum_steps}, {cfg.num_heads}, {tc.seq_len}, '
-        f'{tc.seq_len}] per microbatch) need at least {per_device / 2**30:,.1f} GiB per '
-        f'device, and a device has {memory_bytes / 2**30:,.1f} GiB. Lower seq_len or '
-        'the batch, or raise grad_accum_steps.')
+      f'seq_len={tc.seq_len} cannot fit: the attention scores of one layer '
+      f'([{tc.batch_size // tc.grad_accum_steps}, {cfg.num_heads}, {tc.seq_len}, '
+      f'{tc.seq_len}] per microbatch) need at least {per_device / 2**30:,.1f} GiB per '
+      f'device, and a device has {memory_bytes / 2**30:,.1f} GiB. Lower seq_len or '
+      'the batch, or raise grad_accum_steps.'
+    )
 
 
 # -- the train state and the steps on a device mesh ----------------------------------
 
 
-def init_train_state(model_config: ml_collections.ConfigDict,
-                     tx: optax.GradientTransformation, seed: int) -> TrainState:
+def init_train_state(
+  model_config: ml_collections.ConfigDict, tx: optax.GradientTransformation, seed: int
+) -> TrainState:
   """A fresh train state (step 0); jit it with `out_shardings` to create it sharded."""
   model = model_lib.Transformer(model_config, rngs=nnx.Rngs(seed))
   params = nnx.to_pure_dict(nnx.state(model))
-  return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                    opt_state=tx.init(params))
+  return TrainState(
+    step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params)
+  )
 
 
-def make_layout(model_config, tx: optax.GradientTransformation, mesh: jax.sharding.Mesh,
-                rules) -> sharding.Layout:
+def make_layout(
+  model_config, tx: optax.GradientTransformation, mesh: jax.sharding.Mesh, rules
+) -> sharding.Layout:
   """Where the train state (from `eval_shape`) and the batches live on `mesh`."""
   abstract_model = nnx.eval_shape(
-      lambda: model_lib.Transformer(model_config, rngs=nnx.Rngs(0)))
-  abstract_state = jax.eval_shape(functools.partial(init_train_state, model_config, tx, 0))
-  return sharding.train_state_layout(abstract_state, nnx.state(abstract_model), tx, mesh,
-                                     rules)
+    lambda: model_lib.Transformer(model_config, rngs=nnx.Rngs(0))
+  )
+  abstract_state = jax.eval_shape(
+    functools.partial(init_train_state, model_config, tx, 0)
+  )
+  return sharding.train_state_layout(
+    abstract_state, nnx.state(abstract_model), tx, mesh, rules
+  )
 
 
-def create_train_state(model_config, tx, seed: int, layout: sharding.Layout) -> TrainState:
+def create_train_state(
+  model_config, tx, seed: int, layout: sharding.Layout
+) -> TrainState:
   """The initial train state, created directly sharded (no full copy on one device)."""
-  return jax.jit(functools.partial(init_train_state, model_config, tx, seed),
-                 out_shardings=layout.state)()
+  return jax.jit(
+    functools.partial(init_train_state, model_config, tx, seed),
+    out_shardings=layout.state,
+  )()
 
 
-def jit_train_step(layout: sharding.Layout, *, graphdef, tx, schedule=None,
-                   grad_accum_steps=1, loss_fn=None):
+def jit_train_step(
+  layout: sharding.Layout,
+  *,
+  graphdef,
+  tx,
+  schedule=None,
+  grad_accum_steps=1,
+  loss_fn=None,
+):
   """`train_step` jitted on the mesh: state donated, metrics replicated."""
-  step = functools.partial(train_step, graphdef=graphdef, tx=tx, schedule=schedule,
-                           grad_accum_steps=grad_accum_steps, loss_fn=loss_fn)
-  return jax.jit(sharding.under_rules(step, layout),
-                 in_shardings=(layout.state, layout.batch),
-                 out_shardings=(layout.state, layout.replicated),
-                 donate_argnums=0)
+  step = functools.partial(
+    train_step,
+    graphdef=graphdef,
+    tx=tx,
+    schedule=schedule,
+    grad_accum_steps=grad_accum_steps,
+    loss_fn=loss_fn,
+  )
+  return jax.jit(
+    sharding.under_rules(step, layout),
+    in_shardings=(layout.state, layout.batch),
+    out_shardings=(layout.state, layout.replicated),
+    donate_argnums=0,
+  )
 
 
 def jit_eval_step(layout: sharding.Layout, *, graphdef, collect_stats: bool = False):
   """`evaluate.eval_sums` jitted on the mesh: sums replicated."""
-  step = functools.partial(evaluate_lib.eval_sums, graphdef=graphdef,
-                           collect_stats=collect_stats)
-  return jax.jit(sharding.under_rules(step, layout),
-                 in_shardings=(layout.state.params, layout.batch),
-                 out_shardings=layout.replicated)
+  step = functools.partial(
+    evaluate_lib.eval_sums, graphdef=graphdef, collect_stats=collect_stats
+  )
+  return jax.jit(
+    sharding.under_rules(step, layout),
+    in_shardings=(layout.state.params, layout.batch),
+    out_shardings=layout.replicated,
+  )
 
 
 # -- the host loop --------------------------------------------------------------------
 
 
 def train_and_evaluate(
-    config: ml_collections.ConfigDict, workdir: str, *, max_steps: int | None = None,
-    on_metrics: Callable[[int, dict[str, float]], None] | None = None,
-    allow_config_change: Sequence[str] = ()) -> TrainResult:
+  config: ml_collections.ConfigDict,
+  workdir: str,
+  *,
+  max_steps: int | None = None,
+  on_metrics: Callable[[int, dict[str, float]], None] | None = None,
+  allow_config_change: Sequence[str] = (),
+) -> TrainResult:
   """Trains (resuming from `workdir` if it holds checkpoints) and evaluates.
 
   `max_steps` stops this run early at that step, with a checkpoint (e.g. to split a
@@ -234,8 +301,9 @@ def train_and_evaluate(
   """
   run_start = time.perf_counter()
   config_lib.validate(config, num_devices=jax.device_count())
-  workdir_lib.resolve_allowed(allow_config_change, workdir_lib.flatten(
-      json.loads(config.to_json())))  # a misspelt field fails here, not after locking
+  workdir_lib.resolve_allowed(
+    allow_config_change, workdir_lib.flatten(json.loads(config.to_json()))
+  )  # a misspelt field fails here, not after locking
   data_lib.check_dataset(config.data)
   check_memory(config)
   fresh = not os.path.exists(workdir)
@@ -247,8 +315,15 @@ def train_and_evaluate(
     with preemption.StopSignal() as stop_signal:
       # trainer builds on this module's steps and state, hence imported here.
       from attnres_jax import trainer as trainer_lib  # pylint: disable=g-import-not-at-top
-      trainer = trainer_lib.Trainer(config, workdir, record, max_steps=max_steps,
-                                    on_metrics=on_metrics, stop_signal=stop_signal)
+
+      trainer = trainer_lib.Trainer(
+        config,
+        workdir,
+        record,
+        max_steps=max_steps,
+        on_metrics=on_metrics,
+        stop_signal=stop_signal,
+      )
       try:
         return trainer.run(run_start)
       finally:

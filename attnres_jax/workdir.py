@@ -39,16 +39,18 @@ CONFIG_HISTORY = 'config_history.jsonl'
 # (Everything else, the data pipeline, the batch, the schedule and optimizer, the seed,
 # the eval split and budget, changes the numbers the run produces, so it is refused
 # unless named in `allow_config_change`.)
-HARMLESS_FIELDS = frozenset({
-    'train.log_every',            # reporting cadence
-    'train.eval_every',           # extra evaluations; the same eval batches each time
-    'train.checkpoint_every',     # when to save; resume is exact from any step
+HARMLESS_FIELDS = frozenset(
+  {
+    'train.log_every',  # reporting cadence
+    'train.eval_every',  # extra evaluations; the same eval batches each time
+    'train.checkpoint_every',  # when to save; resume is exact from any step
     'train.keep_checkpoints',
     'train.async_checkpointing',
-    'data.tfds_data_dir',         # where the prepared dataset lives, not which one
-    'model.remat',                # memory for compute; the same math
-    'mesh',                       # checkpoints restore resharded onto any mesh
-})
+    'data.tfds_data_dir',  # where the prepared dataset lives, not which one
+    'model.remat',  # memory for compute; the same math
+    'mesh',  # checkpoints restore resharded onto any mesh
+  }
+)
 
 
 def make_writable_dir(path: str) -> str:
@@ -88,8 +90,9 @@ def flatten(tree: Mapping[str, Any], prefix: str = '') -> dict[str, Any]:
   return flat
 
 
-def config_changes(saved: Mapping[str, Any], current: Mapping[str, Any],
-                   defaults: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
+def config_changes(
+  saved: Mapping[str, Any], current: Mapping[str, Any], defaults: Mapping[str, Any]
+) -> dict[str, tuple[Any, Any]]:
   """{field: (saved, current)} of the flattened configs' differences.
 
   A field missing from `saved` (added to the code since) counts as its default.
@@ -122,8 +125,11 @@ def resolve_allowed(allowed: Iterable[str], fields: Iterable[str]) -> set[str]:
     name = name.strip()
     if not name:
       continue
-    matches = [name] if name in fields else sorted(
-        f for f in fields if f.rsplit('.', 1)[-1] == name)
+    matches = (
+      [name]
+      if name in fields
+      else sorted(f for f in fields if f.rsplit('.', 1)[-1] == name)
+    )
     if len(matches) != 1:
       problem = 'matches no config field' if not matches else f'is ambiguous: {matches}'
       raise ValueError(f'allow_config_change: {name!r} {problem}.')
@@ -131,13 +137,20 @@ def resolve_allowed(allowed: Iterable[str], fields: Iterable[str]) -> set[str]:
   return resolved
 
 
-def record_config_change(workdir: str, step: int, changes: Mapping[str, tuple[Any, Any]],
-                         previous_config: Mapping[str, Any]) -> None:
+def record_config_change(
+  workdir: str,
+  step: int,
+  changes: Mapping[str, tuple[Any, Any]],
+  previous_config: Mapping[str, Any],
+) -> None:
   """Appends one line to `<workdir>/config_history.jsonl`: when, the latest checkpoint
   step then, what changed, and the whole config the run had until then."""
-  record = dict(time=lock_lib.now(), latest_checkpoint=step,
-                changes={f: {'old': old, 'new': new} for f, (old, new) in changes.items()},
-                previous_config=previous_config)
+  record = dict(
+    time=lock_lib.now(),
+    latest_checkpoint=step,
+    changes={f: {'old': old, 'new': new} for f, (old, new) in changes.items()},
+    previous_config=previous_config,
+  )
   with open(os.path.join(workdir, CONFIG_HISTORY), 'a', encoding='utf-8') as f:
     f.write(json.dumps(record, sort_keys=True) + '\n')
     f.flush()
@@ -156,10 +169,11 @@ def make_workdir(workdir: str) -> str:
   scheme = re.match(r'^([A-Za-z][A-Za-z0-9+.-]*)://', workdir)
   if scheme:
     raise ValueError(
-        f'Workdir {workdir!r}: {scheme.group(1)}:// paths are not supported (the lock, '
-        'config.json and metrics.jsonl need a file system; they would go to a local '
-        f'directory named "{scheme.group(1)}:"). Use a local path or a mounted bucket '
-        '(e.g. gcsfuse).')
+      f'Workdir {workdir!r}: {scheme.group(1)}:// paths are not supported (the lock, '
+      'config.json and metrics.jsonl need a file system; they would go to a local '
+      f'directory named "{scheme.group(1)}:"). Use a local path or a mounted bucket '
+      '(e.g. gcsfuse).'
+    )
   try:
     return make_writable_dir(workdir)
   except OSError as e:
@@ -170,7 +184,8 @@ def changes_training_data(field: str) -> bool:
   """Whether a change of `field` makes a saved training data iterator state
   meaningless (another pipeline, batch or order)."""
   return field in ('train.seq_len', 'train.batch_size', 'train.seed') or (
-      field.startswith('data.') and field not in ('data.tfds_data_dir', 'data.eval_split'))
+    field.startswith('data.') and field not in ('data.tfds_data_dir', 'data.eval_split')
+  )
 
 
 def _model_defaults() -> dict[str, Any]:
@@ -186,9 +201,14 @@ class RunRecord:
   segment's first checkpoint, so an attempt that fails before saving (a bad mesh, a
   compile error, a diverged run) leaves the record of the checkpoints as it was."""
 
-  def __init__(self, workdir: str, config: ml_collections.ConfigDict,
-               changes: Mapping[str, tuple[Any, Any]], saved: Mapping[str, Any] | None,
-               latest_step: int | None):
+  def __init__(
+    self,
+    workdir: str,
+    config: ml_collections.ConfigDict,
+    changes: Mapping[str, tuple[Any, Any]],
+    saved: Mapping[str, Any] | None,
+    latest_step: int | None,
+  ):
     self.workdir, self.config, self.changes = workdir, config, dict(changes)
     self._saved, self._latest_step = saved, latest_step
     self._written = False
@@ -203,8 +223,9 @@ class RunRecord:
     self._written = True
 
 
-def check_run_config(workdir: str, config: ml_collections.ConfigDict,
-                     allow_config_change: Sequence[str] = ()) -> RunRecord:
+def check_run_config(
+  workdir: str, config: ml_collections.ConfigDict, allow_config_change: Sequence[str] = ()
+) -> RunRecord:
   """Checks `config` against the run in `workdir`; returns its (unwritten) RunRecord.
 
   If `workdir` holds checkpoints, every field that differs from the saved
@@ -217,29 +238,34 @@ def check_run_config(workdir: str, config: ml_collections.ConfigDict,
   allowed = resolve_allowed(allow_config_change, flat_current)
   config_path = os.path.join(workdir, checkpointing.CONFIG_JSON)
   ckpt_dir = checkpointing.checkpoint_dir(workdir)
-  steps = [int(n) for n in os.listdir(ckpt_dir)
-           if n.isdigit()] if os.path.isdir(ckpt_dir) else []
+  steps = (
+    [int(n) for n in os.listdir(ckpt_dir) if n.isdigit()]
+    if os.path.isdir(ckpt_dir)
+    else []
+  )
   changes, saved = {}, None
   if steps and os.path.exists(config_path):
     with open(config_path, encoding='utf-8') as f:
       saved = json.load(f)
     changes = config_changes(flatten(saved), flat_current, _model_defaults())
-    model = sorted(f for f in changes
-                   if f.startswith('model.') and not is_harmless(f))
+    model = sorted(f for f in changes if f.startswith('model.') and not is_harmless(f))
     if model:
       raise RunConfigError(
-          f'Workdir {workdir!r} holds checkpoints of a different model (fields '
-          f'{[f.split(".", 1)[1] for f in model]} differ); use another workdir.')
-    refused = {f: v for f, v in changes.items()
-               if not is_harmless(f) and f not in allowed}
+        f'Workdir {workdir!r} holds checkpoints of a different model (fields '
+        f'{[f.split(".", 1)[1] for f in model]} differ); use another workdir.'
+      )
+    refused = {
+      f: v for f, v in changes.items() if not is_harmless(f) and f not in allowed
+    }
     if refused:
       lines = ''.join(f'\n  {f}: {old!r} -> {new!r}' for f, (old, new) in refused.items())
       raise RunConfigError(
-          f'Workdir {workdir!r} holds checkpoints of a run with another config; '
-          f'resuming it with these changes would make a different run:{lines}\n'
-          f'Use another workdir, or accept the changes explicitly with '
-          f'--allow_config_change={",".join(refused)} '
-          f'(recorded in {CONFIG_HISTORY}).')
+        f'Workdir {workdir!r} holds checkpoints of a run with another config; '
+        f'resuming it with these changes would make a different run:{lines}\n'
+        f'Use another workdir, or accept the changes explicitly with '
+        f'--allow_config_change={",".join(refused)} '
+        f'(recorded in {CONFIG_HISTORY}).'
+      )
   return RunRecord(workdir, config, changes, saved, max(steps) if steps else None)
 
 
@@ -247,8 +273,9 @@ def remove_if_unused(workdir: str, lock: lock_lib.WorkdirLock | None) -> None:
   """Releases `lock` and removes `workdir` (one this run created) if the run left
   nothing in it worth keeping: no checkpoint and no metrics record."""
   ckpt_dir = checkpointing.checkpoint_dir(workdir)
-  kept = (os.path.isdir(ckpt_dir) and any(n.isdigit() for n in os.listdir(ckpt_dir))) \
-      or metrics.read_jsonl(workdir)
+  kept = (
+    os.path.isdir(ckpt_dir) and any(n.isdigit() for n in os.listdir(ckpt_dir))
+  ) or metrics.read_jsonl(workdir)
   if lock is not None:
     lock.release()
   if not kept and jax.process_index() == 0:
@@ -265,10 +292,14 @@ def write_text(path: str, text: str) -> None:
 
 def check_disk_space(workdir: str, abstract_state) -> None:
   """Warns if the workdir's file system has no room for one checkpoint."""
-  needed = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(
-      (abstract_state.params, abstract_state.opt_state)))
+  needed = sum(
+    x.size * x.dtype.itemsize
+    for x in jax.tree.leaves((abstract_state.params, abstract_state.opt_state))
+  )
   free = shutil.disk_usage(workdir).free
   if free < needed * 1.1:  # 10%: the iterator state, metadata, file system blocks
-    metrics.say(f'WARNING: {workdir} has {free / 2**20:,.1f} MiB free, and one checkpoint '
-         f'needs about {needed / 2**20:,.1f} MiB (parameters and optimizer state): '
-         'the first save will fail and stop the run.')
+    metrics.say(
+      f'WARNING: {workdir} has {free / 2**20:,.1f} MiB free, and one checkpoint '
+      f'needs about {needed / 2**20:,.1f} MiB (parameters and optimizer state): '
+      'the first save will fail and stop the run.'
+    )

@@ -35,19 +35,23 @@ from attnres_jax import residuals
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string('residual_io_json',
-                    os.path.join(REPO, 'bench', 'results', 'residual_io.json'),
-                    'Rows and HLO totals (bench/memory.py --io).')
+flags.DEFINE_string(
+  'residual_io_json',
+  os.path.join(REPO, 'bench', 'results', 'residual_io.json'),
+  'Rows and HLO totals (bench/memory.py --io).',
+)
 # Names unique among the bench scripts: tests import several into one process.
-flags.DEFINE_string('io_table_out', os.path.join(REPO, 'bench', 'results'),
-                    'Output directory.')
+flags.DEFINE_string(
+  'io_table_out', os.path.join(REPO, 'bench', 'results'), 'Output directory.'
+)
 
 
 def model_config(mode: str, num_layers: int):
   """'standard', 'full', 'block:S', 'hc', 'mhc' (m = 4) at `num_layers` layers."""
   residual, _, size = mode.partition(':')
-  fields = dict(residual=residual, num_layers=num_layers, d_model=64, num_heads=1,
-                mlp_dim=128)
+  fields = dict(
+    residual=residual, num_layers=num_layers, d_model=64, num_heads=1, mlp_dim=128
+  )
   if residual == 'block':
     fields['block_size'] = int(size)
   if residual in ('hc', 'mhc'):
@@ -56,18 +60,18 @@ def model_config(mode: str, num_layers: int):
 
 
 ITEMS = {  # item key: what it counts (d elements per token and sublayer)
-    'update': 'standard: read h and f(h), write h\'',
-    'read': 'HC/mHC read: read the m streams, write h',
-    'write': 'HC/mHC write: read the m streams and f(h), write the m streams',
-    'phase1_read': 'AttnRes Phase 1: read the blocks completed before the segment '
-                   '(once per segment, amortised)',
-    'phase1_write': 'AttnRes Phase 1: write one partial output per query',
-    'phase2': 'AttnRes Phase 2: read the partial output, write h',
-    'partial_read_phase2': 'AttnRes Phase 2: read the running partial sum(s) of the '
-                           'segment',
-    'partial_update': 'AttnRes write: read f(h), write the partial sum',
-    'partial_read_update': 'AttnRes write: read the partial sum it adds to (again)',
-    'final': 'the final read (once per model, amortised)',
+  'update': "standard: read h and f(h), write h'",
+  'read': 'HC/mHC read: read the m streams, write h',
+  'write': 'HC/mHC write: read the m streams and f(h), write the m streams',
+  'phase1_read': 'AttnRes Phase 1: read the blocks completed before the segment '
+  '(once per segment, amortised)',
+  'phase1_write': 'AttnRes Phase 1: write one partial output per query',
+  'phase2': 'AttnRes Phase 2: read the partial output, write h',
+  'partial_read_phase2': 'AttnRes Phase 2: read the running partial sum(s) of the '
+  'segment',
+  'partial_update': 'AttnRes write: read f(h), write the partial sum',
+  'partial_read_update': 'AttnRes write: read the partial sum it adds to (again)',
+  'final': 'the final read (once per model, amortised)',
 }
 
 
@@ -91,9 +95,15 @@ def itemised_io(cfg) -> dict[str, float]:
     local_read += j // size + (1 if j % size else 0)  # this segment's slots so far
     adds += l % size != 0  # the slot already holds a partial sum
   slots = depth.num_slots(num_sublayers, size)
-  return {'phase1_read': per(phase1_read), 'phase1_write': 1.0, 'phase2': 2.0,
-          'partial_read_phase2': per(local_read), 'partial_update': 2.0,
-          'partial_read_update': per(adds), 'final': per(slots + 1)}
+  return {
+    'phase1_read': per(phase1_read),
+    'phase1_write': 1.0,
+    'phase2': 2.0,
+    'partial_read_phase2': per(local_read),
+    'partial_update': 2.0,
+    'partial_read_update': per(adds),
+    'final': per(slots + 1),
+  }
 
 
 def paper_formula(cfg) -> list[tuple[str, float]]:
@@ -107,8 +117,10 @@ def paper_formula(cfg) -> list[tuple[str, float]]:
     return [(f'(N/S + 5)d, N = {blocks}, S = {size}', blocks / size + 5)]
   if cfg.residual in ('hc', 'mhc'):
     m = cfg.hc_streams
-    return [(f'unfused (8m + 2)d, m = {m}', 8.0 * m + 2),
-            (f'fused (4m + 2)d, m = {m}', 4.0 * m + 2)]
+    return [
+      (f'unfused (8m + 2)d, m = {m}', 8.0 * m + 2),
+      (f'fused (4m + 2)d, m = {m}', 4.0 * m + 2),
+    ]
   return []  # Full AttnRes: we have no formula from the paper
 
 
@@ -117,9 +129,14 @@ def main(argv):
   os.makedirs(FLAGS.io_table_out, exist_ok=True)
   with open(FLAGS.residual_io_json, encoding='utf-8') as f:
     measured = json.load(f)
-  rows, lines = [], [
+  rows, lines = (
+    [],
+    [
       '| residual | L | paper: formula at this row | paper | counted | counted items '
-      '| HLO-measured |', '|---|---|---|---|---|---|---|']
+      '| HLO-measured |',
+      '|---|---|---|---|---|---|---|',
+    ],
+  )
   for record in measured:
     cfg = model_config(record['mode'], record['num_layers'])
     items = itemised_io(cfg)
@@ -127,22 +144,35 @@ def main(argv):
     if abs(sum(items.values()) - counted) > 1e-9:  # two countings of the same model
       raise AssertionError(f'{record["mode"]}: items {sum(items.values())} != {counted}')
     paper = paper_formula(cfg)
-    rows.append(dict(mode=record['mode'], num_layers=record['num_layers'],
-                     num_sublayers=config_lib.num_sublayers(cfg), counted_total=counted,
-                     counted_items=items, hlo_total=record['hlo_total'],
-                     paper=[dict(formula=f, value=v) for f, v in paper],
-                     hlo_shape=dict(d_model=record['d_model'], seq_len=record['seq_len'],
-                                    batch_size=record['batch_size'],
-                                    backend=record['backend'])))
+    rows.append(
+      dict(
+        mode=record['mode'],
+        num_layers=record['num_layers'],
+        num_sublayers=config_lib.num_sublayers(cfg),
+        counted_total=counted,
+        counted_items=items,
+        hlo_total=record['hlo_total'],
+        paper=[dict(formula=f, value=v) for f, v in paper],
+        hlo_shape=dict(
+          d_model=record['d_model'],
+          seq_len=record['seq_len'],
+          batch_size=record['batch_size'],
+          backend=record['backend'],
+        ),
+      )
+    )
     lines.append(
-        f"| {record['mode']} | {config_lib.num_sublayers(cfg)} | "
-        f"{'; '.join(f for f, _ in paper) or '-'} | "
-        f"{' / '.join(f'{v:.3g}d' for _, v in paper) or '-'} | {counted:.4g}d | "
-        f"{', '.join(f'{k} {v:.4g}' for k, v in items.items())} | "
-        f"{record['hlo_total']:.3g}d |")
+      f'| {record["mode"]} | {config_lib.num_sublayers(cfg)} | '
+      f'{"; ".join(f for f, _ in paper) or "-"} | '
+      f'{" / ".join(f"{v:.3g}d" for _, v in paper) or "-"} | {counted:.4g}d | '
+      f'{", ".join(f"{k} {v:.4g}" for k, v in items.items())} | '
+      f'{record["hlo_total"]:.3g}d |'
+    )
   lines += ['', 'Items: ' + '; '.join(f'{k}: {v}' for k, v in ITEMS.items()) + '.']
   table = '\n'.join(lines)
-  with open(os.path.join(FLAGS.io_table_out, 'io_table.json'), 'w', encoding='utf-8') as f:
+  with open(
+    os.path.join(FLAGS.io_table_out, 'io_table.json'), 'w', encoding='utf-8'
+  ) as f:
     json.dump(dict(items=ITEMS, rows=rows), f, indent=1)
   with open(os.path.join(FLAGS.io_table_out, 'io_table.md'), 'w', encoding='utf-8') as f:
     f.write(table + '\n')

@@ -46,10 +46,15 @@ def train_rung(width: int, seed: int) -> int:
   """Trains every residual of one rung and seed via bench/sweep.py; its exit code."""
   runs = [default_config.scaling_run(r, width) for r in FLAGS.residuals]
   overrides = default_config.scaling_train_overrides(width)
-  command = [sys.executable, os.path.join(REPO, 'bench', 'sweep.py'),
-             f'--runs={",".join(runs)}', f'--seeds={seed}',
-             f'--root={os.path.abspath(FLAGS.root)}',
-             '--nomemory', *(f'--set={key}={value}' for key, value in overrides.items())]
+  command = [
+    sys.executable,
+    os.path.join(REPO, 'bench', 'sweep.py'),
+    f'--runs={",".join(runs)}',
+    f'--seeds={seed}',
+    f'--root={os.path.abspath(FLAGS.root)}',
+    '--nomemory',
+    *(f'--set={key}={value}' for key, value in overrides.items()),
+  ]
   print(' '.join(command[1:]), flush=True)
   return subprocess.call(command, cwd=REPO)
 
@@ -65,8 +70,9 @@ def write_run_records(path: str, widths, seeds) -> int:
         final = os.path.join(FLAGS.root, run, f'seed_{seed}', train.EVAL_FINAL_JSON)
         if os.path.exists(final):
           with open(final, encoding='utf-8') as f:
-            records.append(dict(run=run, residual=residual, width=width, seed=seed,
-                                **json.load(f)))
+            records.append(
+              dict(run=run, residual=residual, width=width, seed=seed, **json.load(f))
+            )
   with open(path, 'w', encoding='utf-8') as f:
     json.dump(records, f, indent=1)
   return len(records)
@@ -78,8 +84,10 @@ def main(argv):
   seeds = [int(s) for s in FLAGS.seeds]
   unknown = [w for w in widths if w not in default_config.SCALING_WIDTHS]
   if unknown:
-    raise app.UsageError(f'widths {unknown} are not in SCALING_WIDTHS '
-                         f'{default_config.SCALING_WIDTHS} (configs/default.py)')
+    raise app.UsageError(
+      f'widths {unknown} are not in SCALING_WIDTHS '
+      f'{default_config.SCALING_WIDTHS} (configs/default.py)'
+    )
   if not FLAGS.report_only:
     start = time.time()
     for seed in seeds:

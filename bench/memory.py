@@ -41,21 +41,34 @@ from configs import default as default_config
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list('layers', ['4', '8', '16', '32'], 'Transformer layers to measure.')
-flags.DEFINE_list('modes', ['standard', 'full', 'block:2', 'block:4', 'block:8'],
-                  'Residual modes; block:S is Block AttnRes with S sublayers per block, '
-                  'and a suffix @G sets the schedule segment to G layers (default: '
-                  'automatic).')
+flags.DEFINE_list(
+  'modes',
+  ['standard', 'full', 'block:2', 'block:4', 'block:8'],
+  'Residual modes; block:S is Block AttnRes with S sublayers per block, '
+  'and a suffix @G sets the schedule segment to G layers (default: '
+  'automatic).',
+)
 flags.DEFINE_integer('d_model', 256, 'Model width.')
 flags.DEFINE_integer('seq_len', 256, 'Sequence length.')
 flags.DEFINE_integer('batch_size', 8, 'Batch size.')
-flags.DEFINE_integer('steps', 3, 'Timed rounds (after one warm-up round); each round '
-                     'times one step of every mode in turn.')
+flags.DEFINE_integer(
+  'steps',
+  3,
+  'Timed rounds (after one warm-up round); each round '
+  'times one step of every mode in turn.',
+)
 flags.DEFINE_string('remat', 'none', 'Remat policy, the same for every row.')
 flags.DEFINE_bool('linear_memory_backward', True, 'AttnRes custom backward pass.')
-flags.DEFINE_string('out', 'bench/results/memory.jsonl', 'JSON output (one record per row).')
-flags.DEFINE_bool('io', False, 'Only print and write (to --io_out) the residual memory I/O '
-                  'table: a counted model (attnres_jax.flops.residual_io_per_sublayer) '
-                  'next to the paper\'s Table 1.')
+flags.DEFINE_string(
+  'out', 'bench/results/memory.jsonl', 'JSON output (one record per row).'
+)
+flags.DEFINE_bool(
+  'io',
+  False,
+  'Only print and write (to --io_out) the residual memory I/O '
+  'table: a counted model (attnres_jax.flops.residual_io_per_sublayer) '
+  "next to the paper's Table 1.",
+)
 flags.DEFINE_string('io_out', 'bench/results/residual_io.json', 'JSON output of --io.')
 
 
@@ -65,10 +78,17 @@ def model_config(mode: str, num_layers: int):
   residual, _, size = mode.partition(':')
   streams = dict(hc_streams=int(size or 4)) if residual in ('hc', 'mhc') else {}
   return ar.model_config(
-      d_model=FLAGS.d_model, num_heads=max(1, FLAGS.d_model // 64),
-      mlp_dim=4 * FLAGS.d_model, num_layers=num_layers, residual=residual,
-      block_size=int(size or 1) if not streams else 2, schedule_layers=int(segment or 0),
-      remat=FLAGS.remat, linear_memory_backward=FLAGS.linear_memory_backward, **streams)
+    d_model=FLAGS.d_model,
+    num_heads=max(1, FLAGS.d_model // 64),
+    mlp_dim=4 * FLAGS.d_model,
+    num_layers=num_layers,
+    residual=residual,
+    block_size=int(size or 1) if not streams else 2,
+    schedule_layers=int(segment or 0),
+    remat=FLAGS.remat,
+    linear_memory_backward=FLAGS.linear_memory_backward,
+    **streams,
+  )
 
 
 def compile_step(mode: str, num_layers: int):
@@ -79,28 +99,44 @@ def compile_step(mode: str, num_layers: int):
   tx, schedule = optim.make_optimizer(default_config.get_config().train)
   state = train.init_train_state(cfg, tx, seed=0)
   graphdef = nnx.graphdef(ar.Transformer(cfg, rngs=nnx.Rngs(0)))
-  tokens_BT = jax.random.randint(jax.random.key(0),
-                                 (FLAGS.batch_size, FLAGS.seq_len + 1), 0, 256)
-  batch = {'inputs': tokens_BT[:, :-1], 'targets': tokens_BT[:, 1:],
-           'weights': jnp.ones((FLAGS.batch_size, FLAGS.seq_len), jnp.float32)}
-  step = jax.jit(functools.partial(train.train_step, graphdef=graphdef, tx=tx,
-                                   schedule=schedule), donate_argnums=0)
+  tokens_BT = jax.random.randint(
+    jax.random.key(0), (FLAGS.batch_size, FLAGS.seq_len + 1), 0, 256
+  )
+  batch = {
+    'inputs': tokens_BT[:, :-1],
+    'targets': tokens_BT[:, 1:],
+    'weights': jnp.ones((FLAGS.batch_size, FLAGS.seq_len), jnp.float32),
+  }
+  step = jax.jit(
+    functools.partial(train.train_step, graphdef=graphdef, tx=tx, schedule=schedule),
+    donate_argnums=0,
+  )
   start = time.perf_counter()
   compiled = step.lower(state, batch).compile()
   compile_s = time.perf_counter() - start
   memory = compiled.memory_analysis()
   record = dict(
-      mode=mode, num_layers=num_layers, num_sublayers=2 * num_layers,
-      d_model=FLAGS.d_model, seq_len=FLAGS.seq_len, batch_size=FLAGS.batch_size,
-      remat=FLAGS.remat, linear_memory_backward=FLAGS.linear_memory_backward,
-      depth_read=cfg.depth_read,
-      schedule_layers=ar.residuals.make(cfg).segment_layers,
-      temp_bytes=memory.temp_size_in_bytes,
-      argument_bytes=memory.argument_size_in_bytes,
-      output_bytes=memory.output_size_in_bytes,
-      total_bytes=(memory.temp_size_in_bytes + memory.argument_size_in_bytes
-                   + memory.output_size_in_bytes),
-      compile_s=compile_s, backend=jax.default_backend())
+    mode=mode,
+    num_layers=num_layers,
+    num_sublayers=2 * num_layers,
+    d_model=FLAGS.d_model,
+    seq_len=FLAGS.seq_len,
+    batch_size=FLAGS.batch_size,
+    remat=FLAGS.remat,
+    linear_memory_backward=FLAGS.linear_memory_backward,
+    depth_read=cfg.depth_read,
+    schedule_layers=ar.residuals.make(cfg).segment_layers,
+    temp_bytes=memory.temp_size_in_bytes,
+    argument_bytes=memory.argument_size_in_bytes,
+    output_bytes=memory.output_size_in_bytes,
+    total_bytes=(
+      memory.temp_size_in_bytes
+      + memory.argument_size_in_bytes
+      + memory.output_size_in_bytes
+    ),
+    compile_s=compile_s,
+    backend=jax.default_backend(),
+  )
   return compiled, [state, batch], record
 
 
@@ -137,8 +173,11 @@ def forward_bytes_accessed(mode: str, num_layers: int) -> float:
   cfg = model_config(mode, num_layers)
   graphdef, state = nnx.split(ar.Transformer(cfg, rngs=nnx.Rngs(0)))
   tokens_BT = jnp.zeros((FLAGS.batch_size, FLAGS.seq_len), jnp.int32)
-  compiled = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x)).lower(
-      state, tokens_BT).compile()
+  compiled = (
+    jax.jit(lambda state, x: nnx.merge(graphdef, state)(x))
+    .lower(state, tokens_BT)
+    .compile()
+  )
   cost = compiled.cost_analysis()
   return float((cost[0] if isinstance(cost, list) else cost)['bytes accessed'])
 
@@ -148,8 +187,10 @@ def io_table() -> None:
   and measured as the compiled forward pass's bytes accessed beyond the standard
   model's, per sublayer and token, plus the standard residual's counted 3d."""
   rows = []
-  print(f"{'mode':>9} {'layers':>6} {'read/d':>7} {'write/d':>7} {'total/d':>7} "
-        f"{'HLO/d':>7}  paper")
+  print(
+    f'{"mode":>9} {"layers":>6} {"read/d":>7} {"write/d":>7} {"total/d":>7} '
+    f'{"HLO/d":>7}  paper'
+  )
   token_d_bytes = FLAGS.batch_size * FLAGS.seq_len * FLAGS.d_model * 4  # float32
   for num_layers in map(int, FLAGS.layers):
     standard = forward_bytes_accessed('standard', num_layers)
@@ -158,11 +199,23 @@ def io_table() -> None:
       extra = forward_bytes_accessed(mode, num_layers) - standard
       io['hlo_total'] = extra / (2 * num_layers) / token_d_bytes + 3.0
       paper = _paper_entry(mode)
-      rows.append(dict(mode=mode, num_layers=num_layers, paper_table_1=paper,
-                       d_model=FLAGS.d_model, seq_len=FLAGS.seq_len,
-                       batch_size=FLAGS.batch_size, backend=jax.default_backend(), **io))
-      print(f"{mode:>9} {num_layers:>6} {io['read']:>7.2f} {io['write']:>7.2f} "
-            f"{io['total']:>7.2f} {io['hlo_total']:>7.2f}  {paper}", flush=True)
+      rows.append(
+        dict(
+          mode=mode,
+          num_layers=num_layers,
+          paper_table_1=paper,
+          d_model=FLAGS.d_model,
+          seq_len=FLAGS.seq_len,
+          batch_size=FLAGS.batch_size,
+          backend=jax.default_backend(),
+          **io,
+        )
+      )
+      print(
+        f'{mode:>9} {num_layers:>6} {io["read"]:>7.2f} {io["write"]:>7.2f} '
+        f'{io["total"]:>7.2f} {io["hlo_total"]:>7.2f}  {paper}',
+        flush=True,
+      )
   os.makedirs(os.path.dirname(FLAGS.io_out) or '.', exist_ok=True)
   with open(FLAGS.io_out, 'w') as f:
     json.dump(rows, f, indent=1)
@@ -175,9 +228,11 @@ def main(argv):
     io_table()
     return
   rows = []
-  header = (f"{'mode':>9} {'layers':>6} {'temp MiB':>9} {'total MiB':>9} "
-            f"{'step s':>7} {'compile s':>9} {'temp/std':>8} {'total/std':>9} "
-            f"{'time/std':>8}")
+  header = (
+    f'{"mode":>9} {"layers":>6} {"temp MiB":>9} {"total MiB":>9} '
+    f'{"step s":>7} {"compile s":>9} {"temp/std":>8} {"total/std":>9} '
+    f'{"time/std":>8}'
+  )
   print(header)
   for num_layers in map(int, FLAGS.layers):
     steps = {mode: compile_step(mode, num_layers) for mode in FLAGS.modes}
@@ -190,13 +245,16 @@ def main(argv):
         row['total_ratio'] = row['total_bytes'] / standard['total_bytes']
         row['time_ratio'] = row['step_s'] / standard['step_s']
       rows.append(row)
-      mib = 2 ** 20
-      print(f"{mode:>9} {num_layers:>6} {row['temp_bytes'] / mib:>9.1f} "
-            f"{row['total_bytes'] / mib:>9.1f} {row['step_s']:>7.3f} "
-            f"{row['compile_s']:>9.1f} "
-            f"{row.get('temp_ratio', float('nan')):>8.2f} "
-            f"{row.get('total_ratio', float('nan')):>9.2f} "
-            f"{row.get('time_ratio', float('nan')):>8.2f}", flush=True)
+      mib = 2**20
+      print(
+        f'{mode:>9} {num_layers:>6} {row["temp_bytes"] / mib:>9.1f} '
+        f'{row["total_bytes"] / mib:>9.1f} {row["step_s"]:>7.3f} '
+        f'{row["compile_s"]:>9.1f} '
+        f'{row.get("temp_ratio", float("nan")):>8.2f} '
+        f'{row.get("total_ratio", float("nan")):>9.2f} '
+        f'{row.get("time_ratio", float("nan")):>8.2f}',
+        flush=True,
+      )
     del steps
   metrics_lib.write_jsonl(FLAGS.out, rows)
 

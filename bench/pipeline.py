@@ -24,8 +24,9 @@ from __future__ import annotations
 import os
 
 if 'xla_force_host_platform_device_count' not in os.environ.get('XLA_FLAGS', ''):
-  os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '')
-                             + ' --xla_force_host_platform_device_count=8')
+  os.environ['XLA_FLAGS'] = (
+    os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=8'
+  )
 
 import functools
 import statistics
@@ -47,19 +48,27 @@ from attnres_jax import train
 from configs import default as default_config
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list('parts', ['comm', 'time'], 'comm: bytes per transition; time: step '
-                  'time, bubble and memory.')
+flags.DEFINE_list(
+  'parts',
+  ['comm', 'time'],
+  'comm: bytes per transition; time: step time, bubble and memory.',
+)
 flags.DEFINE_integer('d_model', 64, 'Model width.')
 flags.DEFINE_integer('seq_len', 64, 'Sequence length.')
-flags.DEFINE_integer('comm_layers', 16, 'Layers of the communication models '
-                     '(divisible by P V for P in {2, 4}, V in {1, 2, 4}).')
+flags.DEFINE_integer(
+  'comm_layers',
+  16,
+  'Layers of the communication models '
+  '(divisible by P V for P in {2, 4}, V in {1, 2, 4}).',
+)
 flags.DEFINE_integer('time_layers', 8, 'Layers of the timed model (Block, N = 8).')
 flags.DEFINE_integer('time_batch', 32, 'Global batch of the timed steps.')
 flags.DEFINE_list('stages', ['2', '4'], 'Communication table: stage counts P.')
 flags.DEFINE_list('virtual_stages', ['1', '2', '4'], 'Communication table: V.')
 flags.DEFINE_integer('steps', 5, 'Timed rounds after one warm-up round.')
-flags.DEFINE_string('out', 'bench/results/pipeline.jsonl', 'JSON output, one record '
-                    'per row.')
+flags.DEFINE_string(
+  'out', 'bench/results/pipeline.jsonl', 'JSON output, one record per row.'
+)
 
 NUM_DEVICES = 8
 
@@ -67,55 +76,81 @@ NUM_DEVICES = 8
 def model_config(residual: str, num_layers: int):
   block_size = 1 if residual == 'full' else 2 * num_layers // 8  # N = 8 blocks
   return config_lib.model_config(
-      vocab_size=256, d_model=FLAGS.d_model, num_heads=max(1, FLAGS.d_model // 32),
-      mlp_dim=4 * FLAGS.d_model, num_layers=num_layers, residual=residual,
-      block_size=block_size)
+    vocab_size=256,
+    d_model=FLAGS.d_model,
+    num_heads=max(1, FLAGS.d_model // 32),
+    mlp_dim=4 * FLAGS.d_model,
+    num_layers=num_layers,
+    residual=residual,
+    block_size=block_size,
+  )
 
 
 def mesh_config(stages: int, virtual: int, micro: int, transfer: str):
   return sharding.default_mesh_config(
-      shape=(-1, 1, 1), stage=stages, virtual_stages=virtual, num_microbatches=micro,
-      pipeline_transfer=transfer)
+    shape=(-1, 1, 1),
+    stage=stages,
+    virtual_stages=virtual,
+    num_microbatches=micro,
+    pipeline_transfer=transfer,
+  )
 
 
 def tokens(batch_size: int) -> dict[str, np.ndarray]:
   rng = np.random.default_rng(0)
   ids = rng.integers(1, 256, (batch_size, FLAGS.seq_len + 1)).astype(np.int32)
-  return {'inputs': ids[:, :-1], 'targets': ids[:, 1:],
-          'weights': np.ones((batch_size, FLAGS.seq_len), np.float32)}
+  return {
+    'inputs': ids[:, :-1],
+    'targets': ids[:, 1:],
+    'weights': np.ones((batch_size, FLAGS.seq_len), np.float32),
+  }
 
 
 def communication() -> list[dict]:
   rows = []
-  print(f"{'model':>7} {'P':>2} {'V':>2} {'slots naive':>11} {'slots cached':>12} "
-        f"{'KiB naive':>9} {'KiB cached':>10} {'naive/cached':>12} "
-        f"{'blocks naive':>12} {'blocks cached':>13}")
+  print(
+    f'{"model":>7} {"P":>2} {"V":>2} {"slots naive":>11} {"slots cached":>12} '
+    f'{"KiB naive":>9} {"KiB cached":>10} {"naive/cached":>12} '
+    f'{"blocks naive":>12} {"blocks cached":>13}'
+  )
   for residual in ('block', 'full'):
     cfg = model_config(residual, FLAGS.comm_layers)
     graphdef, _ = checkpointing.abstract_model(cfg)
-    params = train.init_train_state(cfg, optim.make_optimizer(
-        default_config.get_config().train)[0], 0).params
+    params = train.init_train_state(
+      cfg, optim.make_optimizer(default_config.get_config().train)[0], 0
+    ).params
     for stages in map(int, FLAGS.stages):
       data = NUM_DEVICES // stages
       for virtual in map(int, FLAGS.virtual_stages):
         micro = stages  # one row per data-parallel device per microbatch
         batch = tokens(micro * data)
-        row = dict(part='comm', model=f'{residual}' + (
-            f' N=8 S={cfg.block_size}' if residual == 'block' else ''),
-                   num_layers=cfg.num_layers, stages=stages, virtual_stages=virtual,
-                   num_microbatches=micro, d_model=cfg.d_model, seq_len=FLAGS.seq_len,
-                   rows_per_device=1)
+        row = dict(
+          part='comm',
+          model=f'{residual}'
+          + (f' N=8 S={cfg.block_size}' if residual == 'block' else ''),
+          num_layers=cfg.num_layers,
+          stages=stages,
+          virtual_stages=virtual,
+          num_microbatches=micro,
+          d_model=cfg.d_model,
+          seq_len=FLAGS.seq_len,
+          rows_per_device=1,
+        )
         for transfer in ('naive', 'cached'):
           mesh_cfg = mesh_config(stages, virtual, micro, transfer)
           mesh = sharding.make_mesh(mesh_cfg)
           rules = sharding.rules_from_config(mesh_cfg)
-          layout = train.make_layout(cfg, optim.make_optimizer(
-              default_config.get_config().train)[0], mesh, rules)
+          layout = train.make_layout(
+            cfg, optim.make_optimizer(default_config.get_config().train)[0], mesh, rules
+          )
           pipe = pipeline_plan.from_mesh_config(mesh_cfg)
           loss = functools.partial(pipeline.loss_sums, graphdef=graphdef, pipe=pipe)
           with sharding.logical_rules(mesh, rules):
-            compiled = jax.jit(loss, in_shardings=(layout.state.params, layout.batch)
-                               ).lower(params, batch).compile()
+            compiled = (
+              jax.jit(loss, in_shardings=(layout.state.params, layout.batch))
+              .lower(params, batch)
+              .compile()
+            )
           hlo = compiled.as_text()
           loop = [c for c in pipeline_plan.collective_permutes(hlo) if c['in_loop']]
           row[f'{transfer}_bytes'] = sum(c['bytes'] for c in loop)
@@ -125,18 +160,26 @@ def communication() -> list[dict]:
         row['blocks_naive'], row['blocks_cached'] = plan.block_transmissions()
         row['ratio'] = row['naive_bytes'] / row['cached_bytes']
         rows.append(row)
-        print(f"{residual:>7} {stages:>2} {virtual:>2} {plan.num_slots:>11} "
-              f"{plan.width:>12} {row['naive_bytes'] / 1024:>9.1f} "
-              f"{row['cached_bytes'] / 1024:>10.1f} {row['ratio']:>12.2f} "
-              f"{row['blocks_naive']:>12} {row['blocks_cached']:>13}", flush=True)
+        print(
+          f'{residual:>7} {stages:>2} {virtual:>2} {plan.num_slots:>11} '
+          f'{plan.width:>12} {row["naive_bytes"] / 1024:>9.1f} '
+          f'{row["cached_bytes"] / 1024:>10.1f} {row["ratio"]:>12.2f} '
+          f'{row["blocks_naive"]:>12} {row["blocks_cached"]:>13}',
+          flush=True,
+        )
   # The paper's Fig. 3: P = 4, V = 2, one block per chunk.
-  plan = pipeline_plan.transfer_plan(config_lib.model_config(num_layers=8, block_size=2),
-                                pipeline_plan.PipelineConfig(4, 2))
+  plan = pipeline_plan.transfer_plan(
+    config_lib.model_config(num_layers=8, block_size=2),
+    pipeline_plan.PipelineConfig(4, 2),
+  )
   naive, cached = plan.block_transmissions()
-  print(f'Fig. 3 setting (P=4, V=2, 8 chunks of one block): {naive} block '
-        f'transmissions naive, {cached} cached: {naive - cached} removed.')
-  rows.append(dict(part='fig3', blocks_naive=naive, blocks_cached=cached,
-                   removed=naive - cached))
+  print(
+    f'Fig. 3 setting (P=4, V=2, 8 chunks of one block): {naive} block '
+    f'transmissions naive, {cached} cached: {naive - cached} removed.'
+  )
+  rows.append(
+    dict(part='fig3', blocks_naive=naive, blocks_cached=cached, removed=naive - cached)
+  )
   return rows
 
 
@@ -148,16 +191,26 @@ def compile_step(cfg, mesh_cfg, batch):
   global_batch = layout.to_global(batch)
   graphdef, _ = checkpointing.abstract_model(cfg)
   step = train.jit_train_step(
-      layout, graphdef=graphdef, tx=tx, schedule=schedule,
-      loss_fn=pipeline.make_loss_fn(pipeline_plan.from_mesh_config(mesh_cfg)))
+    layout,
+    graphdef=graphdef,
+    tx=tx,
+    schedule=schedule,
+    loss_fn=pipeline.make_loss_fn(pipeline_plan.from_mesh_config(mesh_cfg)),
+  )
   start = time.perf_counter()
   compiled = step.lower(state, global_batch).compile()
   compile_s = time.perf_counter() - start
   memory = compiled.memory_analysis()
-  peak = (memory.temp_size_in_bytes + memory.argument_size_in_bytes
-          + memory.output_size_in_bytes)
-  return compiled, [state, global_batch], dict(
-      temp_bytes=memory.temp_size_in_bytes, peak_bytes=peak, compile_s=compile_s)
+  peak = (
+    memory.temp_size_in_bytes
+    + memory.argument_size_in_bytes
+    + memory.output_size_in_bytes
+  )
+  return (
+    compiled,
+    [state, global_batch],
+    dict(temp_bytes=memory.temp_size_in_bytes, peak_bytes=peak, compile_s=compile_s),
+  )
 
 
 def step_times() -> list[dict]:
@@ -168,9 +221,12 @@ def step_times() -> list[dict]:
     for transfer in ('naive', 'cached'):
       pipe = pipeline_plan.PipelineConfig(stages, virtual, micro, transfer)
       configs[f'P={stages} V={virtual} M={micro} {transfer}'] = (
-          mesh_config(stages, virtual, micro, transfer), pipe)
-  steps = {name: compile_step(cfg, mesh_cfg, batch)
-           for name, (mesh_cfg, _) in configs.items()}
+        mesh_config(stages, virtual, micro, transfer),
+        pipe,
+      )
+  steps = {
+    name: compile_step(cfg, mesh_cfg, batch) for name, (mesh_cfg, _) in configs.items()
+  }
   times = {name: [] for name in steps}
   for round_index in range(FLAGS.steps + 1):  # round 0 warms up
     for name, (compiled, args, _) in steps.items():
@@ -183,23 +239,38 @@ def step_times() -> list[dict]:
   load = os.getloadavg()[0]  # the simulated devices share the host's cores
   base = statistics.median(times['data-parallel 8'])
   rows = []
-  print(f"{'configuration':>26} {'bubble':>6} {'step s':>7} {'time/DP':>7} "
-        f"{'peak MiB/dev':>12} {'temp MiB/dev':>12} {'compile s':>9}")
+  print(
+    f'{"configuration":>26} {"bubble":>6} {"step s":>7} {"time/DP":>7} '
+    f'{"peak MiB/dev":>12} {"temp MiB/dev":>12} {"compile s":>9}'
+  )
   for name, (_, _, record) in steps.items():
     pipe = configs[name][1]
     step_s = statistics.median(times[name])
-    row = dict(part='time', configuration=name, model=f'block N=8 S={cfg.block_size}',
-               num_layers=cfg.num_layers, d_model=cfg.d_model, seq_len=FLAGS.seq_len,
-               batch_size=FLAGS.time_batch,
-               bubble=pipeline_plan.bubble_fraction(pipe) if pipe else 0.0,
-               step_s=step_s, time_ratio=step_s / base, load_average=load,
-               cpu_count=os.cpu_count(), jax_version=jax.__version__,
-               backend=jax.default_backend(), **record)
+    row = dict(
+      part='time',
+      configuration=name,
+      model=f'block N=8 S={cfg.block_size}',
+      num_layers=cfg.num_layers,
+      d_model=cfg.d_model,
+      seq_len=FLAGS.seq_len,
+      batch_size=FLAGS.time_batch,
+      bubble=pipeline_plan.bubble_fraction(pipe) if pipe else 0.0,
+      step_s=step_s,
+      time_ratio=step_s / base,
+      load_average=load,
+      cpu_count=os.cpu_count(),
+      jax_version=jax.__version__,
+      backend=jax.default_backend(),
+      **record,
+    )
     rows.append(row)
-    mib = 2 ** 20
-    print(f"{name:>26} {row['bubble']:>6.3f} {step_s:>7.3f} {row['time_ratio']:>7.2f} "
-          f"{row['peak_bytes'] / mib:>12.2f} {row['temp_bytes'] / mib:>12.2f} "
-          f"{row['compile_s']:>9.1f}", flush=True)
+    mib = 2**20
+    print(
+      f'{name:>26} {row["bubble"]:>6.3f} {step_s:>7.3f} {row["time_ratio"]:>7.2f} '
+      f'{row["peak_bytes"] / mib:>12.2f} {row["temp_bytes"] / mib:>12.2f} '
+      f'{row["compile_s"]:>9.1f}',
+      flush=True,
+    )
   print(f'host: {os.cpu_count()} cores, load average {load:.1f} after timing')
   return rows
 

@@ -32,6 +32,7 @@ import os
 
 from absl import app, flags
 import matplotlib
+
 matplotlib.use('Agg')
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 import numpy as np
@@ -45,17 +46,23 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string('root', 'runs/ladder', 'The run root (bench/ladder.py --root).')
-flags.DEFINE_list('residuals', ['standard', 'block_s4'],
-                  'Base run names to fit (the first is the reference).')
-flags.DEFINE_list('widths', [str(w) for w in default_config.SCALING_WIDTHS],
-                  'Ladder widths (d_model).')
+flags.DEFINE_list(
+  'residuals',
+  ['standard', 'block_s4'],
+  'Base run names to fit (the first is the reference).',
+)
+flags.DEFINE_list(
+  'widths', [str(w) for w in default_config.SCALING_WIDTHS], 'Ladder widths (d_model).'
+)
 flags.DEFINE_list('seeds', ['0', '1', '2'], 'Seeds.')
 flags.DEFINE_integer('bootstrap', 2000, 'Bootstrap resamples of the seeds.')
-flags.DEFINE_float('interval', 95.0, 'Central percentage of the bootstrap resamples '
-                   'given as the interval.')
+flags.DEFINE_float(
+  'interval', 95.0, 'Central percentage of the bootstrap resamples given as the interval.'
+)
 flags.DEFINE_string('out', '', 'Where the report goes (default: --root).')
-flags.DEFINE_string('name', 'scaling', 'File name of the report: <out>/<name>.json, .md, '
-                    '.png.')
+flags.DEFINE_string(
+  'name', 'scaling', 'File name of the report: <out>/<name>.json, .md, .png.'
+)
 
 
 def ladder_points(root: str, name: str, widths, seeds) -> dict[int, tuple[float, dict]]:
@@ -100,7 +107,7 @@ def fit_points(points, draws=None) -> tuple[float, float]:
   """The fit over every seed of every rung, or over the seeds `draws[width]` drawn."""
   compute, loss = [], []
   for width, (c, values) in points.items():
-    for seed in (values if draws is None else draws[width]):
+    for seed in values if draws is None else draws[width]:
       compute.append(c)
       loss.append(values[seed])
   return fit_power_law(compute, loss)
@@ -118,59 +125,91 @@ def multiplier(fit, reference_fit, compute):
   return (a_ref / loss) ** (1.0 / alpha_ref) / np.asarray(compute, float)
 
 
-def analyse(points_by_residual: dict, reference: str, bootstrap: int,
-            interval: float = 95.0, seed: int = 0) -> dict:
+def analyse(
+  points_by_residual: dict,
+  reference: str,
+  bootstrap: int,
+  interval: float = 95.0,
+  seed: int = 0,
+) -> dict:
   """Fits, multipliers at every rung's compute and at the ladder's middle, and their
   bootstrap intervals; over the (rung, seed) pairs every residual finished."""
   points_by_residual = paired(points_by_residual)
   points = points_by_residual[reference]
   if len(points) < 2:
-    raise ValueError(f'the fit needs >= 2 rungs finished by every residual; have '
-                     f'{sorted(points)} ({sorted(points_by_residual)}).')
+    raise ValueError(
+      f'the fit needs >= 2 rungs finished by every residual; have '
+      f'{sorted(points)} ({sorted(points_by_residual)}).'
+    )
   rng = np.random.default_rng(seed)
   fits = {r: fit_points(p) for r, p in points_by_residual.items()}
   computes = {r: [c for c, _ in p.values()] for r, p in points_by_residual.items()}
   everything = [c for cs in computes.values() for c in cs]
   middle = float(np.exp(np.mean(np.log([min(everything), max(everything)]))))
-  boot = {r: dict(alpha=[], at_rungs=[], middle=[], difference=[])
-          for r in points_by_residual}
+  boot = {
+    r: dict(alpha=[], at_rungs=[], middle=[], difference=[]) for r in points_by_residual
+  }
   for _ in range(bootstrap):  # one draw of seeds per rung, shared by the residuals
-    draws = {w: rng.choice(list(values), size=len(values), replace=True)
-             for w, (_, values) in points.items()}
+    draws = {
+      w: rng.choice(list(values), size=len(values), replace=True)
+      for w, (_, values) in points.items()
+    }
     fit = {r: fit_points(p, draws) for r, p in points_by_residual.items()}
     for r, p in points_by_residual.items():
       boot[r]['alpha'].append(fit[r][1])
       boot[r]['at_rungs'].append(multiplier(fit[r], fit[reference], computes[r]))
       boot[r]['middle'].append(float(multiplier(fit[r], fit[reference], middle)))
-      boot[r]['difference'].append([rung_difference(p[w][1], points[w][1], draws[w])
-                                    for w in p])
+      boot[r]['difference'].append(
+        [rung_difference(p[w][1], points[w][1], draws[w]) for w in p]
+      )
   bounds = [(100 - interval) / 2, (100 + interval) / 2]
   band = lambda x, axis=None: np.percentile(np.array(x), bounds, axis=axis)
-  result = dict(reference=reference, interval_percent=interval, bootstrap=bootstrap,
-                middle_flops=middle, residuals={})
+  result = dict(
+    reference=reference,
+    interval_percent=interval,
+    bootstrap=bootstrap,
+    middle_flops=middle,
+    residuals={},
+  )
   for r, p in points_by_residual.items():
     value = multiplier(fits[r], fits[reference], computes[r])
     low, high = band(boot[r]['at_rungs'], axis=0)
     diff_low, diff_high = band(boot[r]['difference'], axis=0)
-    log_residuals = [np.log(v) - np.log(fits[r][0] * c ** -fits[r][1])
-                     for c, values in p.values() for v in values.values()]
+    log_residuals = [
+      np.log(v) - np.log(fits[r][0] * c ** -fits[r][1])
+      for c, values in p.values()
+      for v in values.values()
+    ]
     result['residuals'][r] = dict(
-        A=fits[r][0], alpha=fits[r][1],
-        alpha_interval=[float(x) for x in band(boot[r]['alpha'])],
-        # alpha - alpha_ref: > 0 means the multiplier grows with compute.
-        alpha_minus_reference=fits[r][1] - fits[reference][1],
-        alpha_minus_reference_interval=[float(x) for x in band(
-            np.subtract(boot[r]['alpha'], boot[reference]['alpha']))],
-        fit_rms_relative_residual=float(np.sqrt(np.mean(np.square(log_residuals)))),
-        points={str(w): dict(flops=c, seeds=list(v), bits_per_byte=list(v.values()),
-                             difference=rung_difference(v, points[w][1], list(v)),
-                             difference_interval=[float(lo), float(hi)])
-                for (w, (c, v)), lo, hi in zip(p.items(), diff_low, diff_high)},
-        multiplier_middle=dict(
-            flops=middle, value=float(multiplier(fits[r], fits[reference], middle)),
-            interval=[float(x) for x in band(boot[r]['middle'])]),
-        multiplier=[dict(flops=c, value=float(a), low=float(lo), high=float(hi))
-                    for c, a, lo, hi in zip(computes[r], value, low, high)])
+      A=fits[r][0],
+      alpha=fits[r][1],
+      alpha_interval=[float(x) for x in band(boot[r]['alpha'])],
+      # alpha - alpha_ref: > 0 means the multiplier grows with compute.
+      alpha_minus_reference=fits[r][1] - fits[reference][1],
+      alpha_minus_reference_interval=[
+        float(x) for x in band(np.subtract(boot[r]['alpha'], boot[reference]['alpha']))
+      ],
+      fit_rms_relative_residual=float(np.sqrt(np.mean(np.square(log_residuals)))),
+      points={
+        str(w): dict(
+          flops=c,
+          seeds=list(v),
+          bits_per_byte=list(v.values()),
+          difference=rung_difference(v, points[w][1], list(v)),
+          difference_interval=[float(lo), float(hi)],
+        )
+        for (w, (c, v)), lo, hi in zip(p.items(), diff_low, diff_high)
+      },
+      multiplier_middle=dict(
+        flops=middle,
+        value=float(multiplier(fits[r], fits[reference], middle)),
+        interval=[float(x) for x in band(boot[r]['middle'])],
+      ),
+      multiplier=[
+        dict(flops=c, value=float(a), low=float(lo), high=float(hi))
+        for c, a, lo, hi in zip(computes[r], value, low, high)
+      ],
+    )
   return result
 
 
@@ -186,36 +225,54 @@ def report(result: dict, out: str, name: str) -> str:
   residuals = result['residuals']
   widths = list(residuals[reference]['points'])
   others = [r for r in residuals if r != reference]
-  lines = [f'Held-out bits per byte (mean +- std over seeds) at each rung; {pct:g}% '
-           f'bootstrap intervals over seeds ({result["bootstrap"]} resamples).', '',
-           '| rung (d) | ' + ' | '.join(f'{r}: FLOPs, bits/byte' for r in residuals)
-           + ''.join(f' | {r} - {reference} ({pct:g}%)' for r in others) + ' | seeds |',
-           '|---|' + '---|' * (len(residuals) + len(others)) + '---|']
+  lines = [
+    f'Held-out bits per byte (mean +- std over seeds) at each rung; {pct:g}% '
+    f'bootstrap intervals over seeds ({result["bootstrap"]} resamples).',
+    '',
+    '| rung (d) | '
+    + ' | '.join(f'{r}: FLOPs, bits/byte' for r in residuals)
+    + ''.join(f' | {r} - {reference} ({pct:g}%)' for r in others)
+    + ' | seeds |',
+    '|---|' + '---|' * (len(residuals) + len(others)) + '---|',
+  ]
   for w in widths:
-    cells = [f"{residuals[r]['points'][w]['flops']:.3g}, "
-             f"{spread(residuals[r]['points'][w]['bits_per_byte'])}" for r in residuals]
-    cells += [f"{p['difference']:+.4f} ({p['difference_interval'][0]:+.4f} to "
-              f"{p['difference_interval'][1]:+.4f})"
-              for p in (residuals[r]['points'][w] for r in others)]
+    cells = [
+      f'{residuals[r]["points"][w]["flops"]:.3g}, '
+      f'{spread(residuals[r]["points"][w]["bits_per_byte"])}'
+      for r in residuals
+    ]
+    cells += [
+      f'{p["difference"]:+.4f} ({p["difference_interval"][0]:+.4f} to '
+      f'{p["difference_interval"][1]:+.4f})'
+      for p in (residuals[r]['points'][w] for r in others)
+    ]
     seeds = residuals[reference]['points'][w]['seeds']
-    lines.append(f'| {w} | ' + ' | '.join(cells) + f" | {', '.join(map(str, seeds))} |")
-  lines += ['', f'| residual | fit L = A C^-alpha: A | alpha ({pct:g}%) | '
-            f'alpha - alpha_ref '
-            f'({pct:g}%) | fit rms residual '
-            f'| compute multiplier over {reference} at the ladder middle, '
-            f'C = {result["middle_flops"]:.3g} ({pct:g}%) | at each rung: C, multiplier '
-            f'({pct:g}%) |', '|---|---|---|---|---|---|---|']
+    lines.append(f'| {w} | ' + ' | '.join(cells) + f' | {", ".join(map(str, seeds))} |')
+  lines += [
+    '',
+    f'| residual | fit L = A C^-alpha: A | alpha ({pct:g}%) | '
+    f'alpha - alpha_ref '
+    f'({pct:g}%) | fit rms residual '
+    f'| compute multiplier over {reference} at the ladder middle, '
+    f'C = {result["middle_flops"]:.3g} ({pct:g}%) | at each rung: C, multiplier '
+    f'({pct:g}%) |',
+    '|---|---|---|---|---|---|---|',
+  ]
   for r, row in residuals.items():
     mid = row['multiplier_middle']
-    at = '; '.join(f"{a['flops']:.3g}: {a['value']:.3f}x ({a['low']:.3f}-{a['high']:.3f})"
-                   for a in row['multiplier'])
-    lines.append(f"| {r} | {row['A']:.4g} | {row['alpha']:.4f} "
-                 f"({row['alpha_interval'][0]:.4f}"
-                 f"-{row['alpha_interval'][1]:.4f}) | {row['alpha_minus_reference']:+.4f} "
-                 f"({row['alpha_minus_reference_interval'][0]:+.4f} to "
-                 f"{row['alpha_minus_reference_interval'][1]:+.4f}) | "
-                 f"{100 * row['fit_rms_relative_residual']:.2f}% | **{mid['value']:.3f}x** "
-                 f"({mid['interval'][0]:.3f}-{mid['interval'][1]:.3f}) | {at} |")
+    at = '; '.join(
+      f'{a["flops"]:.3g}: {a["value"]:.3f}x ({a["low"]:.3f}-{a["high"]:.3f})'
+      for a in row['multiplier']
+    )
+    lines.append(
+      f'| {r} | {row["A"]:.4g} | {row["alpha"]:.4f} '
+      f'({row["alpha_interval"][0]:.4f}'
+      f'-{row["alpha_interval"][1]:.4f}) | {row["alpha_minus_reference"]:+.4f} '
+      f'({row["alpha_minus_reference_interval"][0]:+.4f} to '
+      f'{row["alpha_minus_reference_interval"][1]:+.4f}) | '
+      f'{100 * row["fit_rms_relative_residual"]:.2f}% | **{mid["value"]:.3f}x** '
+      f'({mid["interval"][0]:.3f}-{mid["interval"][1]:.3f}) | {at} |'
+    )
   table = '\n'.join(lines)
   os.makedirs(out, exist_ok=True)
   with open(os.path.join(out, f'{name}.md'), 'w', encoding='utf-8') as f:
@@ -225,22 +282,33 @@ def report(result: dict, out: str, name: str) -> str:
 
   fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
   for r, row in residuals.items():
-    pts = sorted((p['flops'], np.mean(p['bits_per_byte']), p['bits_per_byte'])
-                 for p in row['points'].values())
+    pts = sorted(
+      (p['flops'], np.mean(p['bits_per_byte']), p['bits_per_byte'])
+      for p in row['points'].values()
+    )
     line = axes[0].plot([c for c, _, _ in pts], [m for _, m, _ in pts], 'o', label=r)
     color = line[0].get_color()
     for c, _, values in pts:  # every seed, small
       axes[0].plot([c] * len(values), values, '.', color=color, alpha=0.5, ms=4)
     grid = np.geomspace(pts[0][0], pts[-1][0], 50)
-    axes[0].plot(grid, row['A'] * grid ** -row['alpha'], '-', color=color,
-                 label=f"{r}: {row['A']:.3g} C^-{row['alpha']:.4f}")
+    axes[0].plot(
+      grid,
+      row['A'] * grid ** -row['alpha'],
+      '-',
+      color=color,
+      label=f'{r}: {row["A"]:.3g} C^-{row["alpha"]:.4f}',
+    )
     m = row['multiplier']
     # The interval is drawn from its own ends, not as +- offsets from the estimate: a
     # bootstrap percentile interval need not contain the point estimate (and by float
     # rounding it can miss it by 1e-15), where errorbar's offsets would be negative.
     line = axes[1].plot([a['flops'] for a in m], [a['value'] for a in m], 'o-', label=r)
-    axes[1].vlines([a['flops'] for a in m], [a['low'] for a in m], [a['high'] for a in m],
-                   color=line[0].get_color())
+    axes[1].vlines(
+      [a['flops'] for a in m],
+      [a['low'] for a in m],
+      [a['high'] for a in m],
+      color=line[0].get_color(),
+    )
   for ax in axes:
     ax.set_xscale('log')
     ax.set_xlabel('training FLOPs')

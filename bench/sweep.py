@@ -31,6 +31,7 @@ import time
 from absl import app, flags
 import jax
 import matplotlib
+
 matplotlib.use('Agg')
 import matplotlib.pyplot as plt
 import numpy as np
@@ -48,18 +49,30 @@ GROUPS = default_config.SWEEP_GROUPS
 PANELS = ('modes', 'ablations', 'depths', 'comparators')  # loss-vs-compute panels
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list('groups', list(PANELS), 'Run groups: ' + ', '.join(GROUPS) + ' (the '
-                  'compute ladder for bench/scaling.py; not run by default).')
+flags.DEFINE_list(
+  'groups',
+  list(PANELS),
+  'Run groups: ' + ', '.join(GROUPS) + ' (the '
+  'compute ladder for bench/scaling.py; not run by default).',
+)
 flags.DEFINE_list('runs', [], 'Explicit run names (overrides --groups).')
 flags.DEFINE_list('seeds', ['0', '1', '2'], 'Seeds (model init and data order).')
 flags.DEFINE_string('root', 'runs/sweep', 'Where the run directories go.')
 flags.DEFINE_integer('parallel', 1, 'Training processes at once.')
 flags.DEFINE_bool('report_only', False, 'Only aggregate what has finished.')
-flags.DEFINE_bool('memory', True, 'Report the temporary memory of each run\'s compiled '
-                  'train step (XLA memory_analysis; compiled once per run, cached in '
-                  '<root>/<run>/step_memory.json).')
-flags.DEFINE_multi_string('set', [], 'A config override KEY=VALUE for every run, passed '
-                          'to train.py as --config.KEY=VALUE (repeatable).')
+flags.DEFINE_bool(
+  'memory',
+  True,
+  "Report the temporary memory of each run's compiled "
+  'train step (XLA memory_analysis; compiled once per run, cached in '
+  '<root>/<run>/step_memory.json).',
+)
+flags.DEFINE_multi_string(
+  'set',
+  [],
+  'A config override KEY=VALUE for every run, passed '
+  'to train.py as --config.KEY=VALUE (repeatable).',
+)
 
 
 def run_dir(name: str, seed: int) -> str:
@@ -74,14 +87,23 @@ def train_one(name: str, seed: int) -> tuple[str, int, float, int]:
   """Trains one (run, seed) in a subprocess; returns its wall time and exit code."""
   workdir = run_dir(name, seed)
   os.makedirs(workdir, exist_ok=True)
-  command = [sys.executable, os.path.join(REPO, 'train.py'),
-             f'--config={os.path.join(REPO, "configs", "default.py")}:sweep={name}',
-             f'--config.train.seed={seed}', f'--workdir={workdir}',
-             *(f'--config.{override}' for override in FLAGS.set)]
+  command = [
+    sys.executable,
+    os.path.join(REPO, 'train.py'),
+    f'--config={os.path.join(REPO, "configs", "default.py")}:sweep={name}',
+    f'--config.train.seed={seed}',
+    f'--workdir={workdir}',
+    *(f'--config.{override}' for override in FLAGS.set),
+  ]
   start = time.time()
   with open(os.path.join(workdir, 'train.log'), 'a', encoding='utf-8') as log:
-    code = subprocess.call(command, stdout=log, stderr=subprocess.STDOUT,
-                           env={**os.environ, 'PYTHONPATH': REPO}, cwd=REPO)
+    code = subprocess.call(
+      command,
+      stdout=log,
+      stderr=subprocess.STDOUT,
+      env={**os.environ, 'PYTHONPATH': REPO},
+      cwd=REPO,
+    )
   return name, seed, time.time() - start, code
 
 
@@ -90,7 +112,8 @@ def selected_runs() -> list[str]:
     unknown = sorted(set(FLAGS.runs) - set(default_config.SWEEP_RUNS))
     if unknown:
       raise app.UsageError(
-          f'unknown runs {unknown}; see SWEEP_RUNS in configs/default.py')
+        f'unknown runs {unknown}; see SWEEP_RUNS in configs/default.py'
+      )
     return list(FLAGS.runs)
   return [name for group in FLAGS.groups for name in GROUPS[group]]
 
@@ -101,26 +124,40 @@ def summarize(name: str, seeds: list[int]) -> dict | None:
     return None
   results = []
   for seed in done:
-    with open(os.path.join(run_dir(name, seed), train.EVAL_FINAL_JSON),
-              encoding='utf-8') as f:
+    with open(
+      os.path.join(run_dir(name, seed), train.EVAL_FINAL_JSON), encoding='utf-8'
+    ) as f:
       results.append(json.load(f))
   config = checkpointing.load_config(run_dir(name, done[0]))
   bpb = np.array([r['bits_per_byte'] for r in results])
-  step_times = [np.median([r['train/step_time'] for r in metrics_lib.read_jsonl(
-      run_dir(name, seed)) if 'train/step_time' in r]) for seed in done]
+  step_times = [
+    np.median(
+      [
+        r['train/step_time']
+        for r in metrics_lib.read_jsonl(run_dir(name, seed))
+        if 'train/step_time' in r
+      ]
+    )
+    for seed in done
+  ]
   per_token = flops.forward_flops_per_token(config.model, config.train.seq_len)
   return dict(
-      run=name, seeds=len(results), bits_per_byte_mean=float(bpb.mean()),
-      bits_per_byte_std=float(bpb.std(ddof=1)) if len(bpb) > 1 else None,
-      bits_per_byte=bpb.tolist(),
-      train_loss_mean=float(np.mean([r['train_loss'] for r in results])),
-      run_seconds_mean=float(np.mean([r['run_seconds'] for r in results])),
-      step_time_median=float(np.median(step_times)),
-      temp_bytes=step_memory(name, config) if FLAGS.memory else None,
-      training_flops=flops.training_flops(config),
-      depth_read_share=per_token['depth_read'] / per_token['total'],
-      num_layers=config.model.num_layers, d_model=config.model.d_model,
-      num_steps=config.train.num_steps, model=config.model.to_dict())
+    run=name,
+    seeds=len(results),
+    bits_per_byte_mean=float(bpb.mean()),
+    bits_per_byte_std=float(bpb.std(ddof=1)) if len(bpb) > 1 else None,
+    bits_per_byte=bpb.tolist(),
+    train_loss_mean=float(np.mean([r['train_loss'] for r in results])),
+    run_seconds_mean=float(np.mean([r['run_seconds'] for r in results])),
+    step_time_median=float(np.median(step_times)),
+    temp_bytes=step_memory(name, config) if FLAGS.memory else None,
+    training_flops=flops.training_flops(config),
+    depth_read_share=per_token['depth_read'] / per_token['total'],
+    num_layers=config.model.num_layers,
+    d_model=config.model.d_model,
+    num_steps=config.train.num_steps,
+    model=config.model.to_dict(),
+  )
 
 
 def step_memory(name: str, config) -> int:
@@ -135,11 +172,18 @@ def step_memory(name: str, config) -> int:
   state = jax.eval_shape(functools.partial(train.init_train_state, config.model, tx, 0))
   graphdef, _ = checkpointing.abstract_model(config.model)
   shape = (config.train.batch_size, config.train.seq_len)
-  batch = {'inputs': jax.ShapeDtypeStruct(shape, 'int32'),
-           'targets': jax.ShapeDtypeStruct(shape, 'int32'),
-           'weights': jax.ShapeDtypeStruct(shape, 'float32')}
-  step = functools.partial(train.train_step, graphdef=graphdef, tx=tx, schedule=schedule,
-                           grad_accum_steps=config.train.grad_accum_steps)
+  batch = {
+    'inputs': jax.ShapeDtypeStruct(shape, 'int32'),
+    'targets': jax.ShapeDtypeStruct(shape, 'int32'),
+    'weights': jax.ShapeDtypeStruct(shape, 'float32'),
+  }
+  step = functools.partial(
+    train.train_step,
+    graphdef=graphdef,
+    tx=tx,
+    schedule=schedule,
+    grad_accum_steps=config.train.grad_accum_steps,
+  )
   compiled = jax.jit(step, donate_argnums=0).lower(state, batch).compile()
   temp = int(compiled.memory_analysis().temp_size_in_bytes)
   os.makedirs(os.path.dirname(cache), exist_ok=True)
@@ -151,8 +195,9 @@ def step_memory(name: str, config) -> int:
 def loss_curve(name: str, seeds: list[int], flops_per_step: float):
   """Mean train loss over seeds against cumulative training FLOPs."""
   curves = [metrics_lib.read_jsonl(run_dir(name, s)) for s in seeds if finished(name, s)]
-  curves = [[(r['step'], r['train/loss']) for r in c if 'train/loss' in r]
-            for c in curves]
+  curves = [
+    [(r['step'], r['train/loss']) for r in c if 'train/loss' in r] for c in curves
+  ]
   curves = [c for c in curves if c]
   if not curves:
     return None
@@ -172,41 +217,51 @@ def report(names: list[str], seeds: list[int]) -> None:
   by_name = {row['run']: row for row in rows}
   for row in rows:
     baseline = by_name.get(standard_baseline(row['run']))
-    row['vs_standard'] = (row['bits_per_byte_mean'] / baseline['bits_per_byte_mean'] - 1
-                          if baseline else None)
-    row['time_vs_standard'] = (row['step_time_median'] / baseline['step_time_median']
-                               if baseline else None)
-    row['memory_vs_standard'] = (row['temp_bytes'] / baseline['temp_bytes']
-                                 if baseline and row['temp_bytes'] else None)
+    row['vs_standard'] = (
+      row['bits_per_byte_mean'] / baseline['bits_per_byte_mean'] - 1 if baseline else None
+    )
+    row['time_vs_standard'] = (
+      row['step_time_median'] / baseline['step_time_median'] if baseline else None
+    )
+    row['memory_vs_standard'] = (
+      row['temp_bytes'] / baseline['temp_bytes']
+      if baseline and row['temp_bytes']
+      else None
+    )
   os.makedirs(FLAGS.root, exist_ok=True)
   with open(os.path.join(FLAGS.root, 'results.json'), 'w', encoding='utf-8') as f:
     json.dump(rows, f, indent=1)
   ratio = lambda x: '' if x is None else f'{x:.2f}'
-  lines = ['| run | layers x d | held-out bits/byte (mean +- std) | vs standard | seeds | '
-           'train FLOPs | residual share | s/run | median s/step | time/std | '
-           'step temp MiB | memory/std |',
-           '|---|---|---|---|---|---|---|---|---|---|---|---|']
+  lines = [
+    '| run | layers x d | held-out bits/byte (mean +- std) | vs standard | seeds | '
+    'train FLOPs | residual share | s/run | median s/step | time/std | '
+    'step temp MiB | memory/std |',
+    '|---|---|---|---|---|---|---|---|---|---|---|---|',
+  ]
   for row in rows:
-    change = ('' if row['vs_standard'] is None
-              else f"{100 * row['vs_standard']:+.2f}%")
-    memory = '' if row['temp_bytes'] is None else f"{row['temp_bytes'] / 2**20:.1f}"
-    std = 'n/a' if row['bits_per_byte_std'] is None else f"{row['bits_per_byte_std']:.4f}"
+    change = '' if row['vs_standard'] is None else f'{100 * row["vs_standard"]:+.2f}%'
+    memory = '' if row['temp_bytes'] is None else f'{row["temp_bytes"] / 2**20:.1f}'
+    std = 'n/a' if row['bits_per_byte_std'] is None else f'{row["bits_per_byte_std"]:.4f}'
     lines.append(
-        f"| {row['run']} | {row['num_layers']} x {row['d_model']} | "
-        f"{row['bits_per_byte_mean']:.4f} +- {std} | "
-        f"{change} | {row['seeds']} | {row['training_flops']:.3g} | "
-        f"{100 * row['depth_read_share']:.2f}% | {row['run_seconds_mean']:.0f} | "
-        f"{row['step_time_median']:.3f} | {ratio(row['time_vs_standard'])} | "
-        f"{memory} | {ratio(row['memory_vs_standard'])} |")
+      f'| {row["run"]} | {row["num_layers"]} x {row["d_model"]} | '
+      f'{row["bits_per_byte_mean"]:.4f} +- {std} | '
+      f'{change} | {row["seeds"]} | {row["training_flops"]:.3g} | '
+      f'{100 * row["depth_read_share"]:.2f}% | {row["run_seconds_mean"]:.0f} | '
+      f'{row["step_time_median"]:.3f} | {ratio(row["time_vs_standard"])} | '
+      f'{memory} | {ratio(row["memory_vs_standard"])} |'
+    )
   table = '\n'.join(lines)
   with open(os.path.join(FLAGS.root, 'results.md'), 'w', encoding='utf-8') as f:
     f.write(table + '\n')
   print(table)
 
   # The ablations and depths panels repeat their reference runs, dashed.
-  references = {'modes': [], 'ablations': ['standard', 'full'],
-                'depths': ['standard', 'block_s2'],
-                'comparators': ['standard', 'full', 'block_s4']}
+  references = {
+    'modes': [],
+    'ablations': ['standard', 'full'],
+    'depths': ['standard', 'block_s2'],
+    'comparators': ['standard', 'full', 'block_s4'],
+  }
   fig, axes = plt.subplots(1, len(PANELS), figsize=(6.3 * len(PANELS), 4.5))
   for ax, group in zip(axes, PANELS):
     for name in [*references[group], *GROUPS[group]]:
@@ -217,8 +272,12 @@ def report(names: list[str], seeds: list[int]) -> None:
       if curve is None:
         continue
       if name in references[group]:  # black and grey, leaving the colours to the group
-        ax.plot(*curve, '--', color=('k', '0.55', '0.75')[references[group].index(name)],
-                label=name)
+        ax.plot(
+          *curve,
+          '--',
+          color=('k', '0.55', '0.75')[references[group].index(name)],
+          label=name,
+        )
       else:
         ax.plot(*curve, label=name)
     ax.set_xlabel('training FLOPs')
@@ -233,15 +292,18 @@ def report(names: list[str], seeds: list[int]) -> None:
 
   fig, ax = plt.subplots(figsize=(5.5, 4))
   shapes = {}  # layers -> 'layers x d'
-  for mode, middle, label in (('standard', 'standard', 'standard residual'),
-                              ('block', 'block_s2', 'Block AttnRes (S=2)')):
+  for mode, middle, label in (
+    ('standard', 'standard', 'standard residual'),
+    ('block', 'block_s2', 'Block AttnRes (S=2)'),
+  ):
     points = []
     for name in (f'depth_l2_{mode}', middle, f'depth_l8_{mode}'):
       if name in by_name:
         row = by_name[name]
-        shapes[row['num_layers']] = f"{row['num_layers']} x {row['d_model']}"
-        points.append((row['num_layers'], row['bits_per_byte_mean'],
-                       row['bits_per_byte_std'] or 0.0))  # one seed: no bar
+        shapes[row['num_layers']] = f'{row["num_layers"]} x {row["d_model"]}'
+        points.append(
+          (row['num_layers'], row['bits_per_byte_mean'], row['bits_per_byte_std'] or 0.0)
+        )  # one seed: no bar
     if points:
       x, y, err = zip(*points)
       ax.errorbar(x, y, yerr=err, marker='o', capsize=3, label=label)
@@ -262,8 +324,10 @@ def main(argv):
   seeds = [int(s) for s in FLAGS.seeds]
   if not FLAGS.report_only:
     todo = [(n, s) for n in names for s in seeds if not finished(n, s)]
-    print(f'{len(todo)} runs to train ({len(names) * len(seeds) - len(todo)} done)',
-          flush=True)
+    print(
+      f'{len(todo)} runs to train ({len(names) * len(seeds) - len(todo)} done)',
+      flush=True,
+    )
     with concurrent.futures.ThreadPoolExecutor(FLAGS.parallel) as pool:
       for name, seed, seconds, code in pool.map(lambda job: train_one(*job), todo):
         status = 'ok' if code == 0 else f'FAILED (exit {code}, see train.log)'

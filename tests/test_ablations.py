@@ -15,7 +15,9 @@ D = 16
 
 def sources(seed=0, count=6):
   keys = jax.random.split(jax.random.key(seed), count)
-  return jnp.stack([(i + 1) * jax.random.normal(k, (2, 3, D)) for i, k in enumerate(keys)])
+  return jnp.stack(
+    [(i + 1) * jax.random.normal(k, (2, 3, D)) for i, k in enumerate(keys)]
+  )
 
 
 def config(**variant):
@@ -39,10 +41,12 @@ def test_kept_inverse_rms_is_the_recomputed_one():
   buffer = sources()
   inv_rms = depth.rms_inverse(buffer, 1e-6)
   for variant in (dict(), dict(normalizer='sigmoid'), dict(window=2)):
-    with_kept = depth.attn_res_read_variant(buffer, QUERY, GAIN, eps=1e-6, num_valid=5,
-                                            inv_rms_KBT=inv_rms, **variant)
-    recomputed = depth.attn_res_read_variant(buffer, QUERY, GAIN, eps=1e-6,
-                                             num_valid=5, **variant)
+    with_kept = depth.attn_res_read_variant(
+      buffer, QUERY, GAIN, eps=1e-6, num_valid=5, inv_rms_KBT=inv_rms, **variant
+    )
+    recomputed = depth.attn_res_read_variant(
+      buffer, QUERY, GAIN, eps=1e-6, num_valid=5, **variant
+    )
     np.testing.assert_allclose(with_kept[0], recomputed[0], rtol=1e-6, atol=1e-6)
 
 
@@ -55,9 +59,12 @@ def test_variant_path_is_the_paper_model_when_it_changes_nothing(residual, block
   x = jax.random.randint(jax.random.key(4), (2, 8), 0, 256)
   model = ar.Transformer(paper, rngs=nnx.Rngs(0))
   keys = jax.random.split(jax.random.key(1), 2)  # reads far from uniform
-  model.layers.residual.query[...] = jax.random.normal(keys[0], model.layers.residual.query.shape)
-  model.layers.residual.gain[...] += 0.5 * jax.random.normal(keys[1],
-                                                          model.layers.residual.gain.shape)
+  model.layers.residual.query[...] = jax.random.normal(
+    keys[0], model.layers.residual.query.shape
+  )
+  model.layers.residual.gain[...] += 0.5 * jax.random.normal(
+    keys[1], model.layers.residual.gain.shape
+  )
   graphdef, state = nnx.split(model)
   wide_model = nnx.merge(nnx.graphdef(ar.Transformer(wide, rngs=nnx.Rngs(0))), state)
   # float32 reassociation between the two reads' reductions, through 4 sublayers.
@@ -93,8 +100,9 @@ def test_scalar_mixing_weights_do_not_depend_on_the_input():
 
 def test_scalar_mixing_model_weights_are_the_same_for_every_input():
   model = ar.Transformer(config(depth_mixing='scalars'), rngs=nnx.Rngs(0))
-  model.layers.residual.mix[...] = jax.random.normal(jax.random.key(1),
-                                                  model.layers.residual.mix[...].shape)
+  model.layers.residual.mix[...] = jax.random.normal(
+    jax.random.key(1), model.layers.residual.mix[...].shape
+  )
   x1 = jax.random.randint(jax.random.key(2), (2, 8), 0, 256)
   x2 = jax.random.randint(jax.random.key(3), (2, 8), 0, 256)
   _, stats1 = model(x1, collect_stats=True)
@@ -106,7 +114,7 @@ def numpy_logits(buffer, query, gain, key_norm):
   v = np.asarray(buffer, np.float64)
   logits = np.sum(np.asarray(query * gain, np.float64) * v, axis=-1)
   if key_norm:
-    logits /= np.sqrt(np.mean(v ** 2, axis=-1) + 1e-6)
+    logits /= np.sqrt(np.mean(v**2, axis=-1) + 1e-6)
   return logits
 
 
@@ -118,8 +126,9 @@ def test_sigmoid_weights_are_independent_per_source():
   expected[5:] = 0.0
   np.testing.assert_allclose(w, expected, rtol=1e-5, atol=1e-6)
   assert not np.allclose(np.asarray(w).sum(0), 1.0)  # not normalised over sources
-  np.testing.assert_allclose(h, np.einsum('sbt,sbtd->btd', expected, buffer),
-                             rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(
+    h, np.einsum('sbt,sbtd->btd', expected, buffer), rtol=1e-4, atol=1e-4
+  )
 
 
 def test_no_key_norm_uses_raw_sources():
@@ -138,12 +147,12 @@ def test_input_dependent_query_reads_the_latest_source():
   projection = 0.3 * jax.random.normal(jax.random.key(9), (D, D))
   _, w = residual.read_one_shot(cfg, buffer, 4, QUERY, GAIN, projection)
   latest = np.asarray(buffer[3], np.float64)
-  latest /= np.sqrt(np.mean(latest ** 2, axis=-1, keepdims=True) + 1e-6)
-  query_bt = np.asarray(QUERY, np.float64) + latest @ np.asarray(projection,
-                                                          np.float64) / np.sqrt(D)
+  latest /= np.sqrt(np.mean(latest**2, axis=-1, keepdims=True) + 1e-6)
+  query_bt = np.asarray(QUERY, np.float64) + latest @ np.asarray(
+    projection, np.float64
+  ) / np.sqrt(D)
   v = np.asarray(buffer[:4], np.float64)
-  logits = np.sum(query_bt * np.asarray(GAIN) * v, -1) / np.sqrt(
-      np.mean(v ** 2, -1) + 1e-6)
+  logits = np.sum(query_bt * np.asarray(GAIN) * v, -1) / np.sqrt(np.mean(v**2, -1) + 1e-6)
   expected = np.exp(logits - logits.max(0))
   expected /= expected.sum(0)
   np.testing.assert_allclose(w[:4], expected, rtol=1e-4, atol=1e-6)
@@ -163,15 +172,23 @@ def test_multihead_weights_are_per_channel_group():
   for g in range(4):
     channels = slice(g * group, (g + 1) * group)
     # Each group is an ordinary read of its own channels (its own key RMSNorm).
-    h_group, _ = depth.attn_res_read(buffer[..., channels], QUERY[channels],
-                                     GAIN[channels], eps=1e-6, num_valid=5)
+    h_group, _ = depth.attn_res_read(
+      buffer[..., channels], QUERY[channels], GAIN[channels], eps=1e-6, num_valid=5
+    )
     np.testing.assert_allclose(h[..., channels], h_group, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize('variant', [
-    dict(depth_query_input=True), dict(depth_normalizer='sigmoid'),
-    dict(depth_key_norm=False), dict(depth_mixing='scalars'), dict(depth_window=1),
-    dict(depth_heads=2)])
+@pytest.mark.parametrize(
+  'variant',
+  [
+    dict(depth_query_input=True),
+    dict(depth_normalizer='sigmoid'),
+    dict(depth_key_norm=False),
+    dict(depth_mixing='scalars'),
+    dict(depth_window=1),
+    dict(depth_heads=2),
+  ],
+)
 @pytest.mark.parametrize('residual', ['block'])  # S=3: partial sums and boundaries
 def test_every_variant_has_finite_gradients_reaching_its_parameters(variant, residual):
   cfg = config(**variant).replace(residual=residual, block_size=3)
@@ -187,13 +204,16 @@ def test_every_variant_has_finite_gradients_reaching_its_parameters(variant, res
     assert float(jnp.abs(grads['layers']['residual']['mix'][...]).max()) > 0
 
 
-@pytest.mark.parametrize('overrides,message', [
+@pytest.mark.parametrize(
+  'overrides,message',
+  [
     (dict(depth_window=2, depth_read='two_phase'), 'one_shot'),
     (dict(depth_normalizer='sigmoid', depth_read='two_phase'), 'two_phase'),
     (dict(depth_heads=3), 'depth_heads'),
     (dict(depth_normalizer='relu'), 'depth_normalizer'),
     (dict(depth_window=-1), 'depth_window'),
-])
+  ],
+)
 def test_ablation_config_errors(overrides, message):
   with pytest.raises(ValueError, match=message):
     config(**overrides)

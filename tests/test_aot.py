@@ -23,8 +23,10 @@ from attnres_jax import sharding
 from configs import default as default_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-needs_libtpu = pytest.mark.skipif(importlib.util.find_spec('libtpu') is None,
-                                  reason='libtpu (the TPU compiler) is not installed')
+needs_libtpu = pytest.mark.skipif(
+  importlib.util.find_spec('libtpu') is None,
+  reason='libtpu (the TPU compiler) is not installed',
+)
 # The loop-counted report of a scanned program against its unrolled twin: the issue's
 # bound. The same dots run in both, so FLOPs differ only by the few elementwise ops
 # XLA fuses differently around the loop.
@@ -46,8 +48,11 @@ def test_unknown_topology_names_the_form():
 
 def test_missing_libtpu_names_the_fix(monkeypatch):
   real = importlib.util.find_spec
-  monkeypatch.setattr(importlib.util, 'find_spec',
-                      lambda name, *a: None if name == 'libtpu' else real(name, *a))
+  monkeypatch.setattr(
+    importlib.util,
+    'find_spec',
+    lambda name, *a: None if name == 'libtpu' else real(name, *a),
+  )
   with pytest.raises(aot.AotError, match='libtpu.*pip install -r requirements.txt'):
     aot.get_topology('v5e:2x2')
 
@@ -69,13 +74,24 @@ def test_cli_bad_input_exits_nonzero_and_writes_nothing(tmp_path):
   workdir = tmp_path / 'run'
   for extra in (['--topology=v5e:3'],):  # the other refusals: tests above
     result = subprocess.run(
-        [sys.executable, os.path.join(ROOT, 'train.py'),
-         f'--config={ROOT}/configs/default.py:tiny', '--compile_only',
-         f'--workdir={workdir}', *extra], capture_output=True, text=True, timeout=300,
-        env=dict(os.environ, JAX_PLATFORMS='cpu'), check=False)
+      [
+        sys.executable,
+        os.path.join(ROOT, 'train.py'),
+        f'--config={ROOT}/configs/default.py:tiny',
+        '--compile_only',
+        f'--workdir={workdir}',
+        *extra,
+      ],
+      capture_output=True,
+      text=True,
+      timeout=300,
+      env=dict(os.environ, JAX_PLATFORMS='cpu'),
+      check=False,
+    )
     assert result.returncode == 1, result.stderr
-    assert 'FATAL' in result.stderr and ('topology' in result.stderr
-                                         or 'devices' in result.stderr)
+    assert 'FATAL' in result.stderr and (
+      'topology' in result.stderr or 'devices' in result.stderr
+    )
     assert not workdir.exists()
 
 
@@ -96,13 +112,17 @@ def test_loop_bodies_counted_by_trip_count_nested_loops_too():
     def layer(h, w_layer):
       inner = lambda _, g: jnp.tanh(g @ w_layer)
       return jax.lax.fori_loop(0, 3, inner, h, unroll=unroll), None
+
     return jax.lax.scan(layer, x, w, unroll=unroll)[0].sum()
 
-  scanned = hlo_cost.analyze(_compile(functools.partial(program, unroll=False), x, w)
-                             .as_text())
+  scanned = hlo_cost.analyze(
+    _compile(functools.partial(program, unroll=False), x, w).as_text()
+  )
   unrolled_compiled = _compile(functools.partial(program, unroll=True), x, w)
   unrolled = hlo_cost.analyze(unrolled_compiled.as_text())
-  assert sorted(scanned['while_trip_counts']) == [3, 4] and not unrolled['while_trip_counts']
+  assert (
+    sorted(scanned['while_trip_counts']) == [3, 4] and not unrolled['while_trip_counts']
+  )
   dots = 4 * 3 * 2 * 128 * 256 * 256  # per device: 128 of the 512 rows
   assert scanned['flops'] >= dots and scanned['flops_once'] < dots / 4
   np.testing.assert_allclose(scanned['flops'], unrolled['flops'], rtol=COUNT_RTOL)
@@ -112,8 +132,9 @@ def test_loop_bodies_counted_by_trip_count_nested_loops_too():
   # (docs/scaling.md).
   assert scanned['bytes'] > 1.5 * scanned['bytes_once']
   # Our count of a loop-free program is XLA's own.
-  np.testing.assert_allclose(unrolled['flops'], unrolled_compiled.cost_analysis()['flops'],
-                             rtol=COUNT_RTOL)
+  np.testing.assert_allclose(
+    unrolled['flops'], unrolled_compiled.cost_analysis()['flops'], rtol=COUNT_RTOL
+  )
 
 
 @functools.lru_cache(maxsize=None)
@@ -127,17 +148,23 @@ def train_report(shape, stage=1, scan_layers=True):
 
 
 @needs_libtpu
-@pytest.mark.parametrize('mesh, kinds', [
-    (dict(shape=(1, 4, 1)), ('all-gather',)),                    # FSDP
-    (dict(shape=(1, 2, 2)), ('all-gather', 'all-reduce')),      # FSDP x tensor
+@pytest.mark.parametrize(
+  'mesh, kinds',
+  [
+    (dict(shape=(1, 4, 1)), ('all-gather',)),  # FSDP
+    (dict(shape=(1, 2, 2)), ('all-gather', 'all-reduce')),  # FSDP x tensor
     (dict(shape=(2, 1, 1), stage=2), ('collective-permute',)),  # 2 pipeline stages
-], ids=['fsdp', 'tensor', 'stage2'])
+  ],
+  ids=['fsdp', 'tensor', 'stage2'],
+)
 def test_tiny_model_compiles_for_a_topology(mesh, kinds):
   report = train_report(**mesh)
   step = report['steps']['train']
   assert report['num_devices'] == 4 and step['flops'] > step['model_flops'] / 4 / 2
   for kind in kinds:
-    assert step['collectives'][kind]['count'] > 0 and step['collectives'][kind]['bytes'] > 0
+    assert (
+      step['collectives'][kind]['count'] > 0 and step['collectives'][kind]['bytes'] > 0
+    )
   assert 0 < step['memory']['total_bytes'] < step['memory']['capacity_bytes']
   assert step['est_step_seconds'] >= step['xla_seconds_loops_once'] > 0
   assert 'train' in aot.format_table(report)
@@ -146,8 +173,9 @@ def test_tiny_model_compiles_for_a_topology(mesh, kinds):
 @needs_libtpu
 def test_scanned_step_counts_equal_unrolled_flops():
   """The production train step, scanned layers vs a Python loop over layers."""
-  scanned, unrolled = (train_report((1, 4, 1), scan_layers=scan)['steps']['train']
-                       for scan in (True, False))
+  scanned, unrolled = (
+    train_report((1, 4, 1), scan_layers=scan)['steps']['train'] for scan in (True, False)
+  )
   assert scanned['while_trip_counts'] and not unrolled['while_trip_counts']
   np.testing.assert_allclose(scanned['flops'], unrolled['flops'], rtol=COUNT_RTOL)
   assert scanned['xla_flops_loops_once'] < 0.8 * unrolled['flops']
@@ -156,11 +184,15 @@ def test_scanned_step_counts_equal_unrolled_flops():
 @needs_libtpu
 def test_config_that_cannot_fit_hbm_is_refused():
   config = tiny_config(shape=(1, 4, 1))
-  config.model.update(vocab_size=2 ** 24, d_model=256, num_heads=2, mlp_dim=256,
-                      dtype='float32')  # 4B embedding parameters, AdamW: > 16 GiB a device
+  config.model.update(
+    vocab_size=2**24, d_model=256, num_heads=2, mlp_dim=256, dtype='float32'
+  )  # 4B embedding parameters, AdamW: > 16 GiB a device
   # The compiler refuses it (else check_memory would, from the compiled figures).
-  with pytest.raises(ValueError, match=r'train step does not fit on v5e:2x2.*required .*'
-                     r'exceeds available HBM'):
+  with pytest.raises(
+    ValueError,
+    match=r'train step does not fit on v5e:2x2.*required .*'
+    r'exceeds available HBM',
+  ):
     aot.compile_report(config, 'v5e:2x2', steps=('train',))
 
 

@@ -15,7 +15,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _load(name):
   spec = importlib.util.spec_from_file_location(
-      f'bench_{name}', os.path.join(ROOT, 'bench', f'{name}.py'))
+    f'bench_{name}', os.path.join(ROOT, 'bench', f'{name}.py')
+  )
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module
@@ -35,19 +36,32 @@ def test_decode_benchmark_smoke(tmp_path):
   out = tmp_path / 'decode.jsonl'
   table = tmp_path / 'decode.md'
   # 2 layers = 4 sublayers; num_blocks=2 gives S = 2, a real two-phase block.
-  with flagsaver.flagsaver(sizes=['64x2'], batches=['2'], prompt_len=8, new_tokens=4,
-                           repeats=2, num_blocks=2,
-                           variants=['standard', 'block_two_phase'],
-                           jsonl_out=str(out), table_out=str(table)):
+  with flagsaver.flagsaver(
+    sizes=['64x2'],
+    batches=['2'],
+    prompt_len=8,
+    new_tokens=4,
+    repeats=2,
+    num_blocks=2,
+    variants=['standard', 'block_two_phase'],
+    jsonl_out=str(out),
+    table_out=str(table),
+  ):
     decode_bench.main([])
   rows = _read_jsonl(out)
   assert [r['mode'] for r in rows] == ['standard', 'block_two_phase']
   for row in rows:
     assert row['batch'] == 2 and row['prefill_len'] == 8 and row['size'] == '64x2'
     assert row['step_compilations'] == 1
-    for key in ('per_token_ms', 'prefill_tokens_per_s', 'per_token_ratio',
-                'prefill_time_ratio', 'roofline_ms', 'per_token_over_roofline',
-                'read_bandwidth_gb_s'):
+    for key in (
+      'per_token_ms',
+      'prefill_tokens_per_s',
+      'per_token_ratio',
+      'prefill_time_ratio',
+      'roofline_ms',
+      'per_token_over_roofline',
+      'read_bandwidth_gb_s',
+    ):
       assert math.isfinite(row[key]) and row[key] > 0, key
     for key in ('jax_version', 'backend', 'timestamp', 'git_commit'):
       assert row[key], key
@@ -64,8 +78,11 @@ def test_prefill_memory_benchmark_smoke(tmp_path):
     decode_bench.main([])
   rows = _read_jsonl(out)
   assert [(r['mode'], r['prompt_len']) for r in rows] == [
-      ('standard', 32), ('block_two_phase', 32), ('standard', 64),
-      ('block_two_phase', 64)]
+    ('standard', 32),
+    ('block_two_phase', 32),
+    ('standard', 64),
+    ('block_two_phase', 64),
+  ]
   for row in rows:
     assert row['temp_mib_chunked'] > 0 and row['temp_mib_one_shot'] > 0
     # A chunk of 16 tokens never needs more than the whole prompt in one call.
@@ -76,30 +93,67 @@ def test_memory_benchmark_smoke(tmp_path):
   # A subprocess: bench/memory.py's flag names (batch_size, ...) clash with eval.py's.
   out = tmp_path / 'memory.jsonl'
   subprocess.run(
-      [sys.executable, os.path.join(ROOT, 'bench', 'memory.py'), '--layers=1',
-       '--modes=block:2', '--d_model=64', '--seq_len=8', '--batch_size=2', '--steps=1',
-       f'--out={out}'],
-      check=True, cwd=ROOT, timeout=120,
-      env={**os.environ, 'PYTHONPATH': ROOT + os.pathsep + os.environ.get('PYTHONPATH', '')})
+    [
+      sys.executable,
+      os.path.join(ROOT, 'bench', 'memory.py'),
+      '--layers=1',
+      '--modes=block:2',
+      '--d_model=64',
+      '--seq_len=8',
+      '--batch_size=2',
+      '--steps=1',
+      f'--out={out}',
+    ],
+    check=True,
+    cwd=ROOT,
+    timeout=120,
+    env={
+      **os.environ,
+      'PYTHONPATH': ROOT + os.pathsep + os.environ.get('PYTHONPATH', ''),
+    },
+  )
   (row,) = _read_jsonl(out)
   assert row['mode'] == 'block:2' and row['num_layers'] == 1
   assert row['temp_bytes'] > 0 and row['step_s'] > 0 and math.isfinite(row['loss'])
 
 
 # Every sweep run shrunk to seconds; the data dir is the test's own.
-TINY_SWEEP = ('model.d_model=16', 'model.num_heads=2', 'model.mlp_dim=32',
-              'model.num_layers=2', 'train.seq_len=16', 'train.batch_size=4',
-              'train.num_steps=4', 'train.warmup_steps=1', 'train.log_every=2',
-              'train.checkpoint_every=2', 'train.max_eval_batches=2')
+TINY_SWEEP = (
+  'model.d_model=16',
+  'model.num_heads=2',
+  'model.mlp_dim=32',
+  'model.num_layers=2',
+  'train.seq_len=16',
+  'train.batch_size=4',
+  'train.num_steps=4',
+  'train.warmup_steps=1',
+  'train.log_every=2',
+  'train.checkpoint_every=2',
+  'train.max_eval_batches=2',
+)
 
 
 def _sweep(root, tfds_dir, runs):
   result = subprocess.run(
-      [sys.executable, os.path.join(ROOT, 'bench', 'sweep.py'), f'--root={root}',
-       f'--runs={runs}', '--seeds=0,1', f'--set=data.tfds_data_dir={tfds_dir}',
-       *(f'--set={override}' for override in TINY_SWEEP)],
-      check=True, cwd=ROOT, timeout=600, capture_output=True, text=True,
-      env={**os.environ, 'PYTHONPATH': ROOT + os.pathsep + os.environ.get('PYTHONPATH', '')})
+    [
+      sys.executable,
+      os.path.join(ROOT, 'bench', 'sweep.py'),
+      f'--root={root}',
+      f'--runs={runs}',
+      '--seeds=0,1',
+      f'--set=data.tfds_data_dir={tfds_dir}',
+      *(f'--set={override}' for override in TINY_SWEEP),
+    ],
+    check=True,
+    cwd=ROOT,
+    timeout=600,
+    capture_output=True,
+    text=True,
+    env={
+      **os.environ,
+      'PYTHONPATH': ROOT + os.pathsep + os.environ.get('PYTHONPATH', ''),
+    },
+  )
   return result.stdout
 
 
@@ -115,26 +169,35 @@ def test_sweep_runs_resumes_and_reports(tmp_path):
   assert 'Resuming from the checkpoint of step 4' in (resumed / 'train.log').read_text()
   # Evaluated again, it still reports the training loss it logged before.
   logged = [r for r in _read_jsonl(resumed / 'metrics.jsonl') if 'train/loss' in r]
-  assert json.load(open(resumed / 'eval_final.json'))['train_loss'] == (
-      logged[-1]['train/loss'])
+  assert (
+    json.load(open(resumed / 'eval_final.json'))['train_loss']
+    == (logged[-1]['train/loss'])
+  )
 
   rows = {row['run']: row for row in json.load(open(root / 'results.json'))}
   assert set(rows) == {'standard', 'abl_window2'}
   for name, row in rows.items():
-    finals = [json.load(open(root / name / f'seed_{seed}' / 'eval_final.json'))
-              for seed in (0, 1)]
+    finals = [
+      json.load(open(root / name / f'seed_{seed}' / 'eval_final.json')) for seed in (0, 1)
+    ]
     assert row['bits_per_byte'] == [f['bits_per_byte'] for f in finals]
-    assert math.isclose(row['bits_per_byte_std'],
-                        abs(finals[0]['bits_per_byte'] - finals[1]['bits_per_byte'])
-                        / math.sqrt(2), rel_tol=1e-9)
+    assert math.isclose(
+      row['bits_per_byte_std'],
+      abs(finals[0]['bits_per_byte'] - finals[1]['bits_per_byte']) / math.sqrt(2),
+      rel_tol=1e-9,
+    )
     # Reported from what ran (the overrides), not from the unmodified grid.
     assert (row['d_model'], row['num_layers'], row['num_steps']) == (16, 2, 4)
     assert row['training_flops'] < 1e9
   assert rows['abl_window2']['model']['depth_window'] == 2
-  assert math.isclose(rows['abl_window2']['vs_standard'],
-                      rows['abl_window2']['bits_per_byte_mean']
-                      / rows['standard']['bits_per_byte_mean'] - 1)
-  assert rows['standard']['depth_read_share'] == 0 < rows['abl_window2']['depth_read_share']
+  assert math.isclose(
+    rows['abl_window2']['vs_standard'],
+    rows['abl_window2']['bits_per_byte_mean'] / rows['standard']['bits_per_byte_mean']
+    - 1,
+  )
+  assert (
+    rows['standard']['depth_read_share'] == 0 < rows['abl_window2']['depth_read_share']
+  )
   table = (root / 'results.md').read_text()
   assert '| abl_window2 | 2 x 16 |' in table
   assert (root / 'loss_vs_compute.png').stat().st_size > 0

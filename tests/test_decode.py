@@ -26,8 +26,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 256
 # (residual, block_size, depth_read): Block S=3 of 4 sublayers has a partial last block;
 # one-shot reads take the reference path through the same residual interface.
-MODES = [('standard', 1, 'two_phase'), ('full', 1, 'two_phase'),
-         ('block', 3, 'two_phase'), ('block', 2, 'one_shot')]
+MODES = [
+  ('standard', 1, 'two_phase'),
+  ('full', 1, 'two_phase'),
+  ('block', 3, 'two_phase'),
+  ('block', 2, 'one_shot'),
+]
 MODE_IDS = ['standard', 'full', 'block_S3', 'block_S2_one_shot']
 PROMPTS = [[5, 70, 80], [0, 65, 66, 67, 68, 69, 70], [9, 8, 7, 6, 5]]  # ragged
 # float32: the cache path attends with other matmul shapes (and over masked slots)
@@ -39,9 +43,16 @@ ATOL, RTOL = 2e-4, 1e-4
 
 def tiny_model(residual, block_size, depth_read='two_phase', *, seed=0):
   """A tiny model with random (non-uniform) depth queries and gains."""
-  cfg = model_config(d_model=32, num_heads=2, mlp_dim=64, num_layers=2,
-                     residual=residual, block_size=block_size, depth_read=depth_read,
-                     vocab_size=VOCAB)
+  cfg = model_config(
+    d_model=32,
+    num_heads=2,
+    mlp_dim=64,
+    num_layers=2,
+    residual=residual,
+    block_size=block_size,
+    depth_read=depth_read,
+    vocab_size=VOCAB,
+  )
   model = Transformer(cfg, rngs=nnx.Rngs(seed))
   if model.final_residual is not None:
     keys = jax.random.split(jax.random.PRNGKey(seed + 100), 3)
@@ -63,18 +74,20 @@ def recomputed_logits(model, prompt, tokens, length=16):
   what follows)."""
   sequence = np.concatenate([prompt, tokens]).astype(np.int32)
   padded = np.zeros((1, length), np.int32)
-  padded[0, :len(sequence)] = sequence
+  padded[0, : len(sequence)] = sequence
   logits = np.asarray(forward(model, jnp.asarray(padded)))[0]
-  return logits[len(prompt) - 1:len(prompt) - 1 + len(tokens)]
+  return logits[len(prompt) - 1 : len(prompt) - 1 + len(tokens)]
 
 
 @pytest.mark.parametrize('residual,block_size,depth_read', MODES, ids=MODE_IDS)
-def test_ragged_batch_and_chunked_prefill_equal_recomputation(residual, block_size,
-                                                              depth_read):
+def test_ragged_batch_and_chunked_prefill_equal_recomputation(
+  residual, block_size, depth_read
+):
   model = tiny_model(residual, block_size, depth_read)
   steps_before = sampling._step._cache_size()
-  tokens, logits = sampling.generate(model, PROMPTS, 6, temperature=0.0,
-                                     return_logits=True)
+  tokens, logits = sampling.generate(
+    model, PROMPTS, 6, temperature=0.0, return_logits=True
+  )
   # One compilation of the one-token step serves every position.
   assert sampling._step._cache_size() - steps_before <= 1
   for prompt, row_tokens, row_logits in zip(PROMPTS, tokens, logits):
@@ -83,8 +96,9 @@ def test_ragged_batch_and_chunked_prefill_equal_recomputation(residual, block_si
     np.testing.assert_allclose(row_logits, want, atol=ATOL, rtol=RTOL)
     assert_greedy_choices(row_tokens, want, atol=ATOL, rtol=RTOL)
   # Chunked prefill (chunk 3 does not divide the padded prompt of 7) equals one shot.
-  chunked, chunked_logits = sampling.generate(model, PROMPTS, 6, temperature=0.0,
-                                              return_logits=True, prefill_chunk=3)
+  chunked, chunked_logits = sampling.generate(
+    model, PROMPTS, 6, temperature=0.0, return_logits=True, prefill_chunk=3
+  )
   for a, b, la, lb in zip(tokens, chunked, logits, chunked_logits):
     assert_same_greedy_run(a, b, la, lb, atol=ATOL, rtol=RTOL)
 
@@ -99,11 +113,13 @@ def test_chunked_prefill_equals_one_shot_prefill():
   for chunk in (1, 4):
     cache, parts = model.init_cache(2, 8), []
     for index in range(0, 8, chunk):
-      logits, cache = decode(model, prompt_BT[:, index:index + chunk], cache,
-                             jnp.int32(index))
+      logits, cache = decode(
+        model, prompt_BT[:, index : index + chunk], cache, jnp.int32(index)
+      )
       parts.append(logits)
-    np.testing.assert_allclose(jnp.concatenate(parts, axis=1), one_shot, atol=ATOL,
-                               rtol=RTOL)
+    np.testing.assert_allclose(
+      jnp.concatenate(parts, axis=1), one_shot, atol=ATOL, rtol=RTOL
+    )
 
 
 def test_stop_tokens_end_rows():
@@ -122,8 +138,10 @@ def test_stop_tokens_end_rows():
   stop = int(free_array[0, 1])
   stopped_array = sampling.generate(model, batch, 8, temperature=0.0, stop_tokens=[stop])
   assert stopped_array.shape == (2, 8)
-  np.testing.assert_array_equal(stopped_array[0], [free_array[0, 0]] + [stop] * 7
-                                if free_array[0, 0] != stop else [stop] * 8)
+  np.testing.assert_array_equal(
+    stopped_array[0],
+    [free_array[0, 0]] + [stop] * 7 if free_array[0, 0] != stop else [stop] * 8,
+  )
 
 
 def test_step_compiles_once_for_all_prompt_lengths_and_text_batches():
@@ -147,8 +165,9 @@ def test_bad_input_is_a_clear_error():
 
 # -- sharded decoding: the child runs with 8 simulated devices -------------------------
 
-SHARDED_MODEL = dict(vocab_size=VOCAB, d_model=32, num_heads=4, mlp_dim=64,
-                     num_layers=2, block_size=2)
+SHARDED_MODEL = dict(
+  vocab_size=VOCAB, d_model=32, num_heads=4, mlp_dim=64, num_layers=2, block_size=2
+)
 
 
 def run_sharded_checks() -> dict:
@@ -170,18 +189,22 @@ def run_sharded_checks() -> dict:
     def run(state, layers, cache, on_mesh):
       def decode(state, layers, tokens, cache, index):
         if not on_mesh:
-          return nnx.merge(graphdef, state).decode(tokens, cache, index, start_B,
-                                                   layers=layers)
+          return nnx.merge(graphdef, state).decode(
+            tokens, cache, index, start_B, layers=layers
+          )
         with sharding.logical_rules(mesh, rules):
-          return nnx.merge(graphdef, state).decode(tokens, cache, index, start_B,
-                                                   layers=layers)
+          return nnx.merge(graphdef, state).decode(
+            tokens, cache, index, start_B, layers=layers
+          )
+
       decode = jax.jit(decode, donate_argnums=3)
       logits = []
       step_logits, cache = decode(state, layers, tokens_BT[:, :6], cache, 0)
       logits.append(step_logits)
       for index in range(6, 9):
-        step_logits, cache = decode(state, layers, tokens_BT[:, index:index + 1], cache,
-                                    jnp.int32(index))
+        step_logits, cache = decode(
+          state, layers, tokens_BT[:, index : index + 1], cache, jnp.int32(index)
+        )
         logits.append(step_logits)
       return np.concatenate([np.asarray(x) for x in logits], axis=1), cache, decode
 
@@ -189,20 +212,22 @@ def run_sharded_checks() -> dict:
 
     # The parameters placed by their logical axis names, as training places them.
     abstract = nnx.state(nnx.eval_shape(lambda: model))
-    pure = jax.device_put(nnx.to_pure_dict(state),
-                          sharding.param_shardings(abstract, mesh, rules))
+    pure = jax.device_put(
+      nnx.to_pure_dict(state), sharding.param_shardings(abstract, mesh, rules)
+    )
     nnx.replace_by_pure_dict(state, pure)
     sharded_model = nnx.merge(graphdef, state)
     layers_sharded = sharded_model.decoding_layers()
     cache = model_lib.shard_cache(model.init_cache(4, 16), mesh, rules)
     got, cache, decode = run(state, layers_sharded, cache, True)
     out[residual] = dict(
-        max_abs_diff=float(np.max(np.abs(got - reference))),
-        scale=float(np.max(np.abs(reference))),
-        keys_spec=str(cache[0].keys_BNHS.sharding.spec),
-        values_spec=str(cache[0].values_BNSH.sharding.spec),
-        weight_sharded=not layers_sharded[0]['mlp']['gate'].sharding.is_fully_replicated,
-        compiled=decode._cache_size())
+      max_abs_diff=float(np.max(np.abs(got - reference))),
+      scale=float(np.max(np.abs(reference))),
+      keys_spec=str(cache[0].keys_BNHS.sharding.spec),
+      values_spec=str(cache[0].values_BNSH.sharding.spec),
+      weight_sharded=not layers_sharded[0]['mlp']['gate'].sharding.is_fully_replicated,
+      compiled=decode._cache_size(),
+    )
   return out
 
 
@@ -212,8 +237,14 @@ def sharded_result():
   env['XLA_FLAGS'] = '--xla_force_host_platform_device_count=8'
   env['PYTHONPATH'] = ROOT + os.pathsep + env.get('PYTHONPATH', '')
   env.setdefault('JAX_PLATFORMS', 'cpu')
-  proc = subprocess.run([sys.executable, os.path.abspath(__file__)], cwd=ROOT, env=env,
-                        capture_output=True, text=True, timeout=600)
+  proc = subprocess.run(
+    [sys.executable, os.path.abspath(__file__)],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
   assert proc.returncode == 0, proc.stderr[-5000:]
   return json.loads(proc.stdout.strip().splitlines()[-1])
 

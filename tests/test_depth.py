@@ -37,15 +37,15 @@ def random_sources(key, num_sources, shape, magnitudes):
 
 
 class AttnResReadTest(chex.TestCase):
-
   @chex.variants(with_jit=True, without_jit=True)
   def test_matches_numpy_reference_across_magnitudes(self):
     sources = random_sources(jax.random.key(0), 7, (2, 5, 16), (1e-3, 1e4))
     query = 0.5 * jax.random.normal(jax.random.key(1), (16,))
     gain = 1.0 + 0.2 * jax.random.normal(jax.random.key(2), (16,))
     for num_valid in (1, 4, None):
-      read = self.variant(lambda s, q, g, n=num_valid: depth.attn_res_read(
-          s, q, g, eps=1e-6, num_valid=n))
+      read = self.variant(
+        lambda s, q, g, n=num_valid: depth.attn_res_read(s, q, g, eps=1e-6, num_valid=n)
+      )
       h, weights = read(sources, query, gain)
       h_ref, weights_ref = numpy_read(sources, query, gain, 1e-6, num_valid)
       # float32 arithmetic on values up to 1e4: relative error a few ulp (1.2e-7).
@@ -64,25 +64,29 @@ class AttnResReadTest(chex.TestCase):
     # final cast to bfloat16 (8 mantissa bits, relative 2^-8) may differ.
     h_ref, weights_ref = numpy_read(sources_bf16.astype(jnp.float32), query, gain, 1e-6)
     np.testing.assert_allclose(weights, weights_ref, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(h.astype(jnp.float32), h_ref, rtol=2 ** -8,
-                               atol=2 ** -8 * np.abs(h_ref).max() * 1e-3)
+    np.testing.assert_allclose(
+      h.astype(jnp.float32), h_ref, rtol=2**-8, atol=2**-8 * np.abs(h_ref).max() * 1e-3
+    )
 
   def test_invalid_sources_get_exactly_zero_weight(self):
     sources = random_sources(jax.random.key(5), 6, (1, 2, 8), (1.0, 10.0))
-    h, weights = depth.attn_res_read(sources, jnp.ones(8), jnp.ones(8), eps=1e-6,
-                                     num_valid=2)
+    h, weights = depth.attn_res_read(
+      sources, jnp.ones(8), jnp.ones(8), eps=1e-6, num_valid=2
+    )
     np.testing.assert_array_equal(weights[2:], 0.0)
     np.testing.assert_allclose(weights.sum(0), 1.0, rtol=1e-6)
     # Garbage in the invalid slots cannot leak into the output.
     poisoned = sources.at[2:].set(1e30)
-    h_poisoned, _ = depth.attn_res_read(poisoned, jnp.ones(8), jnp.ones(8), eps=1e-6,
-                                        num_valid=2)
+    h_poisoned, _ = depth.attn_res_read(
+      poisoned, jnp.ones(8), jnp.ones(8), eps=1e-6, num_valid=2
+    )
     np.testing.assert_array_equal(h, h_poisoned)
 
   def test_zero_query_gives_the_mean_of_the_valid_sources(self):
     sources = random_sources(jax.random.key(6), 5, (2, 4, 8), (1e-2, 1e2))
-    h, weights = depth.attn_res_read(sources, jnp.zeros(8), jnp.ones(8), eps=1e-6,
-                                     num_valid=3)
+    h, weights = depth.attn_res_read(
+      sources, jnp.zeros(8), jnp.ones(8), eps=1e-6, num_valid=3
+    )
     np.testing.assert_allclose(weights[:3], 1 / 3, rtol=1e-6)
     np.testing.assert_allclose(h, sources[:3].mean(0), rtol=1e-5, atol=1e-6)
 
@@ -121,22 +125,26 @@ def sources_by_buffer(sublayer, block_size, num_sublayers):
       continue
     # Describe the slot's content in the rule's vocabulary.
     first = (slot - 1) * block_size
-    expected_full = [f'v{l}' for l in range(first, min(first + block_size,
-                                                         num_sublayers))]
+    expected_full = [
+      f'v{l}' for l in range(first, min(first + block_size, num_sublayers))
+    ]
     if members == expected_full:
       names.append(f'b{slot}')
     else:
-      assert members == expected_full[:len(members)], (slot, members)
+      assert members == expected_full[: len(members)], (slot, members)
       names.append(f'p{slot}:{len(members)}')
   return names
 
 
-@pytest.mark.parametrize('num_sublayers,block_size',
-                         list(itertools.product([1, 2, 5, 8, 12], [1, 2, 3, 4, 5, 8, 13])))
+@pytest.mark.parametrize(
+  'num_sublayers,block_size',
+  list(itertools.product([1, 2, 5, 8, 12], [1, 2, 3, 4, 5, 8, 13])),
+)
 def test_block_bookkeeping_matches_design(num_sublayers, block_size):
   for sublayer in range(num_sublayers):
     assert sources_by_buffer(sublayer, block_size, num_sublayers) == sources_by_rule(
-        sublayer, block_size, num_sublayers), sublayer
+      sublayer, block_size, num_sublayers
+    ), sublayer
     names = sources_by_rule(sublayer, block_size, num_sublayers)
     assert names.count('b0') == 1  # the embedding exactly once
   # The final read sees every block, the last possibly partial, and each output once.

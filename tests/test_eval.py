@@ -43,10 +43,11 @@ def random_batches(num_batches=2, batch=3, length=8, *, pad_last=True, seed=0):
     window = rng.integers(1, VOCAB, (batch, length + 1)).astype(np.int32)
     weights = np.ones((batch, length), np.float32)
     if pad_last and b == num_batches - 1:
-      window.reshape(-1)[batch * (length + 1) // 2:] = 0  # a padded suffix
+      window.reshape(-1)[batch * (length + 1) // 2 :] = 0  # a padded suffix
       weights = (window[:, 1:] != 0).astype(np.float32)
-    batches.append({'inputs': window[:, :-1], 'targets': window[:, 1:],
-                    'weights': weights})
+    batches.append(
+      {'inputs': window[:, :-1], 'targets': window[:, 1:], 'weights': weights}
+    )
   return batches
 
 
@@ -77,7 +78,9 @@ def test_metrics_equal_direct_computation():
   total_nll = total_weight = 0.0
   for batch in batches:
     logits = np.asarray(forward(model, jnp.asarray(batch['inputs'])), np.float64)
-    log_z = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+    log_z = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(
+      -1
+    )
     target_logit = np.take_along_axis(logits, batch['targets'][..., None], -1)[..., 0]
     total_nll += np.sum((log_z - target_logit) * batch['weights'])
     total_weight += batch['weights'].sum()
@@ -116,7 +119,9 @@ def test_statistics_are_means_over_weighted_tokens(residual, block_size):
   (the positive control)."""
   model = tiny_model(residual, block_size, random_depth=True)
   full = random_batches(1, batch=4, pad_last=False)[0]
-  padded = dict(full, weights=full['weights'] * np.array([[1], [1], [0], [0]], np.float32))
+  padded = dict(
+    full, weights=full['weights'] * np.array([[1], [1], [0], [0]], np.float32)
+  )
   kept = {k: v[:2] for k, v in full.items()}
   got, want, unweighted = (depth_statistics(model, [b]) for b in (padded, kept, full))
   for name in want:
@@ -134,10 +139,12 @@ class EvalSumsJitTest(chex.TestCase):
     model = tiny_model(residual, block_size, random_depth=True)
     graphdef, params = nnx.split(model)
     batch = jax.tree.map(jnp.asarray, random_batches(1)[0])
-    sums = self.variant(functools.partial(evaluate.eval_sums, graphdef=graphdef,
-                                          collect_stats=True))(params, batch)
-    reference = jax.jit(functools.partial(evaluate.eval_sums, graphdef=graphdef,
-                                          collect_stats=True))(params, batch)
+    sums = self.variant(
+      functools.partial(evaluate.eval_sums, graphdef=graphdef, collect_stats=True)
+    )(params, batch)
+    reference = jax.jit(
+      functools.partial(evaluate.eval_sums, graphdef=graphdef, collect_stats=True)
+    )(params, batch)
     # Eager and jitted XLA programs may fuse (and so round) differently: float32 ulps.
     chex.assert_trees_all_close(sums, reference, rtol=1e-5, atol=1e-6)
     assert float(sums['tokens']) == float(np.sum(random_batches(1)[0]['weights']))
@@ -165,8 +172,9 @@ def test_depth_weights_uniform_over_valid_sources_at_zero_queries(residual, bloc
     np.testing.assert_allclose(weights[l, :count], 1.0 / count, rtol=1e-6)
     np.testing.assert_array_equal(weights[l, count:], 0.0)
   np.testing.assert_allclose(stats['final_depth_weights'], 1.0 / final_count, rtol=1e-6)
-  np.testing.assert_allclose(stats['depth_entropy'].reshape(-1), np.log(counts),
-                             atol=1e-6)
+  np.testing.assert_allclose(
+    stats['depth_entropy'].reshape(-1), np.log(counts), atol=1e-6
+  )
   mask, _ = statistics.valid_source_mask(model.cfg)
   np.testing.assert_array_equal(mask.reshape(2 * NUM_LAYERS, -1).sum(-1), counts)
 
@@ -190,25 +198,38 @@ def test_sublayer_grad_norm_grouping():
   num_layers, d = 3, 2
   rng = np.random.default_rng(0)
   grads = {
-      'attention': {'query': rng.normal(size=(num_layers, d, 2)),
-                    'out': rng.normal(size=(num_layers, 2, d))},
-      'attention_norm': {'scale': rng.normal(size=(num_layers, d))},
-      'mlp': {'up': rng.normal(size=(num_layers, d, 4))},
-      'mlp_norm': {'scale': rng.normal(size=(num_layers, d))},
-      'residual': {'query': rng.normal(size=(num_layers, 2, d)),
-                   'gain': rng.normal(size=(num_layers, 2, d))},
+    'attention': {
+      'query': rng.normal(size=(num_layers, d, 2)),
+      'out': rng.normal(size=(num_layers, 2, d)),
+    },
+    'attention_norm': {'scale': rng.normal(size=(num_layers, d))},
+    'mlp': {'up': rng.normal(size=(num_layers, d, 4))},
+    'mlp_norm': {'scale': rng.normal(size=(num_layers, d))},
+    'residual': {
+      'query': rng.normal(size=(num_layers, 2, d)),
+      'gain': rng.normal(size=(num_layers, 2, d)),
+    },
   }
   norms = statistics.sublayer_grad_norms(grads)
   for k in range(num_layers):
-    attention = np.concatenate([
-        grads['attention']['query'][k].ravel(), grads['attention']['out'][k].ravel(),
-        grads['attention_norm']['scale'][k], grads['residual']['query'][k, 0],
-        grads['residual']['gain'][k, 0]])
-    mlp = np.concatenate([
-        grads['mlp']['up'][k].ravel(), grads['mlp_norm']['scale'][k],
-        grads['residual']['query'][k, 1], grads['residual']['gain'][k, 1]])
-    np.testing.assert_allclose(norms[k], [np.linalg.norm(attention),
-                                          np.linalg.norm(mlp)])
+    attention = np.concatenate(
+      [
+        grads['attention']['query'][k].ravel(),
+        grads['attention']['out'][k].ravel(),
+        grads['attention_norm']['scale'][k],
+        grads['residual']['query'][k, 0],
+        grads['residual']['gain'][k, 0],
+      ]
+    )
+    mlp = np.concatenate(
+      [
+        grads['mlp']['up'][k].ravel(),
+        grads['mlp_norm']['scale'][k],
+        grads['residual']['query'][k, 1],
+        grads['residual']['gain'][k, 1],
+      ]
+    )
+    np.testing.assert_allclose(norms[k], [np.linalg.norm(attention), np.linalg.norm(mlp)])
 
 
 # -- figures ------------------------------------------------------------------------
@@ -245,8 +266,9 @@ def test_cached_generation_equals_full_recomputation(residual, block_size):
   model = tiny_model(residual, block_size, random_depth=True)
   prompt = np.array([[3, 70, 80, 90, 100], [0, 65, 66, 67, 68]], np.int32)
   compiled_before = sampling._step._cache_size()
-  tokens, logits = sampling.generate(model, prompt, 6, temperature=0.0,
-                                     return_logits=True)
+  tokens, logits = sampling.generate(
+    model, prompt, 6, temperature=0.0, return_logits=True
+  )
   # One compilation of the one-token step for all positions.
   assert sampling._step._cache_size() - compiled_before <= 1
   assert tokens.shape == (2, 6) and logits.shape == (2, 6, VOCAB)
@@ -268,8 +290,13 @@ def test_sampling_is_deterministic_for_a_seed():
   model = tiny_model('block', 3, random_depth=True)
   prompt = sampling.encode_text('ROMEO:')
   run = lambda seed, **kw: sampling.generate(
-      model, prompt, 12, temperature=kw.get('temperature', 1.0),
-      top_k=kw.get('top_k'), seed=seed)
+    model,
+    prompt,
+    12,
+    temperature=kw.get('temperature', 1.0),
+    top_k=kw.get('top_k'),
+    seed=seed,
+  )
   first = run(0)
   compiled = sampling._step._cache_size()
   np.testing.assert_array_equal(first, run(0))
@@ -299,40 +326,75 @@ def _fake_run(root, name, *, losses, evals):
   workdir.mkdir()
   with open(workdir / 'metrics.jsonl', 'w', encoding='utf-8') as f:
     for step, loss in losses:
-      f.write(json.dumps({'step': step, 'train/loss': loss, 'train/learning_rate': 1e-3})
-              + '\n')
+      f.write(
+        json.dumps({'step': step, 'train/loss': loss, 'train/learning_rate': 1e-3}) + '\n'
+      )
     f.write(json.dumps({'step': losses[-1][0], 'eval/loss': 'nan'}) + '\n')
   for step, record in evals.items():
     out = workdir / 'eval' / f'step_{step}'
     out.mkdir(parents=True)
     (out / 'eval.json').write_text(json.dumps(dict(record, step=step)))
-    np.savez(out / 'analysis.npz', output_rms=np.arange(1.0, 5.0).reshape(2, 2),
-             input_rms=np.ones((2, 2)), grad_norm=np.full((2, 2), 0.5))
+    np.savez(
+      out / 'analysis.npz',
+      output_rms=np.arange(1.0, 5.0).reshape(2, 2),
+      input_rms=np.ones((2, 2)),
+      grad_norm=np.full((2, 2), 0.5),
+    )
   return str(workdir)
 
 
 def test_compare_runs_table_and_figures(tmp_path):
-  std = _fake_run(tmp_path, 'std', losses=[(10, 3.0), (20, 2.5)], evals={
+  std = _fake_run(
+    tmp_path,
+    'std',
+    losses=[(10, 3.0), (20, 2.5)],
+    evals={
       9: {'residual': 'standard', 'block_size': None, 'loss': 9.0},
-      10: {'residual': 'standard', 'block_size': None, 'num_params': 12345,
-           'loss': 2.25, 'bits_per_byte': 2.25 / math.log(2),
-           'perplexity': math.exp(2.25), 'num_tokens': 1000.0, 'whole_split': True}})
-  block = _fake_run(tmp_path, 'block', losses=[(10, 2.9)], evals={
-      5: {'residual': 'block', 'block_size': 2, 'num_params': 12345, 'loss': 2.5,
-          'bits_per_byte': 3.0, 'perplexity': 12.0, 'num_tokens': 64.0,
-          'whole_split': False}})
+      10: {
+        'residual': 'standard',
+        'block_size': None,
+        'num_params': 12345,
+        'loss': 2.25,
+        'bits_per_byte': 2.25 / math.log(2),
+        'perplexity': math.exp(2.25),
+        'num_tokens': 1000.0,
+        'whole_split': True,
+      },
+    },
+  )
+  block = _fake_run(
+    tmp_path,
+    'block',
+    losses=[(10, 2.9)],
+    evals={
+      5: {
+        'residual': 'block',
+        'block_size': 2,
+        'num_params': 12345,
+        'loss': 2.5,
+        'bits_per_byte': 3.0,
+        'perplexity': 12.0,
+        'num_tokens': 64.0,
+        'whole_split': False,
+      }
+    },
+  )
   untested = _fake_run(tmp_path, 'untested', losses=[(1, 5.0)], evals={})
   out = tmp_path / 'compare'
 
   table = analysis.compare_runs([std, block, untested], str(out))
 
   lines = table.strip().split('\n')
-  assert lines[0] == ('| run | residual | S | step | params | held-out loss | '
-                      'bits/byte | perplexity | eval tokens |')
-  assert lines[2] == ('| std | standard | - | 10 | 12,345 | 2.2500 | 3.2461 | 9.4877 | '
-                      '1,000 |')
-  assert lines[3] == ('| block | block | 2 | 5 | 12,345 | 2.5000 | 3.0000 | 12.0000 | '
-                      '64 (partial) |')
+  assert lines[0] == (
+    '| run | residual | S | step | params | held-out loss | '
+    'bits/byte | perplexity | eval tokens |'
+  )
+  assert lines[2] == (
+    '| std | standard | - | 10 | 12,345 | 2.2500 | 3.2461 | 9.4877 | 1,000 |'
+  )
+  assert lines[3] == (
+    '| block | block | 2 | 5 | 12,345 | 2.5000 | 3.0000 | 12.0000 | 64 (partial) |'
+  )
   assert lines[4] == '| untested | - | - | - | - | - | - | - | - |'
   assert (out / 'compare.md').read_text() == table
   for name in ('loss_curves.png', 'magnitudes.png'):
@@ -350,10 +412,16 @@ def test_evaluate_and_analyze_a_trained_run(tmp_path, tfds_dir):
   from configs import default as default_config  # pylint: disable=g-import-not-at-top
   from attnres_jax import checkpointing  # pylint: disable=g-import-not-at-top
   from attnres_jax import train  # pylint: disable=g-import-not-at-top
+
   config = default_config.get_config('tiny')
   config.data.tfds_data_dir = tfds_dir
-  config.train.update(num_steps=2, warmup_steps=1, checkpoint_every=2, max_eval_batches=1,
-                      async_checkpointing=False)
+  config.train.update(
+    num_steps=2,
+    warmup_steps=1,
+    checkpoint_every=2,
+    max_eval_batches=1,
+    async_checkpointing=False,
+  )
   workdir = str(tmp_path / 'run')
   train.train_and_evaluate(config, workdir)
 
@@ -377,12 +445,18 @@ def test_evaluate_and_analyze_a_trained_run(tmp_path, tfds_dir):
 def _eval_cli(*args, timeout=300):
   """Starts `eval.py` with `args` (to run several at once)."""
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  return subprocess.Popen([sys.executable, 'eval.py', *args], cwd=repo, text=True,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+  return subprocess.Popen(
+    [sys.executable, 'eval.py', *args],
+    cwd=repo,
+    text=True,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.STDOUT,
+  )
 
 
 def test_eval_cli_refuses_bad_input_before_computing(tmp_path):
   from attnres_jax import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
+
   # No checkpoints are needed: every case must fail before restoring anything.
   workdir, busy = str(tmp_path / 'run'), str(tmp_path / 'busy')
   os.makedirs(os.path.join(workdir, 'eval'))
@@ -393,11 +467,11 @@ def test_eval_cli_refuses_bad_input_before_computing(tmp_path):
       f.write('{}')
   with workdir_lib.WorkdirLock(busy, 'train'):  # as a training run holds it
     runs = {
-        'compare': _eval_cli('--compare', workdir, str(tmp_path / 'does_not_exist')),
-        'batch_size': _eval_cli(f'--workdir={workdir}', '--batch_size=0'),
-        'no_run': _eval_cli(f'--workdir={tmp_path}/does_not_exist'),
-        'unwritable': _eval_cli(f'--workdir={workdir}', '--step=2'),
-        'locked': _eval_cli(f'--workdir={busy}', '--step=2'),
+      'compare': _eval_cli('--compare', workdir, str(tmp_path / 'does_not_exist')),
+      'batch_size': _eval_cli(f'--workdir={workdir}', '--batch_size=0'),
+      'no_run': _eval_cli(f'--workdir={tmp_path}/does_not_exist'),
+      'unwritable': _eval_cli(f'--workdir={workdir}', '--step=2'),
+      'locked': _eval_cli(f'--workdir={busy}', '--step=2'),
     }
     if os.geteuid() != 0:  # root writes anywhere
       read_only = str(tmp_path / 'read_only')
@@ -408,12 +482,17 @@ def test_eval_cli_refuses_bad_input_before_computing(tmp_path):
       runs['read_only'] = _eval_cli(f'--workdir={read_only}', '--step=2')
     outputs = {name: run.communicate(timeout=300)[0] for name, run in runs.items()}
   assert all(run.returncode == 1 for run in runs.values()), outputs
-  assert ('Not run directories (no config.json or metrics.jsonl): '
-          f"'{tmp_path}/does_not_exist'.") in outputs['compare']
-  assert (f'{tmp_path}/does_not_exist is not a run directory (no config.json).'
-          in outputs['no_run'])
+  assert (
+    f"Not run directories (no config.json or metrics.jsonl): '{tmp_path}/does_not_exist'."
+  ) in outputs['compare']
+  assert (
+    f'{tmp_path}/does_not_exist is not a run directory (no config.json).'
+    in outputs['no_run']
+  )
   assert '--batch_size must be >= 1 (or unset), got 0.' in outputs['batch_size']
-  assert f'Cannot write the evaluation to {workdir}/eval/step_2: ' in outputs['unwritable']
+  assert (
+    f'Cannot write the evaluation to {workdir}/eval/step_2: ' in outputs['unwritable']
+  )
   assert f'in use by pid {os.getpid()} on host' in outputs['locked']
   assert '--output_dir=DIR' in outputs['locked']
   if 'read_only' in outputs:

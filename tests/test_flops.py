@@ -20,8 +20,9 @@ def test_depth_read_sources_by_hand():
   assert attnres.depth_read_sources(block) == (1 + 2 + 2 + 2) + (2 + 3) + 3
   assert residual_flops(ar.model_config(residual='standard')) == 0
   # A window of 2 caps each read, the final one too, at the embedding + 2 sources.
-  window = ar.model_config(num_layers=3, residual='full', depth_window=2,
-                           depth_read='one_shot')
+  window = ar.model_config(
+    num_layers=3, residual='full', depth_window=2, depth_read='one_shot'
+  )
   assert attnres.depth_read_sources(window) == 1 + 2 + 3 + 3 + 3 + 3 + 3
 
 
@@ -39,8 +40,9 @@ def test_forward_flops_terms():
 
 def test_hyper_connection_flops_by_hand():
   # m = 2 streams, d = 8, 1 layer (2 sublayers), dynamic, 3 Sinkhorn iterations.
-  common = dict(d_model=8, num_heads=2, mlp_dim=16, num_layers=1, hc_streams=2,
-                sinkhorn_iters=3)
+  common = dict(
+    d_model=8, num_heads=2, mlp_dim=16, num_layers=1, hc_streams=2, sinkhorn_iters=3
+  )
   hc = ar.model_config(residual='hc', **common)
   # read 2*2*8 + mixing 2*4*8 + write 2*2*8 = 128; norm 3*2*8 = 48; projections
   # W_m, W_r, W_beta: 2*2*8*(1 + 2 + 1) = 128; per sublayer 304; final sum 1*8.
@@ -53,8 +55,9 @@ def test_hyper_connection_flops_by_hand():
   assert residual_flops(static) == 2 * 128 + 8
   terms = flops.forward_flops_per_token(mhc, seq_len=4)
   assert terms['depth_read'] == 2 * 540 + 8
-  assert residual_flops(ar.model_config(residual='full')) == 7 * 128 * attnres.depth_read_sources(
-      ar.model_config(residual='full'))
+  assert residual_flops(
+    ar.model_config(residual='full')
+  ) == 7 * 128 * attnres.depth_read_sources(ar.model_config(residual='full'))
 
 
 def test_residual_io_by_hand():
@@ -62,7 +65,10 @@ def test_residual_io_by_hand():
   assert io(residual='standard') == {'read': 2.0, 'write': 1.0, 'total': 3.0}
   # m = 4, L = 4: reads 9 per sublayer + 4 for the final sum; writes 5 + 1.
   assert io(residual='mhc', hc_streams=4) == {
-      'read': (4 * 9 + 4) / 4, 'write': (4 * 5 + 1) / 4, 'total': (40 + 21) / 4}
+    'read': (4 * 9 + 4) / 4,
+    'write': (4 * 5 + 1) / 4,
+    'total': (40 + 21) / 4,
+  }
   # Block S = 2, L = 4, segments of 1 layer (2 sublayers, one block each).
   # Segment 0: Phase 1 reads slot 0, writes 2 o's; sublayer 0: Phase 2 reads o (no
   # local slot), writes h; write reads f, writes the slot. Sublayer 1: Phase 2 reads
@@ -84,14 +90,29 @@ def test_memory_io_table_smoke(tmp_path):
   import os  # pylint: disable=g-import-not-at-top
   import subprocess  # pylint: disable=g-import-not-at-top
   import sys  # pylint: disable=g-import-not-at-top
+
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   out = tmp_path / 'io.json'
   subprocess.run(
-      [sys.executable, os.path.join(root, 'bench', 'memory.py'), '--io', '--layers=1',
-       '--modes=standard,hc:2', '--d_model=64', '--seq_len=8', '--batch_size=2',
-       f'--io_out={out}'],
-      check=True, cwd=root, timeout=300,
-      env={**os.environ, 'PYTHONPATH': root + os.pathsep + os.environ.get('PYTHONPATH', '')})
+    [
+      sys.executable,
+      os.path.join(root, 'bench', 'memory.py'),
+      '--io',
+      '--layers=1',
+      '--modes=standard,hc:2',
+      '--d_model=64',
+      '--seq_len=8',
+      '--batch_size=2',
+      f'--io_out={out}',
+    ],
+    check=True,
+    cwd=root,
+    timeout=300,
+    env={
+      **os.environ,
+      'PYTHONPATH': root + os.pathsep + os.environ.get('PYTHONPATH', ''),
+    },
+  )
   rows = {row['mode']: row for row in json.load(open(out))}
   assert rows['standard']['total'] == 3.0 and rows['standard']['hlo_total'] == 3.0
   # HC with m = 2 streams, 2 sublayers: counted (2m + 1) + m / L read, (m + 1) + 1 / L.

@@ -20,8 +20,9 @@ VARIANTS = [('hc', True), ('hc', False), ('mhc', True), ('mhc', False)]
 
 
 def make_model(residual, dynamic=True, seed=0, **overrides):
-  cfg = ar.model_config(**{**TINY, 'residual': residual, 'hc_dynamic': dynamic,
-                           **overrides})
+  cfg = ar.model_config(
+    **{**TINY, 'residual': residual, 'hc_dynamic': dynamic, **overrides}
+  )
   return ar.Transformer(cfg, rngs=nnx.Rngs(seed))
 
 
@@ -81,19 +82,21 @@ def hc_step(p, which, k, H, f, cfg):
   """Hyper-Connections (Zhu et al.): h0 = A_m^T H, H' = B^T f(h0) + A_r^T H, with the
   dynamic parts from norm(H). H: [B, T, m, D]."""
   m = cfg.hc_streams
-  A_m = jax.nn.one_hot(k % m, m) + p.static_read[...][which]      # [m]
-  A_r = p.static_mix[...][which]                                   # [m, m]
-  B = p.static_write[...][which]                                   # [m]
+  A_m = jax.nn.one_hot(k % m, m) + p.static_read[...][which]  # [m]
+  A_r = p.static_mix[...][which]  # [m, m]
+  B = p.static_write[...][which]  # [m]
   A_m, A_r, B = (jnp.broadcast_to(x, H.shape[:2] + x.shape) for x in (A_m, A_r, B))
   if cfg.hc_dynamic:
     Hn = rms_rows(H, cfg.norm_eps)
     A_m = A_m + p.read_scale[...][which] * jnp.tanh(Hn @ p.read_proj[...][which])
     A_r = A_r + p.read_scale[...][which] * jnp.tanh(Hn @ p.mix_proj[...][which])
     B = B + p.write_scale[...][which] * jnp.tanh(Hn @ p.write_proj[...][which])
-  h0 = jnp.einsum('btm,btmd->btd', A_m, H)                          # A_m^T H
+  h0 = jnp.einsum('btm,btmd->btd', A_m, H)  # A_m^T H
   out = f(h0)
-  return (jnp.einsum('btm,btd->btmd', B, out)                       # B^T f(h0)
-          + jnp.einsum('btij,btid->btjd', A_r, H))                  # A_r^T H
+  return (
+    jnp.einsum('btm,btd->btmd', B, out)  # B^T f(h0)
+    + jnp.einsum('btij,btid->btjd', A_r, H)
+  )  # A_r^T H
 
 
 def mhc_step(p, which, k, H, f, cfg):
@@ -101,35 +104,41 @@ def mhc_step(p, which, k, H, f, cfg):
   m, d = cfg.hc_streams, cfg.d_model
   selected = jax.nn.one_hot(k % m, m)
   b_pre = hcl.MHC_LOGIT * (2 * selected - 1) + p.pre_bias[...][which]
-  pre, post, res = (jnp.broadcast_to(v, H.shape[:2] + v.shape) for v in (
-      b_pre, p.post_bias[...][which], p.res_bias[...][which]))  # per token
+  pre, post, res = (
+    jnp.broadcast_to(v, H.shape[:2] + v.shape)
+    for v in (b_pre, p.post_bias[...][which], p.res_bias[...][which])
+  )  # per token
   if cfg.hc_dynamic:
-    x = H.reshape(*H.shape[:2], m * d)                              # vec(x_l)
+    x = H.reshape(*H.shape[:2], m * d)  # vec(x_l)
     x = rms_rows(x, cfg.norm_eps)
     flat = lambda phi: phi[...][which].reshape(m * d, -1)
     pre = pre + p.pre_scale[...][which] * (x @ flat(p.pre_proj))
     post = post + p.post_scale[...][which] * (x @ flat(p.post_proj))
     res = res + p.res_scale[...][which] * (x @ flat(p.res_proj)).reshape(
-        *H.shape[:2], m, m)
+      *H.shape[:2], m, m
+    )
   H_pre = jax.nn.sigmoid(jnp.broadcast_to(pre, H.shape[:2] + (m,)))
   H_post = 2 * jax.nn.sigmoid(jnp.broadcast_to(post, H.shape[:2] + (m,)))
-  H_res = reference_sinkhorn(jnp.broadcast_to(res, H.shape[:2] + (m, m)),
-                             cfg.sinkhorn_iters)
+  H_res = reference_sinkhorn(
+    jnp.broadcast_to(res, H.shape[:2] + (m, m)), cfg.sinkhorn_iters
+  )
   out = f(jnp.einsum('btm,btmd->btd', H_pre, H))
-  return jnp.einsum('btij,btjd->btid', H_res, H) + jnp.einsum('btm,btd->btmd', H_post, out)
+  return jnp.einsum('btij,btjd->btid', H_res, H) + jnp.einsum(
+    'btm,btd->btmd', H_post, out
+  )
 
 
 def reference_logits(model, tokens_BT):
   cfg = model.cfg
   positions = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
   x = model.embed(tokens_BT)
-  H = jnp.repeat(x[:, :, None, :], cfg.hc_streams, axis=2)      # every stream: x
+  H = jnp.repeat(x[:, :, None, :], cfg.hc_streams, axis=2)  # every stream: x
   step = mhc_step if cfg.residual == 'mhc' else hc_step
   for k in range(NUM_SUBLAYERS):
     lay = layer(model, k // 2)
     f = lambda h, lay=lay, k=k: lay.sublayer(k % 2, h, positions)
     H = step(lay.residual, k % 2, k, H, f, cfg)
-  return model.head(jnp.sum(H, axis=2))                          # the streams summed
+  return model.head(jnp.sum(H, axis=2))  # the streams summed
 
 
 # -- Sinkhorn -----------------------------------------------------------------------
@@ -168,8 +177,9 @@ def test_sinkhorn_extreme_logits(scale):
     errors.append(float(jnp.mean(jnp.abs(matrix.sum(-2) - 1))))
   # Sinkhorn's L1 marginal error is non-increasing (allow float32 rounding).
   assert errors[0] + 1e-6 >= errors[1] and errors[1] + 1e-6 >= errors[2], errors
-  grads = jax.grad(lambda x: jnp.sum(hcl.sinkhorn(x, 20) * jnp.arange(16.).reshape(1, 4, 4)))(
-      logits)
+  grads = jax.grad(
+    lambda x: jnp.sum(hcl.sinkhorn(x, 20) * jnp.arange(16.0).reshape(1, 4, 4))
+  )(logits)
   assert bool(jnp.all(jnp.isfinite(grads)))
 
 
@@ -181,8 +191,9 @@ def test_sinkhorn_of_the_initial_logits_is_near_identity():
   np.testing.assert_allclose(matrix.sum(-1), 1.0, atol=1e-6)
   np.testing.assert_allclose(matrix.sum(-2), 1.0, atol=1e-6)
   off = np.exp(-hcl.MHC_LOGIT) / (1 + (m - 1) * np.exp(-hcl.MHC_LOGIT))
-  np.testing.assert_allclose(matrix, np.where(np.eye(m), 1 - (m - 1) * off, off),
-                             rtol=1e-5)
+  np.testing.assert_allclose(
+    matrix, np.where(np.eye(m), 1 - (m - 1) * off, off), rtol=1e-5
+  )
 
 
 # -- the model ----------------------------------------------------------------------
@@ -206,7 +217,8 @@ def test_identity_init_matches_the_standard_model(residual):
   stream is the standard residual stream, so the logits are the standard model's."""
   standard = make_model('standard')
   converted = ar.convert_standard_to_attnres(
-      standard, ar.model_config(**{**TINY, 'residual': residual}))
+    standard, ar.model_config(**{**TINY, 'residual': residual})
+  )
   x = tokens()
   want = jitted(lambda m, x: m(x), standard, x)
   scale = float(jnp.abs(want).max())
@@ -214,8 +226,9 @@ def test_identity_init_matches_the_standard_model(residual):
   # of ~1: 1e-6 relative), and mHC's first read weighs the other streams by
   # sigmoid(-8) each, which its PreNorm removes up to the same eps; plus float32
   # rounding of the stream sums: measured <= 1e-6 of the logit scale.
-  np.testing.assert_allclose(jitted(lambda m, x: m(x), converted, x), want,
-                             atol=1e-5 * scale)
+  np.testing.assert_allclose(
+    jitted(lambda m, x: m(x), converted, x), want, atol=1e-5 * scale
+  )
 
 
 @pytest.mark.parametrize('residual', ['hc', 'mhc'])
@@ -235,8 +248,13 @@ def test_execution_variants_equal_the_scan(residual):
     # Same float32 operations, fused or ordered differently by XLA: a few ulps.
     np.testing.assert_allclose(loss_other, loss, rtol=1e-5, err_msg=str(execution))
     for got, want in zip(jax.tree.leaves(grads_other), jax.tree.leaves(grads)):
-      np.testing.assert_allclose(got, want, rtol=1e-4, err_msg=str(execution),
-                                 atol=1e-5 * float(jnp.abs(want).max()) + 1e-12)
+      np.testing.assert_allclose(
+        got,
+        want,
+        rtol=1e-4,
+        err_msg=str(execution),
+        atol=1e-5 * float(jnp.abs(want).max()) + 1e-12,
+      )
 
 
 @pytest.mark.parametrize('residual', ['hc', 'mhc'])
@@ -271,7 +289,7 @@ def test_cached_decoding_equals_recomputation(residual):
   # float32, the same sublayers on fewer positions: ~1e-6 relative.
   np.testing.assert_allclose(logits, full[:, :prompt], atol=1e-5 * scale)
   for t in range(prompt, 10):
-    logits, cache = decode(model, x[:, t:t + 1], cache, jnp.int32(t))
+    logits, cache = decode(model, x[:, t : t + 1], cache, jnp.int32(t))
     np.testing.assert_allclose(logits[:, 0], full[:, t], atol=1e-5 * scale)
 
 
@@ -292,21 +310,27 @@ def test_stream_statistics():
   np.testing.assert_allclose(stats['mix_weights'].sum(-2), 1.0, atol=2e-2)
   # The weighted means are those of the unpadded tokens alone.
   kept = hcl.stream_statistics(model, x[1:], None)
-  both = hcl.stream_statistics(model, x, np.concatenate([np.zeros((1, 12)),
-                                                         np.ones((1, 12))]))
+  both = hcl.stream_statistics(
+    model, x, np.concatenate([np.zeros((1, 12)), np.ones((1, 12))])
+  )
   np.testing.assert_allclose(both['stream_rms'], kept['stream_rms'], rtol=1e-5)
   # At initialisation the streams are all equal to the standard residual stream.
   fresh = hcl.stream_statistics(make_model('hc'), x)
-  np.testing.assert_allclose(fresh['stream_rms'],
-                             np.broadcast_to(fresh['stream_rms'][..., :1], (layers, 2, m)),
-                             rtol=1e-5)
+  np.testing.assert_allclose(
+    fresh['stream_rms'],
+    np.broadcast_to(fresh['stream_rms'][..., :1], (layers, 2, m)),
+    rtol=1e-5,
+  )
 
 
-@pytest.mark.parametrize('overrides,message', [
+@pytest.mark.parametrize(
+  'overrides,message',
+  [
     (dict(residual='hc', hc_streams=0), 'hc_streams'),
     (dict(residual='mhc', sinkhorn_iters=0), 'sinkhorn_iters'),
     (dict(residual='hc', depth_window=2, depth_read='one_shot'), 'AttnRes'),
-])
+  ],
+)
 def test_config_errors_are_readable(overrides, message):
   with pytest.raises(ValueError, match=message):
     ar.model_config(**{**TINY, **overrides})  # validated when made
@@ -315,21 +339,29 @@ def test_config_errors_are_readable(overrides, message):
 @pytest.mark.parametrize('residual', ['hc', 'mhc'])
 def test_weight_decay_spares_static_weights_and_gates(residual):
   from attnres_jax import optim  # pylint: disable=g-import-not-at-top
+
   params = nnx.state(make_model(residual), nnx.Param)
-  mask = {jax.tree_util.keystr(p): m for p, m in
-          jax.tree_util.tree_leaves_with_path(optim.decay_mask(params))}
+  mask = {
+    jax.tree_util.keystr(p): m
+    for p, m in jax.tree_util.tree_leaves_with_path(optim.decay_mask(params))
+  }
   residual_mask = {k: v for k, v in mask.items() if "'residual'" in k}
   # Decayed: exactly the input-dependent projections (matrices, as in AttnRes).
   assert {k for k, v in residual_mask.items() if v} == {
-      k for k in residual_mask if "_proj'" in k}
+    k for k in residual_mask if "_proj'" in k
+  }
 
 
 def test_analysis_figures(tmp_path):
   from attnres_jax import analysis  # pylint: disable=g-import-not-at-top
+
   model = randomize(make_model('mhc'))
   x = np.asarray(tokens(length=9))
-  batch = {'inputs': x[:, :-1], 'targets': x[:, 1:],
-           'weights': np.ones(x[:, 1:].shape, np.float32)}
+  batch = {
+    'inputs': x[:, :-1],
+    'targets': x[:, 1:],
+    'weights': np.ones(x[:, 1:].shape, np.float32),
+  }
   result = analysis.analyze(model, [batch], str(tmp_path), grad_batches=1)
   names = {os.path.basename(f) for f in result['files']}
   assert {'streams.png', 'magnitudes.png', 'grad_norms.png'} <= names

@@ -30,22 +30,33 @@ def assert_grads_close(actual, expected):
   # The two backward passes sum the same float32 terms in different orders (and the
   # depth read's VJP is written by hand): differences of a few ulps of the largest
   # gradient entry of each parameter.
-  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(actual),
-                          jax.tree.leaves(expected)):
+  for (path, a), b in zip(
+    jax.tree_util.tree_leaves_with_path(actual), jax.tree.leaves(expected)
+  ):
     scale = float(jnp.abs(b).max()) + 1e-30
     np.testing.assert_allclose(a / scale, b / scale, atol=5e-5, err_msg=str(path))
 
 
-@pytest.mark.parametrize('residual,block_size,schedule_layers,remat', [
-    ('full', 1, 0, 'none'), ('full', 1, 2, 'none'), ('full', 1, 3, 'none'),
-    ('block', 2, 0, 'none'), ('block', 3, 0, 'none'),
+@pytest.mark.parametrize(
+  'residual,block_size,schedule_layers,remat',
+  [
+    ('full', 1, 0, 'none'),
+    ('full', 1, 2, 'none'),
+    ('full', 1, 3, 'none'),
+    ('block', 2, 0, 'none'),
+    ('block', 3, 0, 'none'),
     ('block', 4, 0, 'none'),  # 4 does not divide the 6 sublayers
     ('block', 6, 0, 'none'),  # S = L: a single block
     ('block', 2, 2, 'none'),  # two blocks per segment, and a shorter last segment
-    ('block', 3, 0, 'sublayer'), ('block', 3, 0, 'layer'), ('full', 1, 2, 'layer'),
-    ('full', 1, 2, 'sublayer')])
-def test_linear_memory_backward_equals_plain_autodiff(residual, block_size,
-                                                      schedule_layers, remat):
+    ('block', 3, 0, 'sublayer'),
+    ('block', 3, 0, 'layer'),
+    ('full', 1, 2, 'layer'),
+    ('full', 1, 2, 'sublayer'),
+  ],
+)
+def test_linear_memory_backward_equals_plain_autodiff(
+  residual, block_size, schedule_layers, remat
+):
   model = random_model(residual, block_size, schedule_layers=schedule_layers)
   plain = gradients(model, linear_memory_backward=False, remat='none')
   linear = gradients(model, linear_memory_backward=True, remat=remat)
@@ -62,16 +73,24 @@ def test_bfloat16_linear_memory_backward_is_close_to_plain():
   # float32 gradient, so the two lie within twice that of each other (the triangle
   # inequality), per parameter relative to its largest entry; a wrong backward pass
   # is off by the gradient's own scale.
-  for (path, a), b, c in zip(jax.tree_util.tree_leaves_with_path(linear),
-                             jax.tree.leaves(plain), jax.tree.leaves(exact)):
+  for (path, a), b, c in zip(
+    jax.tree_util.tree_leaves_with_path(linear),
+    jax.tree.leaves(plain),
+    jax.tree.leaves(exact),
+  ):
     bf16_error = float(jnp.abs(b - c).max())
     assert float(jnp.abs(a - b).max()) <= 2 * bf16_error, (path, bf16_error)
 
 
 def compiled_temp_bytes(residual, block_size, num_layers, linear):
   # A fixed schedule segment (2 layers), so that only the depth changes.
-  model = tiny_model(residual, block_size, num_layers=num_layers,
-                     linear_memory_backward=linear, schedule_layers=2)
+  model = tiny_model(
+    residual,
+    block_size,
+    num_layers=num_layers,
+    linear_memory_backward=linear,
+    schedule_layers=2,
+  )
   graphdef, state = nnx.split(model)
   x = jnp.zeros((4, 64), jnp.int32)
   grad_fn = jax.jit(jax.grad(lambda s: jnp.mean(nnx.merge(graphdef, s)(x))))
@@ -81,10 +100,14 @@ def compiled_temp_bytes(residual, block_size, num_layers, linear):
 def test_full_attnres_memory_grows_linearly_in_depth():
   """Quadrupling the depth at most quadruples the extra memory over the standard model
   with the custom backward pass, while plain autodiff grows quadratically."""
-  standard = {layers: compiled_temp_bytes('standard', 1, layers, False)
-              for layers in (8, 32)}
-  extra = {(linear, layers): compiled_temp_bytes('full', 1, layers, linear)
-           - standard[layers] for linear in (True, False) for layers in (8, 32)}
+  standard = {
+    layers: compiled_temp_bytes('standard', 1, layers, False) for layers in (8, 32)
+  }
+  extra = {
+    (linear, layers): compiled_temp_bytes('full', 1, layers, linear) - standard[layers]
+    for linear in (True, False)
+    for layers in (8, 32)
+  }
   # Linear: extra(4L) / extra(L) ~ 4 (measured 3.4). Quadratic: -> 16 at large L
   # (measured 7.3: the linear terms still weigh at 8 layers).
   assert extra[True, 32] / extra[True, 8] < 4.6, extra

@@ -14,8 +14,15 @@ from conftest import TINY_MODEL as TINY, randomize_depth_params, tiny_model as m
 from conftest import with_config
 
 NUM_SUBLAYERS = 2 * TINY['num_layers']
-MODES = [('standard', 1), ('full', 1), ('block', 1), ('block', 2), ('block', 3),
-         ('block', 4), ('block', NUM_SUBLAYERS)]
+MODES = [
+  ('standard', 1),
+  ('full', 1),
+  ('block', 1),
+  ('block', 2),
+  ('block', 3),
+  ('block', 4),
+  ('block', NUM_SUBLAYERS),
+]
 
 
 def tokens(batch=2, length=12, seed=0):
@@ -53,8 +60,9 @@ def reference_logits(model, tokens_BT):
     values = [embedding]  # v_0 = h_1, then the raw output of every sublayer
     for l in range(NUM_SUBLAYERS):
       lay = layer(model, l // 2)
-      h = reference_read(values, lay.residual.query[...][l % 2], lay.residual.gain[...][l % 2],
-                         eps)
+      h = reference_read(
+        values, lay.residual.query[...][l % 2], lay.residual.gain[...][l % 2], eps
+      )
       values.append(lay.sublayer(l % 2, h, positions))
     final_sources = values
   else:
@@ -66,12 +74,15 @@ def reference_logits(model, tokens_BT):
         partial = None
       sources = blocks + ([partial] if partial is not None else [])
       lay = layer(model, l // 2)
-      h = reference_read(sources, lay.residual.query[...][l % 2],
-                         lay.residual.gain[...][l % 2], eps)
+      h = reference_read(
+        sources, lay.residual.query[...][l % 2], lay.residual.gain[...][l % 2], eps
+      )
       out = lay.sublayer(l % 2, h, positions)
       partial = out if partial is None else partial + out
     final_sources = blocks + [partial]
-  h = reference_read(final_sources, model.final_residual.query[...], model.final_residual.gain[...], eps)
+  h = reference_read(
+    final_sources, model.final_residual.query[...], model.final_residual.gain[...], eps
+  )
   return model.head(h)
 
 
@@ -119,15 +130,17 @@ def test_shared_weights_do_not_depend_on_the_mode():
   for residual, block_size in MODES[1:]:
     state = nnx.to_flat_state(nnx.state(make_model(residual, block_size)))
     added = {path for path, _ in state} - {path for path, _ in shared}
-    assert added and all('residual' in path[0] or 'residual' in path[1]
-                         for path in added), added
+    assert added and all(
+      'residual' in path[0] or 'residual' in path[1] for path in added
+    ), added
     state = dict(state)
     for path, value in shared:
       np.testing.assert_array_equal(state[path][...], value[...], err_msg=str(path))
 
 
-@pytest.mark.parametrize('residual,block_size', [('standard', 1), ('full', 1),
-                                                 ('block', 3)])
+@pytest.mark.parametrize(
+  'residual,block_size', [('standard', 1), ('full', 1), ('block', 3)]
+)
 def test_scan_equals_unrolled(residual, block_size):
   model = randomize_depth_params(make_model(residual, block_size))
   x = tokens()
@@ -162,8 +175,8 @@ def test_causal(residual, block_size):
 
   embeddings = model.embed(tokens(1, length))
   grads = jax.jit(jax.grad(logits_at_t))(embeddings)  # jitted: eager ops are slow
-  assert jnp.all(grads[:, t + 1:] == 0)
-  assert jnp.any(grads[:, :t + 1] != 0)
+  assert jnp.all(grads[:, t + 1 :] == 0)
+  assert jnp.any(grads[:, : t + 1] != 0)
 
 
 @pytest.mark.parametrize('residual,block_size', MODES)
@@ -190,8 +203,9 @@ def test_converted_standard_model_gives_standard_logits(residual, block_size):
   # Move the shared weights away from their init so the conversion must copy them.
   standard.layers.mlp.up[...] = standard.layers.mlp.up[...] * 1.5
   # How the reads are computed is not part of the function: conversion accepts it.
-  target_cfg = standard.cfg.replace(residual=residual, block_size=block_size,
-                                    depth_read='one_shot')
+  target_cfg = standard.cfg.replace(
+    residual=residual, block_size=block_size, depth_read='one_shot'
+  )
   converted = ar.convert_standard_to_attnres(standard, target_cfg)
   assert converted.cfg.residual == residual
   np.testing.assert_array_equal(converted.layers.residual.query[...], 0.0)
@@ -208,7 +222,9 @@ def test_conversion_rejects_a_different_architecture():
     ar.convert_standard_to_attnres(standard, cfg)
 
 
-@pytest.mark.parametrize('overrides,message', [
+@pytest.mark.parametrize(
+  'overrides,message',
+  [
     (dict(block_size=0), 'block_size'),
     (dict(block_size=-2), 'block_size'),
     (dict(num_heads=3), 'does not divide'),
@@ -221,7 +237,8 @@ def test_conversion_rejects_a_different_architecture():
     (dict(schedule_layers=4), 'schedule_layers'),  # TINY has 3 layers
     (dict(residual='block', block_size=4, schedule_layers=1), 'whole blocks'),
     (dict(depth_read='three_phase'), 'depth_read'),
-])
+  ],
+)
 def test_config_errors_are_readable(overrides, message):
   with pytest.raises(ValueError, match=message):
     make_model(**overrides)
@@ -243,7 +260,11 @@ def test_bfloat16_model_runs_the_read_in_float32():
   # 20 rounded ops in sequence give a few tenths to a few percent of relative error
   # (measured 1.7-1.8%), while a wrong dtype path (e.g. logits from bf16 weights
   # without float32 accumulation, or a broken read) is off by tens of percent.
-  relative_rms = jnp.sqrt(jnp.mean((logits - reference) ** 2) / jnp.mean(reference ** 2))
+  relative_rms = jnp.sqrt(jnp.mean((logits - reference) ** 2) / jnp.mean(reference**2))
   assert relative_rms < 0.03, relative_rms
-  assert depth.attn_res_read(jnp.ones((2, 1, 1, 4), jnp.bfloat16), jnp.ones(4),
-                             jnp.ones(4), eps=1e-6)[1].dtype == jnp.float32
+  assert (
+    depth.attn_res_read(
+      jnp.ones((2, 1, 1, 4), jnp.bfloat16), jnp.ones(4), jnp.ones(4), eps=1e-6
+    )[1].dtype
+    == jnp.float32
+  )

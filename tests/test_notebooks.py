@@ -23,8 +23,8 @@ CELL_TIMEOUT_S = 300
 # trained once on the plays into the shared data dir, copied into each run.
 SUBWORD = dict(TOKENIZER='sentencepiece', VOCAB_SIZE=400)
 TINY = {
-    'quickstart.ipynb': dict(CONFIG='tiny', NUM_STEPS=10, SAMPLE_LENGTH=20, **SUBWORD),
-    'analysis.ipynb': dict(CONFIG='tiny', NUM_STEPS=10, EVAL_BATCHES=2, **SUBWORD),
+  'quickstart.ipynb': dict(CONFIG='tiny', NUM_STEPS=10, SAMPLE_LENGTH=20, **SUBWORD),
+  'analysis.ipynb': dict(CONFIG='tiny', NUM_STEPS=10, EVAL_BATCHES=2, **SUBWORD),
 }
 
 
@@ -33,8 +33,9 @@ def read(name):
 
 
 def parameters_index(nb):
-  indices = [i for i, cell in enumerate(nb.cells)
-             if 'parameters' in cell.metadata.get('tags', [])]
+  indices = [
+    i for i, cell in enumerate(nb.cells) if 'parameters' in cell.metadata.get('tags', [])
+  ]
   assert len(indices) == 1, f'expected one cell tagged "parameters", got {indices}'
   return indices[0]
 
@@ -46,7 +47,8 @@ def inject(nb, overrides):
   for name in overrides:
     assert f'{name} = ' in defined, f'{name} is not a parameter of the notebook'
   cell = nbformat.v4.new_code_cell(
-      '\n'.join(f'{name} = {value!r}' for name, value in overrides.items()))
+    '\n'.join(f'{name} = {value!r}' for name, value in overrides.items())
+  )
   cell.metadata['tags'] = ['injected-parameters']
   nb.cells.insert(index + 1, cell)
   return nb
@@ -62,13 +64,25 @@ def kernel_env(tmp_path_factory):
   root = tmp_path_factory.mktemp('jupyter')
   spec_dir = root / 'kernels' / 'python3'
   spec_dir.mkdir(parents=True)
-  (spec_dir / 'kernel.json').write_text(json.dumps({
-      'argv': [sys.executable, '-m', 'ipykernel_launcher', '-f', '{connection_file}'],
-      'display_name': 'Python 3 (attnres_jax tests)', 'language': 'python'}))
-  paths = [str(root)] + [p for p in os.environ.get('JUPYTER_PATH', '').split(os.pathsep) if p]
+  (spec_dir / 'kernel.json').write_text(
+    json.dumps(
+      {
+        'argv': [sys.executable, '-m', 'ipykernel_launcher', '-f', '{connection_file}'],
+        'display_name': 'Python 3 (attnres_jax tests)',
+        'language': 'python',
+      }
+    )
+  )
+  paths = [str(root)] + [
+    p for p in os.environ.get('JUPYTER_PATH', '').split(os.pathsep) if p
+  ]
   python_path = [str(REPO)] + [
-      p for p in os.environ.get('PYTHONPATH', '').split(os.pathsep) if p]
-  env = {'JUPYTER_PATH': os.pathsep.join(paths), 'PYTHONPATH': os.pathsep.join(python_path)}
+    p for p in os.environ.get('PYTHONPATH', '').split(os.pathsep) if p
+  ]
+  env = {
+    'JUPYTER_PATH': os.pathsep.join(paths),
+    'PYTHONPATH': os.pathsep.join(python_path),
+  }
   with pytest.MonkeyPatch.context() as patch:
     for key, value in env.items():
       patch.setenv(key, value)
@@ -82,22 +96,35 @@ def execute(name, overrides, directory, env):
   with pytest.MonkeyPatch.context() as patch:
     for key, value in env.items():
       patch.setenv(key, value)
-    client = NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name='python3',
-                            resources={'metadata': {'path': str(directory)}})
+    client = NotebookClient(
+      nb,
+      timeout=CELL_TIMEOUT_S,
+      kernel_name='python3',
+      resources={'metadata': {'path': str(directory)}},
+    )
     client.execute()  # raises CellExecutionError on the first failing cell
   return nb
 
 
 def assert_no_errors(nb):
-  errors = [output for cell in nb.cells if cell.cell_type == 'code'
-            for output in cell.outputs if output.output_type == 'error']
+  errors = [
+    output
+    for cell in nb.cells
+    if cell.cell_type == 'code'
+    for output in cell.outputs
+    if output.output_type == 'error'
+  ]
   assert not errors
 
 
 def images(nb):
-  return sum('image/png' in output.get('data', {}) or
-             'data:image/png' in output.get('data', {}).get('text/html', '')
-             for cell in nb.cells if cell.cell_type == 'code' for output in cell.outputs)
+  return sum(
+    'image/png' in output.get('data', {})
+    or 'data:image/png' in output.get('data', {}).get('text/html', '')
+    for cell in nb.cells
+    if cell.cell_type == 'code'
+    for output in cell.outputs
+  )
 
 
 @pytest.fixture(scope='module')
@@ -111,15 +138,23 @@ def quickstart(kernel_env, data_dir, tmp_path_factory):
   """The executed quickstart and its workdir (a trained tiny Block run)."""
   directory = tmp_path_factory.mktemp('quickstart')
   workdir = directory / 'workdir'
-  nb = execute('quickstart.ipynb',
-               dict(TINY['quickstart.ipynb'], WORKDIR=str(workdir), DATA_DIR=data_dir),
-               directory, kernel_env)
+  nb = execute(
+    'quickstart.ipynb',
+    dict(TINY['quickstart.ipynb'], WORKDIR=str(workdir), DATA_DIR=data_dir),
+    directory,
+    kernel_env,
+  )
   return nb, workdir
 
 
 def printed(nb) -> str:
-  return ''.join(output.get('text', '') for cell in nb.cells if cell.cell_type == 'code'
-                 for output in cell.outputs if output.output_type == 'stream')
+  return ''.join(
+    output.get('text', '')
+    for cell in nb.cells
+    if cell.cell_type == 'code'
+    for output in cell.outputs
+    if output.output_type == 'stream'
+  )
 
 
 def test_quickstart_runs(quickstart):
@@ -128,7 +163,7 @@ def test_quickstart_runs(quickstart):
   assert images(nb) >= 2  # the loss curve and the depth-attention heatmap
   assert (workdir / 'checkpoints').is_dir()
   assert (workdir / 'tokenizer.model').is_file()  # the run's own SentencePiece model
-  assert "backend: cpu" in printed(nb)
+  assert 'backend: cpu' in printed(nb)
   assert "'vocab_size': 400" in printed(nb)
 
 
@@ -136,8 +171,12 @@ def test_analysis_runs(quickstart, kernel_env, data_dir, tmp_path):
   # The standard run is trained; the Block run is the quickstart's, loaded (both
   # paths of the notebook, and one training less).
   _, block_workdir = quickstart
-  overrides = dict(TINY['analysis.ipynb'], WORKDIR=str(tmp_path / 'workdir'),
-                   BLOCK_WORKDIR=str(block_workdir), DATA_DIR=data_dir)
+  overrides = dict(
+    TINY['analysis.ipynb'],
+    WORKDIR=str(tmp_path / 'workdir'),
+    BLOCK_WORKDIR=str(block_workdir),
+    DATA_DIR=data_dir,
+  )
   assert overrides['NUM_STEPS'] == TINY['quickstart.ipynb']['NUM_STEPS']  # same runs
   nb = execute('analysis.ipynb', overrides, tmp_path, kernel_env)
   assert_no_errors(nb)
@@ -154,7 +193,8 @@ def test_notebook_is_committed_stripped_and_colab_ready(name):
   for cell in nb.cells:
     if cell.cell_type == 'code':
       assert cell.outputs == [] and cell.execution_count is None, (
-          f'{name}: outputs are not stripped: {cell.source[:60]!r}')
+        f'{name}: outputs are not stripped: {cell.source[:60]!r}'
+      )
       assert 'execution' not in cell.metadata, f'{name}: execution timings left in'
       if 'pip install' in cell.source:
         assert "if 'google.colab' in sys.modules:" in cell.source

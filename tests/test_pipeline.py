@@ -29,40 +29,61 @@ from configs import default as default_config
 
 MODEL = dict(vocab_size=64, d_model=16, num_layers=4, num_heads=2, mlp_dim=32)
 BATCH, LENGTH = 8, 12
-TRAIN = dict(learning_rate=1e-2, warmup_steps=0, schedule='constant', eps=1e-3,
-             weight_decay=0.1, grad_clip=1.0)  # as test_sharding.py (see there)
+TRAIN = dict(
+  learning_rate=1e-2,
+  warmup_steps=0,
+  schedule='constant',
+  eps=1e-3,
+  weight_decay=0.1,
+  grad_clip=1.0,
+)  # as test_sharding.py (see there)
 STEPS = 2  # the second step runs with non-zero AttnRes queries
 
 # name: (model overrides, mesh overrides); stage x virtual_stages chunks of 4 layers.
 CASES = {
-    'a': {
-        'standard_p4v1': (dict(residual='standard'),
-                          dict(stage=4, num_microbatches=4)),
-        # 4 sublayers per block, 2 per chunk: every block spans a stage boundary.
-        'block4_p4v1': (dict(residual='block', block_size=4),
-                        dict(stage=4, num_microbatches=2)),
-        # stage x data x fsdp x tensor = 2 x 1 x 2 x 2.
-        'block2_mixed': (dict(residual='block', block_size=2),
-                         dict(stage=2, shape=(1, 2, 2), num_microbatches=2)),
-        # HC's m streams cross the stage boundary whole.
-        'hc_p2v1': (dict(residual='hc'), dict(stage=2, num_microbatches=2)),
-    },
-    'b': {
-        # M > P: a microbatch waits on stage 0 before its second virtual stage.
-        'block2_p2v2': (dict(residual='block', block_size=2),
-                        dict(stage=2, shape=(2, 1, 1), virtual_stages=2,
-                             num_microbatches=4)),
-        'block2_p2v2_naive': (dict(residual='block', block_size=2),
-                              dict(stage=2, shape=(2, 1, 1), virtual_stages=2,
-                                   num_microbatches=4, pipeline_transfer='naive')),
-        # remat per stage (and against remat on one device).
-        'full_p2v2': (dict(residual='full', remat='layer'),
-                      dict(stage=2, virtual_stages=2, num_microbatches=2)),
-        # mHC, interleaved: its segments (the sublayer index of the initial read)
-        # counted across chunks and virtual stages.
-        'mhc_p2v2': (dict(residual='mhc'),
-                     dict(stage=2, virtual_stages=2, num_microbatches=2)),
-    },
+  'a': {
+    'standard_p4v1': (dict(residual='standard'), dict(stage=4, num_microbatches=4)),
+    # 4 sublayers per block, 2 per chunk: every block spans a stage boundary.
+    'block4_p4v1': (
+      dict(residual='block', block_size=4),
+      dict(stage=4, num_microbatches=2),
+    ),
+    # stage x data x fsdp x tensor = 2 x 1 x 2 x 2.
+    'block2_mixed': (
+      dict(residual='block', block_size=2),
+      dict(stage=2, shape=(1, 2, 2), num_microbatches=2),
+    ),
+    # HC's m streams cross the stage boundary whole.
+    'hc_p2v1': (dict(residual='hc'), dict(stage=2, num_microbatches=2)),
+  },
+  'b': {
+    # M > P: a microbatch waits on stage 0 before its second virtual stage.
+    'block2_p2v2': (
+      dict(residual='block', block_size=2),
+      dict(stage=2, shape=(2, 1, 1), virtual_stages=2, num_microbatches=4),
+    ),
+    'block2_p2v2_naive': (
+      dict(residual='block', block_size=2),
+      dict(
+        stage=2,
+        shape=(2, 1, 1),
+        virtual_stages=2,
+        num_microbatches=4,
+        pipeline_transfer='naive',
+      ),
+    ),
+    # remat per stage (and against remat on one device).
+    'full_p2v2': (
+      dict(residual='full', remat='layer'),
+      dict(stage=2, virtual_stages=2, num_microbatches=2),
+    ),
+    # mHC, interleaved: its segments (the sublayer index of the initial read)
+    # counted across chunks and virtual stages.
+    'mhc_p2v2': (
+      dict(residual='mhc'),
+      dict(stage=2, virtual_stages=2, num_microbatches=2),
+    ),
+  },
 }
 
 
@@ -84,21 +105,26 @@ def run_checks(group: str) -> dict:
   rng = np.random.default_rng(0)
   tokens = rng.integers(1, MODEL['vocab_size'], (BATCH, LENGTH + 1)).astype(np.int32)
   weights = np.ones((BATCH, LENGTH), np.float32)
-  weights[0, LENGTH // 2:] = 0  # padding, as in eval batches
+  weights[0, LENGTH // 2 :] = 0  # padding, as in eval batches
   batch = {'inputs': tokens[:, :-1], 'targets': tokens[:, 1:], 'weights': weights}
 
   def host(state):
-    return jax.device_get((state.params,
-                           optax.tree_utils.tree_get(state.opt_state, 'mu'),
-                           optax.tree_utils.tree_get(state.opt_state, 'nu')))
+    return jax.device_get(
+      (
+        state.params,
+        optax.tree_utils.tree_get(state.opt_state, 'mu'),
+        optax.tree_utils.tree_get(state.opt_state, 'nu'),
+      )
+    )
 
   def setup(model_config, mesh_overrides):
     mesh_config = sharding.default_mesh_config(**mesh_overrides)
     stages = mesh_config.stage
     count = stages * int(np.prod([s for s in mesh_config.shape if s != -1]))
     mesh = sharding.make_mesh(mesh_config, jax.devices()[:count])
-    layout = train.make_layout(model_config, tx, mesh,
-                               sharding.rules_from_config(mesh_config))
+    layout = train.make_layout(
+      model_config, tx, mesh, sharding.rules_from_config(mesh_config)
+    )
     return mesh_config, layout
 
   def train_on(model_config, mesh_overrides):
@@ -107,24 +133,40 @@ def run_checks(group: str) -> dict:
     graphdef, _ = checkpointing.abstract_model(model_config)
     state = train.create_train_state(model_config, tx, 0, layout)
     global_batch = layout.to_global(batch)
-    compiled = train.jit_train_step(
-        layout, graphdef=graphdef, tx=tx, schedule=schedule,
-        loss_fn=pipeline.make_loss_fn(pipe)).lower(state, global_batch).compile()
+    compiled = (
+      train.jit_train_step(
+        layout,
+        graphdef=graphdef,
+        tx=tx,
+        schedule=schedule,
+        loss_fn=pipeline.make_loss_fn(pipe),
+      )
+      .lower(state, global_batch)
+      .compile()
+    )
     metrics = []
     for _ in range(STEPS):
       state, step_metrics = compiled(state, global_batch)
       metrics.append({k: float(v) for k, v in jax.device_get(step_metrics).items()})
-    return dict(metrics=metrics, state=state, host=host(state), layout=layout,
-                hlo=compiled.as_text())
+    return dict(
+      metrics=metrics,
+      state=state,
+      host=host(state),
+      layout=layout,
+      hlo=compiled.as_text(),
+    )
 
   def forward_loss(model_config, mesh_overrides, params):
     mesh_config, layout = setup(model_config, mesh_overrides)
     loss_fn = functools.partial(
-        pipeline.loss_sums, graphdef=checkpointing.abstract_model(model_config)[0],
-        pipe=pipeline_plan.from_mesh_config(mesh_config))
+      pipeline.loss_sums,
+      graphdef=checkpointing.abstract_model(model_config)[0],
+      pipe=pipeline_plan.from_mesh_config(mesh_config),
+    )
     with sharding.logical_rules(layout.mesh, layout.rules):
-      sums = jax.jit(loss_fn)(jax.device_put(params, layout.state.params),
-                              layout.to_global(batch))
+      sums = jax.jit(loss_fn)(
+        jax.device_put(params, layout.state.params), layout.to_global(batch)
+      )
     return [float(x) for x in sums]
 
   out = {}
@@ -142,51 +184,78 @@ def run_checks(group: str) -> dict:
       diffs[what + '_scale'] = max(float(np.max(np.abs(y))) for _, y in leaves)
     permutes = [c for c in pipeline_plan.collective_permutes(got['hlo']) if c['in_loop']]
     out[name] = dict(
-        metrics=got['metrics'], reference=reference['metrics'], max_abs_diff=diffs,
-        loop_permute_bytes=sum(c['bytes'] for c in permutes),
-        loop_permute_shapes=[s for c in permutes for s in c['shapes']],
-        params=[np.asarray(x).tolist() for x in jax.tree.leaves(got['host'][0])])
+      metrics=got['metrics'],
+      reference=reference['metrics'],
+      max_abs_diff=diffs,
+      loop_permute_bytes=sum(c['bytes'] for c in permutes),
+      loop_permute_shapes=[s for c in permutes for s in c['shapes']],
+      params=[np.asarray(x).tolist() for x in jax.tree.leaves(got['host'][0])],
+    )
     if name == 'block2_p2v2_naive':  # forward, both transfers, the same parameters
       out['forward_loss'] = {
-          transfer: forward_loss(model_config, dict(mesh_overrides,
-                                                    pipeline_transfer=transfer),
-                                 reference['host'][0])
-          for transfer in ('naive', 'cached')}
+        transfer: forward_loss(
+          model_config,
+          dict(mesh_overrides, pipeline_transfer=transfer),
+          reference['host'][0],
+        )
+        for transfer in ('naive', 'cached')
+      }
     if name == 'block2_mixed':  # checkpoints, both ways
       out['checkpoint'] = checkpoint_round_trip(
-          jax, grain, checkpointing, model_config, got, reference,
-          setup(model_config, dict(shape=(1, 1, 1)))[1], got['layout'])
+        jax,
+        grain,
+        checkpointing,
+        model_config,
+        got,
+        reference,
+        setup(model_config, dict(shape=(1, 1, 1)))[1],
+        got['layout'],
+      )
   return out
 
 
-def checkpoint_round_trip(jax, grain, checkpointing, model_config, piped, plain,
-                          plain_layout, piped_layout) -> dict:
+def checkpoint_round_trip(
+  jax, grain, checkpointing, model_config, piped, plain, plain_layout, piped_layout
+) -> dict:
   """Saves each state and restores it onto the other mesh; exact equality."""
   del model_config
   result = {}
-  for name, source, target_layout in (('pipelined_to_plain', piped, plain_layout),
-                                      ('plain_to_pipelined', plain, piped_layout)):
+  for name, source, target_layout in (
+    ('pipelined_to_plain', piped, plain_layout),
+    ('plain_to_pipelined', plain, piped_layout),
+  ):
     with tempfile.TemporaryDirectory() as workdir:
-      checkpointer = checkpointing.Checkpointer(workdir, save_every=1, keep=None,
-                                                async_save=False)
+      checkpointer = checkpointing.Checkpointer(
+        workdir, save_every=1, keep=None, async_save=False
+      )
       data_iter = iter(grain.MapDataset.range(4).to_iter_dataset())
-      checkpointer.save(STEPS, params=source['state'].params,
-                        opt_state=source['state'].opt_state, train_iter=data_iter,
-                        force=True)
+      checkpointer.save(
+        STEPS,
+        params=source['state'].params,
+        opt_state=source['state'].opt_state,
+        train_iter=data_iter,
+        force=True,
+      )
       checkpointer.finish(now=STEPS)
       abstract = target_layout.abstract_state
       params, opt_state = checkpointer.restore(
-          STEPS, abstract_params=abstract.params, abstract_opt_state=abstract.opt_state,
-          train_iter=None)
+        STEPS,
+        abstract_params=abstract.params,
+        abstract_opt_state=abstract.opt_state,
+        train_iter=None,
+      )
       checkpointer.close()
     saved = jax.device_get((source['state'].params, source['state'].opt_state))
     restored = jax.device_get((params, opt_state))
     layer_specs = {str(x.sharding.spec) for x in jax.tree.leaves(params['layers'])}
     result[name] = dict(
-        equal=all(np.array_equal(a, b) for a, b in
-                  zip(jax.tree.leaves(saved), jax.tree.leaves(restored))),
-        layers_on_stage=all('stage' in s for s in layer_specs),
-        mesh=dict(target_layout.mesh.shape))
+      equal=all(
+        np.array_equal(a, b)
+        for a, b in zip(jax.tree.leaves(saved), jax.tree.leaves(restored))
+      ),
+      layers_on_stage=all('stage' in s for s in layer_specs),
+      mesh=dict(target_layout.mesh.shape),
+    )
   return result
 
 
@@ -196,6 +265,7 @@ def checkpoint_round_trip(jax, grain, checkpointing, model_config, piped, plain,
 @pytest.fixture(scope='module')
 def children():
   from conftest import child_env, start_children  # pylint: disable=g-import-not-at-top
+
   result, stop = start_children(os.path.abspath(__file__), CASES, child_env(8))
   yield lambda group: result(group)[0]
   stop()
@@ -232,8 +302,10 @@ def test_cached_transfer_is_bitwise_equal_and_sends_less(children):
   # The backward pass adds a cached block's cotangent at the stage that cached it,
   # not along the chain of stages: the same sum in another order, so the updates
   # agree to float32 rounding (measured 1.2e-7 = 1 ulp of the O(1) parameters).
-  diff = max(np.max(np.abs(np.asarray(a) - np.asarray(b)))
-             for a, b in zip(cached['params'], naive['params']))
+  diff = max(
+    np.max(np.abs(np.asarray(a) - np.asarray(b)))
+    for a, b in zip(cached['params'], naive['params'])
+  )
   assert diff <= 1e-6, diff
   model = config_lib.model_config(**MODEL, residual='block', block_size=2)
   plan = pipeline_plan.transfer_plan(model, pipeline_plan.PipelineConfig(2, 2, 4))
@@ -241,14 +313,16 @@ def test_cached_transfer_is_bitwise_equal_and_sends_less(children):
   # Positive control: the naive loop sends the whole buffer [1 stage, K, B/M, T, D]
   # (batch rows per device: 8 / 4 microbatches / 2 data-parallel devices).
   assert (1, plan.num_slots, 1, LENGTH, MODEL['d_model']) in [
-      tuple(s) for s in naive['loop_permute_shapes']]
+    tuple(s) for s in naive['loop_permute_shapes']
+  ]
   slots = {s[1] for s in cached['loop_permute_shapes'] if len(s) >= 4}
   assert slots == {plan.width}, cached['loop_permute_shapes']
   assert cached['loop_permute_bytes'] < naive['loop_permute_bytes']
   # Forward and backward each send [W or K, ...] buffer slots and their inverse RMS.
   per_slot = 1 * LENGTH * (MODEL['d_model'] + 1) * 4
   assert naive['loop_permute_bytes'] - cached['loop_permute_bytes'] >= (
-      2 * (plan.num_slots - plan.width) * per_slot)
+    2 * (plan.num_slots - plan.width) * per_slot
+  )
 
 
 def test_checkpoints_move_between_pipelined_and_plain_meshes(children):
@@ -263,8 +337,9 @@ def test_checkpoints_move_between_pipelined_and_plain_meshes(children):
 # -- the schedule and the transfer plan (no devices) ----------------------------------
 
 
-@pytest.mark.parametrize('stages,virtual,micro', [(2, 1, 3), (4, 1, 4), (2, 2, 2),
-                                                  (4, 2, 6), (2, 4, 3)])
+@pytest.mark.parametrize(
+  'stages,virtual,micro', [(2, 1, 3), (4, 1, 4), (2, 2, 2), (4, 2, 6), (2, 4, 3)]
+)
 def test_schedule_runs_every_chunk_once_in_order(stages, virtual, micro):
   pipe = pipeline_plan.PipelineConfig(stages, virtual, micro)
   when = {}
@@ -301,10 +376,14 @@ def test_transfer_plan_window_covers_every_new_slot():
   """Per transition, the window holds every slot the receiver's copy lacks: the
   slots written by the chunks since it last received the state (all, the first time)."""
   for residual, block_size, layers, stages, virtual in [
-      ('block', 3, 12, 2, 3), ('block', 4, 8, 4, 2), ('full', 1, 8, 2, 2),
-      ('block', 8, 16, 2, 4)]:
-    model = config_lib.model_config(num_layers=layers, residual=residual,
-                                    block_size=block_size)
+    ('block', 3, 12, 2, 3),
+    ('block', 4, 8, 4, 2),
+    ('full', 1, 8, 2, 2),
+    ('block', 8, 16, 2, 4),
+  ]:
+    model = config_lib.model_config(
+      num_layers=layers, residual=residual, block_size=block_size
+    )
     pipe = pipeline_plan.PipelineConfig(stages, virtual)
     plan = pipeline_plan.transfer_plan(model, pipe)
     size = attnres.block_size_of(model)
@@ -312,8 +391,9 @@ def test_transfer_plan_window_covers_every_new_slot():
     for c in range(pipe.num_chunks - 1):
       seen_until = c + 1 - stages  # the receiver last received before this chunk
       start_sublayer = max(seen_until, 0) * per_chunk
-      lacking = set(range(1 + start_sublayer // size,
-                          1 + ((c + 1) * per_chunk - 1) // size + 1))
+      lacking = set(
+        range(1 + start_sublayer // size, 1 + ((c + 1) * per_chunk - 1) // size + 1)
+      )
       if seen_until < 0:
         lacking.add(0)  # never saw the embedding
       window = set(range(plan.starts[c], plan.starts[c] + plan.width))
@@ -332,13 +412,17 @@ def test_invalid_pipelines_fail_before_compiling():
   with pytest.raises(ValueError, match='data-parallel'):
     pipeline_plan.validate(pipeline_plan.PipelineConfig(2, 1, 4), model, 8, data_shards=4)
   # A residual refuses what it cannot pipeline (`Residual.pipeline_refusal`).
-  ablation = config_lib.model_config(num_layers=4, residual='full', depth_window=2,
-                                     depth_read='one_shot')
+  ablation = config_lib.model_config(
+    num_layers=4, residual='full', depth_window=2, depth_read='one_shot'
+  )
   with pytest.raises(ValueError, match='ablations are not pipelined'):
     pipeline_plan.validate(pipeline_plan.PipelineConfig(2, 1, 2), ablation, 8)
   for residual in ('hc', 'mhc'):  # run (the children above), so accepted
-    pipeline_plan.validate(pipeline_plan.PipelineConfig(2, 2, 2),
-                           config_lib.model_config(num_layers=4, residual=residual), 8)
+    pipeline_plan.validate(
+      pipeline_plan.PipelineConfig(2, 2, 2),
+      config_lib.model_config(num_layers=4, residual=residual),
+      8,
+    )
   # The run config's one validation pass (train.py's) includes the pipeline and the
   # batch split over the data-parallel devices.
   config = default_config.get_config('tiny')  # 2 layers, batch 8
@@ -349,9 +433,12 @@ def test_invalid_pipelines_fail_before_compiling():
   config_lib.validate(config, num_devices=4)
   with pytest.raises(ValueError, match='does not split over the 3 data-parallel'):
     config_lib.validate(config, num_devices=6)
-  for bad in (dict(stage=0), dict(virtual_stages=2),
-              dict(stage=2, pipeline_transfer='cache'),
-              dict(axis_names=('data', 'fsdp', 'stage'))):
+  for bad in (
+    dict(stage=0),
+    dict(virtual_stages=2),
+    dict(stage=2, pipeline_transfer='cache'),
+    dict(axis_names=('data', 'fsdp', 'stage')),
+  ):
     with pytest.raises(ValueError, match='Invalid mesh config'):
       sharding.validate_mesh_config(sharding.default_mesh_config(**bad))
 

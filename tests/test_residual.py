@@ -94,14 +94,20 @@ class GatedResidual(residuals.Residual):
 
 residuals.register('gated', GatedResidual)  # the one registry line
 
-MODEL = dict(vocab_size=64, d_model=16, num_layers=4, num_heads=2, mlp_dim=32,
-             residual='gated')
+MODEL = dict(
+  vocab_size=64, d_model=16, num_layers=4, num_heads=2, mlp_dim=32, residual='gated'
+)
 
 
 def toy_batch(batch=4, length=8, seed=0):
-  tokens = np.random.default_rng(seed).integers(1, 64, (batch, length + 1)).astype(np.int32)
-  return {'inputs': tokens[:, :-1], 'targets': tokens[:, 1:],
-          'weights': np.ones((batch, length), np.float32)}
+  tokens = (
+    np.random.default_rng(seed).integers(1, 64, (batch, length + 1)).astype(np.int32)
+  )
+  return {
+    'inputs': tokens[:, :-1],
+    'targets': tokens[:, 1:],
+    'weights': np.ones((batch, length), np.float32),
+  }
 
 
 # -- the interface alone, through the stack -------------------------------------------
@@ -112,7 +118,7 @@ class ToyLayer(nnx.Module):
   residual's parameters as `residual`."""
 
   def __init__(self, residual, rngs):
-    self.weights = nnx.Param(jax.random.normal(rngs.params(), (2, D, D)) / D ** 0.5)
+    self.weights = nnx.Param(jax.random.normal(rngs.params(), (2, D, D)) / D**0.5)
     self.residual = residual.layer_params()
 
   def sublayer(self, which, h_BTD, positions_BT):
@@ -122,10 +128,12 @@ class ToyLayer(nnx.Module):
 
 @pytest.mark.parametrize('scan_layers', [True, False])
 @pytest.mark.parametrize('remat', ['none', 'layer'])
-def test_a_residual_written_against_the_interface_runs_through_the_stack(scan_layers,
-                                                                         remat):
-  cfg = ml_collections.ConfigDict(dict(num_layers=NUM_LAYERS, scan_layers=scan_layers,
-                                       remat=remat))
+def test_a_residual_written_against_the_interface_runs_through_the_stack(
+  scan_layers, remat
+):
+  cfg = ml_collections.ConfigDict(
+    dict(num_layers=NUM_LAYERS, scan_layers=scan_layers, remat=remat)
+  )
   residual = GatedResidual(cfg)
 
   @nnx.vmap(in_axes=0, out_axes=0)
@@ -168,13 +176,17 @@ def test_a_registered_residual_runs_through_the_library():
   model = model_lib.Transformer(cfg, rngs=nnx.Rngs(0))
   assert isinstance(model.residual, GatedResidual)
   # Training: its gates are spared weight decay (declared), and they learn.
-  tx, schedule = optim.make_optimizer(train_config(learning_rate=1e-2, warmup_steps=0,
-                                                   weight_decay=0.1))
+  tx, schedule = optim.make_optimizer(
+    train_config(learning_rate=1e-2, warmup_steps=0, weight_decay=0.1)
+  )
   state = train.init_train_state(cfg, tx, seed=0)
   mask = optim.decay_mask(state.params)
   assert not mask['layers']['residual']['gate'] and mask['layers']['mlp']['up']
-  step = jax.jit(functools.partial(train.train_step, graphdef=nnx.graphdef(model), tx=tx,
-                                   schedule=schedule))
+  step = jax.jit(
+    functools.partial(
+      train.train_step, graphdef=nnx.graphdef(model), tx=tx, schedule=schedule
+    )
+  )
   batch = jax.tree.map(jnp.asarray, toy_batch())
   losses = []
   for _ in range(3):
@@ -193,14 +205,16 @@ def test_a_registered_residual_runs_through_the_library():
   # Decoding: a prefill and one step equal the full forward pass.
   tokens = jnp.asarray(toy_batch(batch=2, length=6)['inputs'])
   graphdef, params = nnx.split(model)
-  decode = jax.jit(lambda p, t, c, i: nnx.merge(graphdef, p).decode(t, c, i),
-                   static_argnums=3)
+  decode = jax.jit(
+    lambda p, t, c, i: nnx.merge(graphdef, p).decode(t, c, i), static_argnums=3
+  )
   prefill, cache = decode(params, tokens[:, :5], model.init_cache(2, 6), 0)
   last, _ = decode(params, tokens[:, 5:], cache, 5)
   full = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))(params, tokens)
   # float32: the cached attention sums the same terms in another order.
-  np.testing.assert_allclose(np.concatenate([prefill, last], axis=1), full, atol=1e-5,
-                             rtol=1e-5)
+  np.testing.assert_allclose(
+    np.concatenate([prefill, last], axis=1), full, atol=1e-5, rtol=1e-5
+  )
   # FLOPs: the residual's declared arithmetic is the depth-read term.
   terms = flops.forward_flops_per_token(cfg, seq_len=8)
   assert terms['depth_read'] == 2.0 * 16 * 8
@@ -217,28 +231,38 @@ def run_pipeline_check() -> dict:
   assert jax.device_count() == 2, jax.devices()
   cfg = config_lib.model_config(**MODEL)
   # As test_pipeline.py: a moderate eps keeps Adam's update proportional to g.
-  tx, schedule = optim.make_optimizer(train_config(
-      learning_rate=1e-2, warmup_steps=0, schedule='constant', eps=1e-3))
+  tx, schedule = optim.make_optimizer(
+    train_config(learning_rate=1e-2, warmup_steps=0, schedule='constant', eps=1e-3)
+  )
   batch = toy_batch()
   out = {}
-  for name, mesh_overrides in (('one_device', dict(shape=(1, 1, 1))),
-                               ('pipelined', dict(stage=2, shape=(1, 1, 1),
-                                                  num_microbatches=2))):
+  for name, mesh_overrides in (
+    ('one_device', dict(shape=(1, 1, 1))),
+    ('pipelined', dict(stage=2, shape=(1, 1, 1), num_microbatches=2)),
+  ):
     mesh_config = sharding.default_mesh_config(**mesh_overrides)
     pipe = pipeline_plan.from_mesh_config(mesh_config)
     pipeline_plan.validate(pipe, cfg, batch_size=4)
-    mesh = sharding.make_mesh(mesh_config, jax.devices()[:mesh_config.stage])
+    mesh = sharding.make_mesh(mesh_config, jax.devices()[: mesh_config.stage])
     layout = train.make_layout(cfg, tx, mesh, sharding.rules_from_config(mesh_config))
     state = train.create_train_state(cfg, tx, 0, layout)
-    step = train.jit_train_step(layout, graphdef=checkpointing.abstract_model(cfg)[0],
-                                tx=tx, schedule=schedule,
-                                loss_fn=pipeline.make_loss_fn(pipe))
+    step = train.jit_train_step(
+      layout,
+      graphdef=checkpointing.abstract_model(cfg)[0],
+      tx=tx,
+      schedule=schedule,
+      loss_fn=pipeline.make_loss_fn(pipe),
+    )
     losses = []
     for _ in range(2):
       state, metrics = step(state, layout.to_global(batch))
       losses.append(float(metrics['loss']))
-    out[name] = dict(losses=losses, params=[
-        np.asarray(x).tolist() for x in jax.tree.leaves(jax.device_get(state.params))])
+    out[name] = dict(
+      losses=losses,
+      params=[
+        np.asarray(x).tolist() for x in jax.tree.leaves(jax.device_get(state.params))
+      ],
+    )
   return out
 
 

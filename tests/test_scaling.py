@@ -45,8 +45,10 @@ def test_fit_recovers_a_power_law_and_the_multiplier(tmp_path):
   noise = {0: 1.0, 1: 1.005, 2: 0.995}
   write_runs(tmp_path, 'standard', 1.0, noise)
   write_runs(tmp_path, 'block_s4', 1.25, noise)
-  points = {name: scaling.ladder_points(str(tmp_path), name, WIDTHS, (0, 1, 2))
-            for name in ('standard', 'block_s4')}
+  points = {
+    name: scaling.ladder_points(str(tmp_path), name, WIDTHS, (0, 1, 2))
+    for name in ('standard', 'block_s4')
+  }
   assert sorted(points['standard']) == list(WIDTHS)
   result = scaling.analyse(points, 'standard', bootstrap=200)
   # The same seed noise at every rung multiplies A only: alpha and the multiplier are
@@ -74,10 +76,11 @@ def test_unpaired_runs_are_left_out_and_one_seed_prints_na(tmp_path):
   # Seed 2 of block at the first rung is missing: that rung is fitted on seeds 0 and 1
   # for both residuals; a residual's different seed noise per rung widens the interval.
   write_runs(tmp_path, 'standard', 1.0, {0: 1.0, 1: 1.01, 2: 0.99})
-  write_runs(tmp_path, 'block_s4', 1.0, {0: 0.99, 1: 1.0, 2: 1.01},
-             skip={(WIDTHS[0], 2)})
-  points = {name: scaling.ladder_points(str(tmp_path), name, WIDTHS, (0, 1, 2))
-            for name in ('standard', 'block_s4')}
+  write_runs(tmp_path, 'block_s4', 1.0, {0: 0.99, 1: 1.0, 2: 1.01}, skip={(WIDTHS[0], 2)})
+  points = {
+    name: scaling.ladder_points(str(tmp_path), name, WIDTHS, (0, 1, 2))
+    for name in ('standard', 'block_s4')
+  }
   result = scaling.analyse(points, 'standard', bootstrap=300)
   first = result['residuals']['standard']['points'][str(WIDTHS[0])]
   assert first['seeds'] == [0, 1]
@@ -87,8 +90,10 @@ def test_unpaired_runs_are_left_out_and_one_seed_prints_na(tmp_path):
   for w, rung in result['residuals']['block_s4']['points'].items():
     block, standard = points['block_s4'][int(w)][1], points['standard'][int(w)][1]
     np.testing.assert_allclose(
-        rung['difference'], np.mean([block[s] - standard[s] for s in rung['seeds']]),
-        rtol=1e-12)
+      rung['difference'],
+      np.mean([block[s] - standard[s] for s in rung['seeds']]),
+      rtol=1e-12,
+    )
     assert rung['difference_interval'][0] < rung['difference_interval'][1]
   assert scaling.spread([2.5]) == '2.5000 +- n/a'
   assert scaling.spread([2.0, 3.0]) == '2.5000 +- 0.7071'
@@ -97,20 +102,41 @@ def test_unpaired_runs_are_left_out_and_one_seed_prints_na(tmp_path):
 def test_report_draws_an_estimate_that_lies_outside_its_interval(tmp_path):
   # A bootstrap percentile interval need not contain the point estimate. The report
   # must still draw and tabulate it (errorbar offsets would be negative and raise).
-  rung = lambda c, v: dict(flops=c, seeds=[0, 1], bits_per_byte=v, difference=-0.01,
-                          difference_interval=[-0.02, 0.0])
+  rung = lambda c, v: dict(
+    flops=c,
+    seeds=[0, 1],
+    bits_per_byte=v,
+    difference=-0.01,
+    difference_interval=[-0.02, 0.0],
+  )
   points = {'64': rung(1e12, [3.0, 3.1]), '128': rung(4e12, [2.8, 2.9])}
-  row = dict(A=40.0, alpha=0.05, alpha_interval=[0.04, 0.06], points=points,
-             alpha_minus_reference=0.0, alpha_minus_reference_interval=[-0.01, 0.01],
-             fit_rms_relative_residual=0.01,
-             multiplier_middle=dict(flops=2e12, value=1.2, interval=[1.1, 1.3]),
-             multiplier=[dict(flops=1e12, value=1.10, low=1.12, high=1.30),   # below
-                         dict(flops=4e12, value=1.40, low=1.05, high=1.30)])  # above
-  result = dict(reference='standard', interval_percent=95.0, bootstrap=10,
-                middle_flops=2e12, residuals={
-                    'standard': dict(row, multiplier=[
-                        dict(flops=c, value=1.0, low=1.0, high=1.0) for c in (1e12, 4e12)]),
-                    'block_s4': row})
+  row = dict(
+    A=40.0,
+    alpha=0.05,
+    alpha_interval=[0.04, 0.06],
+    points=points,
+    alpha_minus_reference=0.0,
+    alpha_minus_reference_interval=[-0.01, 0.01],
+    fit_rms_relative_residual=0.01,
+    multiplier_middle=dict(flops=2e12, value=1.2, interval=[1.1, 1.3]),
+    multiplier=[
+      dict(flops=1e12, value=1.10, low=1.12, high=1.30),  # below
+      dict(flops=4e12, value=1.40, low=1.05, high=1.30),
+    ],
+  )  # above
+  result = dict(
+    reference='standard',
+    interval_percent=95.0,
+    bootstrap=10,
+    middle_flops=2e12,
+    residuals={
+      'standard': dict(
+        row,
+        multiplier=[dict(flops=c, value=1.0, low=1.0, high=1.0) for c in (1e12, 4e12)],
+      ),
+      'block_s4': row,
+    },
+  )
   table = scaling.report(result, str(tmp_path), 'scaling')
   assert '1.100x (1.120-1.300)' in table and '1.400x (1.050-1.300)' in table
   assert os.path.getsize(tmp_path / 'scaling.png') > 0
@@ -140,5 +166,5 @@ def test_the_rule_counts_the_models_non_embedding_parameters():
   total = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
   norms = (2 * config.model.num_layers + 1) * width
   assert total - config.model.vocab_size * width - norms == (
-      default_config.scaling_params(width))
-
+    default_config.scaling_params(width)
+  )

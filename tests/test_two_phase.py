@@ -37,8 +37,9 @@ def test_phases_equal_the_one_shot_read(block_size, dtype):
   outputs = spread_sources(keys[3], block_size, (2, 3, 16), 1e-2, 1e4).astype(dtype)
   for i in range(block_size):
     mine = jax.tree.map(lambda x: x[i], phase1)
-    h = depth.phase2(mine, partial[None], jnp.array([i > 0]), queries[i], gains[i],
-                     eps=1e-6)
+    h = depth.phase2(
+      mine, partial[None], jnp.array([i > 0]), queries[i], gains[i], eps=1e-6
+    )
     sources = buffer[:completed]
     if i > 0:
       sources = jnp.concatenate([sources, partial[None]])
@@ -46,10 +47,13 @@ def test_phases_equal_the_one_shot_read(block_size, dtype):
     assert h.dtype == dtype
     # Both are float32 internally; only the order of summation differs (a few ulps of
     # the largest source), plus the final cast for bfloat16 (2^-8 relative).
-    tolerance = 2 ** -8 if dtype == jnp.bfloat16 else 1e-6
-    np.testing.assert_allclose(np.asarray(h, np.float32), np.asarray(h_ref, np.float32),
-                               atol=tolerance * float(jnp.abs(sources).max()),
-                               rtol=tolerance)
+    tolerance = 2**-8 if dtype == jnp.bfloat16 else 1e-6
+    np.testing.assert_allclose(
+      np.asarray(h, np.float32),
+      np.asarray(h_ref, np.float32),
+      atol=tolerance * float(jnp.abs(sources).max()),
+      rtol=tolerance,
+    )
     partial = partial + outputs[i]
 
 
@@ -66,15 +70,23 @@ def test_phase2_merges_several_local_sources():
   for q in range(4):
     mine = jax.tree.map(lambda x: x[q], phase1)
     h = depth.phase2(mine, local, jnp.arange(4) < q, queries[q], gains[q], eps=1e-6)
-    h_ref, _ = depth.attn_res_read(sources, queries[q], gains[q], eps=1e-6,
-                                   num_valid=before + q)
-    np.testing.assert_allclose(h, h_ref, rtol=1e-6,
-                               atol=1e-6 * float(jnp.abs(sources).max()))
+    h_ref, _ = depth.attn_res_read(
+      sources, queries[q], gains[q], eps=1e-6, num_valid=before + q
+    )
+    np.testing.assert_allclose(
+      h, h_ref, rtol=1e-6, atol=1e-6 * float(jnp.abs(sources).max())
+    )
 
 
 def model(block_size=2, depth_read='two_phase', spread=True, **overrides):
-  cfg = tiny_model_config(**{'residual': 'block', 'block_size': block_size,
-                             'depth_read': depth_read, **overrides})
+  cfg = tiny_model_config(
+    **{
+      'residual': 'block',
+      'block_size': block_size,
+      'depth_read': depth_read,
+      **overrides,
+    }
+  )
   m = ar.Transformer(cfg, rngs=nnx.Rngs(0))
   keys = jax.random.split(jax.random.key(1), 3)
   reads = m.layers.residual
@@ -89,9 +101,11 @@ def model(block_size=2, depth_read='two_phase', spread=True, **overrides):
 
 # The block schedule's grid: Block sizes dividing the 6 sublayers and not (4), a single
 # block (6), and Full with schedule segments of 1, 2 and 3 (= all) layers.
-SCHEDULES = ([dict(residual='block', block_size=s) for s in BLOCK_SIZES]
-             + [dict(residual='full', schedule_layers=g) for g in (1, 2, 3)]
-             + [dict(residual='block', block_size=2, schedule_layers=3)])
+SCHEDULES = (
+  [dict(residual='block', block_size=s) for s in BLOCK_SIZES]
+  + [dict(residual='full', schedule_layers=g) for g in (1, 2, 3)]
+  + [dict(residual='block', block_size=2, schedule_layers=3)]
+)
 
 
 def schedule_id(schedule):
@@ -105,12 +119,14 @@ def test_block_schedule_equals_the_one_shot_read(schedule):
   logits_ref = model(depth_read='one_shot', **schedule)(x)
   # Sources 1e6 apart: float32, summation order only (see above), through 6
   # sublayers and the head; the large (tied) logits are compared to their scale.
-  np.testing.assert_allclose(logits, logits_ref, rtol=2e-5,
-                             atol=1e-6 * float(jnp.abs(logits_ref).max()))
+  np.testing.assert_allclose(
+    logits, logits_ref, rtol=2e-5, atol=1e-6 * float(jnp.abs(logits_ref).max())
+  )
 
 
-@pytest.mark.parametrize('schedule', [SCHEDULES[i] for i in (0, 2, 3, 6)],
-                         ids=schedule_id)
+@pytest.mark.parametrize(
+  'schedule', [SCHEDULES[i] for i in (0, 2, 3, 6)], ids=schedule_id
+)
 def test_block_schedule_gradients_equal_the_one_shot_read(schedule):
   """With the linear-memory backward (tests/test_memory.py checks it against plain
   autodiff of the same schedule for every remat policy)."""
@@ -123,8 +139,10 @@ def test_block_schedule_gradients_equal_the_one_shot_read(schedule):
 
   # Gradients at the usual scale (with 1e3 embeddings, mean(logits^2) is so badly
   # conditioned that float32 rounding of the forward pass shows up at 1e-3).
-  for (path, g), g_ref in zip(jax.tree_util.tree_leaves_with_path(grads('two_phase')),
-                              jax.tree.leaves(grads('one_shot'))):
+  for (path, g), g_ref in zip(
+    jax.tree_util.tree_leaves_with_path(grads('two_phase')),
+    jax.tree.leaves(grads('one_shot')),
+  ):
     scale = float(jnp.abs(g_ref).max()) + 1e-30
     np.testing.assert_allclose(g / scale, g_ref / scale, atol=5e-5, err_msg=str(path))
 
@@ -156,6 +174,6 @@ def test_cached_two_phase_decoding_equals_recomputation(block_size):
   np.testing.assert_allclose(logits, full[:, :prompt], rtol=2e-5, atol=1e-6 * scale)
   step = nnx.jit(lambda m, tokens, cache, index: m.decode(tokens, cache, index))
   for t in range(prompt, 12):
-    logits, cache = step(m, x[:, t:t + 1], cache, jnp.int32(t))
+    logits, cache = step(m, x[:, t : t + 1], cache, jnp.int32(t))
     # Position t from the cache equals position t of the full forward pass.
     np.testing.assert_allclose(logits[:, 0], full[:, t], rtol=2e-5, atol=1e-6 * scale)

@@ -16,5 +16,16 @@ register('block', attnres.AttnResResidual)
 register('hc', hyper_connections.HyperConnectionResidual)
 register('mhc', hyper_connections.HyperConnectionResidual)
 
-__all__ = ['Applied', 'Residual', 'attnres', 'base', 'hyper_connections', 'make', 'names',
-           'no_decay_names', 'register', 'registry', 'standard']
+__all__ = [
+  'Applied',
+  'Residual',
+  'attnres',
+  'base',
+  'hyper_connections',
+  'make',
+  'names',
+  'no_decay_names',
+  'register',
+  'registry',
+  'standard',
+]

@@ -30,6 +30,7 @@ READ_FLOPS_PER_SOURCE_AND_CHANNEL = 7  # key RMS 2d, logit 2d, weighted sum 2d, 
 
 class DepthCarry(NamedTuple):
   """Between segments: the depth buffer and each slot's inverse RMS."""
+
   buffer_KBTD: jax.Array
   inv_rms_KBT: jax.Array
 
@@ -37,6 +38,7 @@ class DepthCarry(NamedTuple):
 class SegmentCarry(NamedTuple):
   """Within a segment: the buffer as it was at the segment's start, the buffer slot of
   its first local slot, and the local slots it writes (with their inverse RMS)."""
+
   buffer_KBTD: jax.Array
   inv_rms_KBT: jax.Array
   first: Any
@@ -96,19 +98,31 @@ class AttnResResidual(base.Residual):
 
   def validate(self) -> None:
     cfg = self.cfg
-    if cfg.residual == 'block' and (not base.is_int(cfg.block_size) or cfg.block_size < 1):
-      base.invalid(f'block_size is the number of sublayers per AttnRes block and must be an '
-           f'integer >= 1, got {cfg.block_size!r} (1 = Full AttnRes; >= 2 * '
-           'num_layers = one block).')
+    if cfg.residual == 'block' and (
+      not base.is_int(cfg.block_size) or cfg.block_size < 1
+    ):
+      base.invalid(
+        f'block_size is the number of sublayers per AttnRes block and must be an '
+        f'integer >= 1, got {cfg.block_size!r} (1 = Full AttnRes; >= 2 * '
+        'num_layers = one block).'
+      )
     if cfg.ablations and cfg.depth_read == 'two_phase':
-      base.invalid(f'depth_read="two_phase" computes the paper\'s softmax read only; the '
-           f'ablations {cfg.ablations} use the one-shot read: set depth_read="one_shot".')
+      base.invalid(
+        f'depth_read="two_phase" computes the paper\'s softmax read only; the '
+        f'ablations {cfg.ablations} use the one-shot read: set depth_read="one_shot".'
+      )
     layers = cfg.schedule_layers
-    if (cfg.residual == 'block' and layers and layers < cfg.num_layers
-        and (2 * layers) % cfg.block_size):
-      base.invalid(f'schedule_layers={layers} layers ({2 * layers} sublayers) does not cover '
-           f'whole blocks of block_size={cfg.block_size} sublayers; use a multiple of '
-           f'{whole_block_layers(cfg.block_size)} layers, num_layers, or 0.')
+    if (
+      cfg.residual == 'block'
+      and layers
+      and layers < cfg.num_layers
+      and (2 * layers) % cfg.block_size
+    ):
+      base.invalid(
+        f'schedule_layers={layers} layers ({2 * layers} sublayers) does not cover '
+        f'whole blocks of block_size={cfg.block_size} sublayers; use a multiple of '
+        f'{whole_block_layers(cfg.block_size)} layers, num_layers, or 0.'
+      )
 
   @property
   def label(self) -> str:
@@ -125,8 +139,11 @@ class AttnResResidual(base.Residual):
 
   @property
   def segment_layers(self) -> int:
-    return (self.layers_per_segment or self.cfg.schedule_layers
-            or default_segment_layers(self.cfg.num_layers, self.block_size))
+    return (
+      self.layers_per_segment
+      or self.cfg.schedule_layers
+      or default_segment_layers(self.cfg.num_layers, self.block_size)
+    )
 
   @property
   def num_slots(self) -> int:
@@ -138,8 +155,7 @@ class AttnResResidual(base.Residual):
 
   @property
   def custom_stack(self):
-    if not (self.two_phase and self.cfg.linear_memory_backward
-            and self.cfg.scan_layers):
+    if not (self.two_phase and self.cfg.linear_memory_backward and self.cfg.scan_layers):
       return None
     run = attnres_backward.make_stack(self)
     return lambda *args: DepthCarry(*run(*args))
@@ -174,8 +190,9 @@ class AttnResResidual(base.Residual):
     buffer_KBTD = jnp.zeros((self.num_slots,) + x_BTD.shape, x_BTD.dtype)
     buffer_KBTD = sharding.constrain(buffer_KBTD.at[0].set(x_BTD), sharding.DEPTH_BUFFER)
     inv_rms_KBT = jnp.zeros((self.num_slots,) + x_BTD.shape[:-1], jnp.float32)
-    return DepthCarry(buffer_KBTD, inv_rms_KBT.at[0].set(
-        depth.rms_inverse(x_BTD, self.cfg.attn_res_eps)))
+    return DepthCarry(
+      buffer_KBTD, inv_rms_KBT.at[0].set(depth.rms_inverse(x_BTD, self.cfg.attn_res_eps))
+    )
 
   def segment_queries(self, params, num_layers):
     """The segment's queries and gains, [Q, D] in sublayer order, whole on every
@@ -185,16 +202,33 @@ class AttnResResidual(base.Residual):
     whole = lambda x: sharding.constrain(x[...].reshape(2 * num_layers, d), (None, None))
     return whole(params.query), whole(params.gain)
 
-  def merge(self, phase1_stats, local_JBTD, query_D, gain_D, layer_in_segment, which,
-            first, embedding_BTD, local_inv_rms_JBT=None):
+  def merge(
+    self,
+    phase1_stats,
+    local_JBTD,
+    query_D,
+    gain_D,
+    layer_in_segment,
+    which,
+    first,
+    embedding_BTD,
+    local_inv_rms_JBT=None,
+  ):
     """Phase 2 of one sublayer: its Phase 1 statistics merged with the local slots it
     reads. The model's first sublayer reads the embedding alone, whatever its query:
     it takes it as is, so that its query's gradient is exactly zero (through the
     online softmax it would be two float32 terms that cancel only to a few ulps)."""
     _, num_valid = self.local_index(layer_in_segment, which)
     valid_J = jnp.arange(local_JBTD.shape[0]) < num_valid
-    h_BTD = depth.phase2(phase1_stats, local_JBTD, valid_J, query_D, gain_D,
-                         eps=self.cfg.attn_res_eps, local_inv_rms_JBT=local_inv_rms_JBT)
+    h_BTD = depth.phase2(
+      phase1_stats,
+      local_JBTD,
+      valid_J,
+      query_D,
+      gain_D,
+      eps=self.cfg.attn_res_eps,
+      local_inv_rms_JBT=local_inv_rms_JBT,
+    )
     if layer_in_segment == 0 and which == 0:
       h_BTD = jnp.where(first == 1, embedding_BTD, h_BTD)
     return h_BTD
@@ -206,9 +240,13 @@ class AttnResResidual(base.Residual):
     local_JBTD = jnp.zeros((num_local,) + buffer_KBTD.shape[1:], buffer_KBTD.dtype)
     local_inv_rms_JBT = jnp.zeros((num_local,) + inv_rms_KBT.shape[1:], jnp.float32)
     first = self.first_local_slot(segment)
-    inner = SegmentCarry(buffer_KBTD, inv_rms_KBT, first,
-                         sharding.constrain(local_JBTD, sharding.DEPTH_BUFFER),
-                         local_inv_rms_JBT)
+    inner = SegmentCarry(
+      buffer_KBTD,
+      inv_rms_KBT,
+      first,
+      sharding.constrain(local_JBTD, sharding.DEPTH_BUFFER),
+      local_inv_rms_JBT,
+    )
     if not self.two_phase:
       return inner, None
     return inner, self.phase1(buffer_KBTD, params, first, inv_rms_KBT)
@@ -218,8 +256,14 @@ class AttnResResidual(base.Residual):
     `first`: statistics per layer and sublayer, [G, 2, ...]."""
     num_layers = params.query.shape[0]
     queries_QD, gains_QD = self.segment_queries(params, num_layers)
-    stats = depth.phase1(buffer_KBTD, queries_QD, gains_QD, eps=self.cfg.attn_res_eps,
-                         num_valid=first, inv_rms_KBT=inv_rms_KBT)
+    stats = depth.phase1(
+      buffer_KBTD,
+      queries_QD,
+      gains_QD,
+      eps=self.cfg.attn_res_eps,
+      num_valid=first,
+      inv_rms_KBT=inv_rms_KBT,
+    )
     return jax.tree.map(lambda x: x.reshape(num_layers, 2, *x.shape[1:]), stats)
 
   def read(self, inner: SegmentCarry, params, per_layer, layer_in_segment, which):
@@ -227,35 +271,63 @@ class AttnResResidual(base.Residual):
     query_D, gain_D = params.query[...][which], params.gain[...][which]
     if self.two_phase:
       mine = jax.tree.map(lambda x: x[which], per_layer)
-      h_BTD = self.merge(mine, inner.local_JBTD, query_D, gain_D, layer_in_segment,
-                         which, inner.first, inner.buffer_KBTD[0],
-                         inner.local_inv_rms_JBT)
+      h_BTD = self.merge(
+        mine,
+        inner.local_JBTD,
+        query_D,
+        gain_D,
+        layer_in_segment,
+        which,
+        inner.first,
+        inner.buffer_KBTD[0],
+        inner.local_inv_rms_JBT,
+      )
       return h_BTD, None
     # One shot: the buffer as this sublayer sees it, local slots in place.
-    view = DepthCarry(*(jax.lax.dynamic_update_slice_in_dim(whole, local, inner.first, 0)
-                        for whole, local in ((inner.buffer_KBTD, inner.local_JBTD),
-                                             (inner.inv_rms_KBT, inner.local_inv_rms_JBT))))
-    return attnres_reads.read_row(self.cfg, view.buffer_KBTD,
-                                  inner.first + num_local_valid, params, which,
-                                  view.inv_rms_KBT)
+    view = DepthCarry(
+      *(
+        jax.lax.dynamic_update_slice_in_dim(whole, local, inner.first, 0)
+        for whole, local in (
+          (inner.buffer_KBTD, inner.local_JBTD),
+          (inner.inv_rms_KBT, inner.local_inv_rms_JBT),
+        )
+      )
+    )
+    return attnres_reads.read_row(
+      self.cfg,
+      view.buffer_KBTD,
+      inner.first + num_local_valid,
+      params,
+      which,
+      view.inv_rms_KBT,
+    )
 
-  def write(self, inner: SegmentCarry, params, per_layer, layer_in_segment, which,
-            out_BTD):
+  def write(
+    self, inner: SegmentCarry, params, per_layer, layer_in_segment, which, out_BTD
+  ):
     index, _ = self.local_index(layer_in_segment, which)
     local_JBTD, local_inv_rms_JBT = attnres_reads.add_to_slot(
-        inner.local_JBTD, inner.local_inv_rms_JBT, index, out_BTD, self.cfg.attn_res_eps)
+      inner.local_JBTD, inner.local_inv_rms_JBT, index, out_BTD, self.cfg.attn_res_eps
+    )
     return inner._replace(local_JBTD=local_JBTD, local_inv_rms_JBT=local_inv_rms_JBT)
 
   def end_segment(self, carry, inner: SegmentCarry, segment):
     return DepthCarry(
-        sharding.constrain(jax.lax.dynamic_update_slice_in_dim(
-            inner.buffer_KBTD, inner.local_JBTD, inner.first, 0), sharding.DEPTH_BUFFER),
-        jax.lax.dynamic_update_slice_in_dim(inner.inv_rms_KBT, inner.local_inv_rms_JBT,
-                                            inner.first, 0))
+      sharding.constrain(
+        jax.lax.dynamic_update_slice_in_dim(
+          inner.buffer_KBTD, inner.local_JBTD, inner.first, 0
+        ),
+        sharding.DEPTH_BUFFER,
+      ),
+      jax.lax.dynamic_update_slice_in_dim(
+        inner.inv_rms_KBT, inner.local_inv_rms_JBT, inner.first, 0
+      ),
+    )
 
   def final(self, carry: DepthCarry, params):
-    return attnres_reads.read_row(self.cfg, carry.buffer_KBTD, None, params, (),
-                                  carry.inv_rms_KBT)
+    return attnres_reads.read_row(
+      self.cfg, carry.buffer_KBTD, None, params, (), carry.inv_rms_KBT
+    )
 
   # -- analysis ---------------------------------------------------------------------
 
@@ -263,8 +335,10 @@ class AttnResResidual(base.Residual):
     if weights is None:
       return {}
     plogp = jnp.where(weights > 0, weights * jnp.log(weights), 0.0)
-    return {'depth_weights': jax.vmap(mean)(weights),
-            'depth_entropy': mean(-jnp.sum(plogp, axis=0))}
+    return {
+      'depth_weights': jax.vmap(mean)(weights),
+      'depth_entropy': mean(-jnp.sum(plogp, axis=0)),
+    }
 
   def final_statistics(self, weights, mean):
     return {'final_depth_weights': jax.vmap(mean)(weights)}
@@ -287,8 +361,11 @@ class AttnResResidual(base.Residual):
     segment's valid local slots and writes h; the write reads f(h) (and the partial
     sum it adds to) and writes the slot; the final read reads every slot and writes
     h. One-shot reads read every valid slot and write h."""
-    num_sublayers, size, per_segment = (2 * self.cfg.num_layers, self.block_size,
-                                        self.segment_layers)
+    num_sublayers, size, per_segment = (
+      2 * self.cfg.num_layers,
+      self.block_size,
+      self.segment_layers,
+    )
     read = write = 0.0
     for l in range(num_sublayers):
       layer, which = divmod(l, 2)
@@ -326,12 +403,12 @@ class AttnResResidual(base.Residual):
     size = self.segment_layers
     if layers_per_chunk % size:
       size = max(d for d in range(unit, size + 1, unit) if layers_per_chunk % d == 0)
-    return (dataclasses.replace(self, layers_per_segment=size),
-            layers_per_chunk // size)
+    return (dataclasses.replace(self, layers_per_segment=size), layers_per_chunk // size)
 
 
 class LayerCarry(NamedTuple):
   """`BufferReads`' inner carry: the buffer and the (global) index of the layer."""
+
   buffer_KBTD: jax.Array
   inv_rms_KBT: jax.Array
   layer: Any
@@ -353,14 +430,19 @@ class BufferReads(AttnResResidual):
   def read(self, inner: LayerCarry, params, per_layer, layer_in_segment, which):
     sublayer = 2 * inner.layer + which
     return attnres_reads.read_row(
-        self.cfg, inner.buffer_KBTD, depth.num_valid_sources(sublayer, self.block_size),
-        params, which, inner.inv_rms_KBT)
+      self.cfg,
+      inner.buffer_KBTD,
+      depth.num_valid_sources(sublayer, self.block_size),
+      params,
+      which,
+      inner.inv_rms_KBT,
+    )
 
-  def write(self, inner: LayerCarry, params, per_layer, layer_in_segment, which,
-            out_BTD):
+  def write(self, inner: LayerCarry, params, per_layer, layer_in_segment, which, out_BTD):
     slot = depth.output_slot(2 * inner.layer + which, self.block_size)
     buffer_KBTD, inv_rms_KBT = attnres_reads.add_to_slot(
-        inner.buffer_KBTD, inner.inv_rms_KBT, slot, out_BTD, self.cfg.attn_res_eps)
+      inner.buffer_KBTD, inner.inv_rms_KBT, slot, out_BTD, self.cfg.attn_res_eps
+    )
     return LayerCarry(buffer_KBTD, inv_rms_KBT, inner.layer)
 
   def end_segment(self, carry, inner: LayerCarry, segment):

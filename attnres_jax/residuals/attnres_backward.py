@@ -32,8 +32,10 @@ def make_stack(residual):
 
   def run(graphdef, layer_state, x_BTD, positions_BT):
     """The final buffer and its inverse RMS after all layers."""
-    functions = [stack_lib.sublayer_function(graphdef, which, cfg.remat == 'sublayer')
-                 for which in stack_lib.SUBLAYERS]
+    functions = [
+      stack_lib.sublayer_function(graphdef, which, cfg.remat == 'sublayer')
+      for which in stack_lib.SUBLAYERS
+    ]
     keeps_partial = residual.block_size > 1  # Full: a sublayer's own slot starts empty
     recompute_sublayers = cfg.remat == 'layer'
 
@@ -51,15 +53,23 @@ def make_stack(residual):
         return out_BTD, (partial_BTD, vjp_fn)
 
       carry, (full_ys, tail_ys) = stack_lib.run_layers(
-          residual, graphdef, layer_state, x_BTD, positions_BT, cfg=cfg,
-          apply_sublayer=apply_sublayer)
+        residual,
+        graphdef,
+        layer_state,
+        x_BTD,
+        positions_BT,
+        cfg=cfg,
+        apply_sublayer=apply_sublayer,
+      )
       buffer_KBTD = carry.buffer_KBTD
-      saved = tuple(None if ys is None else tuple(y[0] for y in ys)
-                    for ys in (full_ys, tail_ys))
+      saved = tuple(
+        None if ys is None else tuple(y[0] for y in ys) for ys in (full_ys, tail_ys)
+      )
       return buffer_KBTD, (layer_state, buffer_KBTD, positions_BT, saved)
 
-    def segment_backward(buffer_KBTD, d_buffer_KBTD, layer_states, segment, saved,
-                         positions_BT):
+    def segment_backward(
+      buffer_KBTD, d_buffer_KBTD, layer_states, segment, saved, positions_BT
+    ):
       """Cotangents through one segment: (d_buffer before it, d_layer_states)."""
       num_layers = len(layer_states)
       first = residual.first_local_slot(segment)
@@ -74,7 +84,8 @@ def make_stack(residual):
       local_JBTD = jax.lax.dynamic_slice_in_dim(buffer_KBTD, first, num_local, 0)
       d_local_JBTD = jax.lax.dynamic_slice_in_dim(d_buffer_KBTD, first, num_local, 0)
       d_buffer_KBTD = jax.lax.dynamic_update_slice_in_dim(
-          d_buffer_KBTD, jnp.zeros_like(d_local_JBTD), first, 0)
+        d_buffer_KBTD, jnp.zeros_like(d_local_JBTD), first, 0
+      )
       d_layer_states, d_stats = [None] * num_layers, [None] * num_layers
       d_embedding_sum_BTD = None  # the first sublayer's read (see AttnResResidual.merge)
       for j in reversed(range(num_layers)):
@@ -84,70 +95,93 @@ def make_stack(residual):
           partial_BTD, vjp_fn = saved[j][which]
           # The local slots as this sublayer read them: earlier ones complete, its own
           # holding the partial sum it saw (Full: empty, and not read).
-          view_JBTD = (local_JBTD if partial_BTD is None
-                       else local_JBTD.at[index].set(partial_BTD))
+          view_JBTD = (
+            local_JBTD if partial_BTD is None else local_JBTD.at[index].set(partial_BTD)
+          )
 
           def read(stats_mine, view_JBTD, state_j, embedding_BTD, j=j, which=which):
             params = nnx.merge(graphdef, state_j).residual
-            return residual.merge(stats_mine, view_JBTD, params.query[...][which],
-                                  params.gain[...][which], j, which, first,
-                                  embedding_BTD)
+            return residual.merge(
+              stats_mine,
+              view_JBTD,
+              params.query[...][which],
+              params.gain[...][which],
+              j,
+              which,
+              first,
+              embedding_BTD,
+            )
 
           mine = jax.tree.map(lambda x: x[j, which], stats)
           h_BTD, read_vjp = jax.vjp(read, mine, view_JBTD, state_j, buffer_KBTD[0])
           if vjp_fn is None:
             _, vjp_fn = sublayer_vjp(which, state_j, h_BTD, positions_BT)
           d_state_f, d_h_BTD = vjp_fn(d_local_JBTD[index])
-          d_stats_j[which], d_view_JBTD, d_state_read, d_embedding_BTD = read_vjp(
-              d_h_BTD)
-          d_embedding_sum_BTD = (d_embedding_BTD if d_embedding_sum_BTD is None
-                                 else d_embedding_sum_BTD + d_embedding_BTD)
+          d_stats_j[which], d_view_JBTD, d_state_read, d_embedding_BTD = read_vjp(d_h_BTD)
+          d_embedding_sum_BTD = (
+            d_embedding_BTD
+            if d_embedding_sum_BTD is None
+            else d_embedding_sum_BTD + d_embedding_BTD
+          )
           # Slot `index` before the write is the partial sum: its cotangent passes
           # through the write unchanged and gains the read's.
-          d_local_JBTD = sharding.constrain(d_local_JBTD + d_view_JBTD,
-                                            sharding.DEPTH_BUFFER)
+          d_local_JBTD = sharding.constrain(
+            d_local_JBTD + d_view_JBTD, sharding.DEPTH_BUFFER
+          )
           for d in (d_state_f, d_state_read):
-            d_layer_states[j] = (d if d_layer_states[j] is None
-                                 else jax.tree.map(jnp.add, d_layer_states[j], d))
+            d_layer_states[j] = (
+              d
+              if d_layer_states[j] is None
+              else jax.tree.map(jnp.add, d_layer_states[j], d)
+            )
         d_stats[j] = jax.tree.map(lambda *x: jnp.stack(x), *d_stats_j)
       d_stats = jax.tree.map(lambda *x: jnp.stack(x), *d_stats)
       d_buffer_phase1, d_states_phase1 = phase1_vjp(d_stats)
       d_layer_states = jax.tree.map(jnp.add, tuple(d_layer_states), d_states_phase1)
       d_buffer_KBTD = d_buffer_KBTD + d_buffer_phase1
       d_buffer_KBTD = sharding.constrain(
-          d_buffer_KBTD.at[0].add(d_embedding_sum_BTD.astype(d_buffer_KBTD.dtype)),
-          sharding.DEPTH_BUFFER)
+        d_buffer_KBTD.at[0].add(d_embedding_sum_BTD.astype(d_buffer_KBTD.dtype)),
+        sharding.DEPTH_BUFFER,
+      )
       return d_buffer_KBTD, d_layer_states
 
     def backward(residuals, d_buffer_KBTD):
       layer_state, buffer_KBTD, positions_BT, (full_saved, tail_saved) = residuals
       size = residual.segment_layers
       num_full = cfg.num_layers // size
-      full_states, tail_states = stack_lib.split_segments(layer_state, cfg.num_layers,
-                                                          size)
+      full_states, tail_states = stack_lib.split_segments(
+        layer_state, cfg.num_layers, size
+      )
       d_full = d_tail = None
       if tail_states is not None:
         d_buffer_KBTD, d_tail = segment_backward(
-            buffer_KBTD, d_buffer_KBTD, tail_states, num_full, tail_saved, positions_BT)
+          buffer_KBTD, d_buffer_KBTD, tail_states, num_full, tail_saved, positions_BT
+        )
       if full_states is not None:
 
         def body(d_buffer_KBTD, xs):
           layer_states, segment, saved = xs
-          return segment_backward(buffer_KBTD, d_buffer_KBTD, layer_states, segment,
-                                  saved, positions_BT)
+          return segment_backward(
+            buffer_KBTD, d_buffer_KBTD, layer_states, segment, saved, positions_BT
+          )
 
         d_buffer_KBTD, d_full = jax.lax.scan(
-            body, d_buffer_KBTD, (full_states, jnp.arange(num_full), full_saved),
-            reverse=True)
+          body,
+          d_buffer_KBTD,
+          (full_states, jnp.arange(num_full), full_saved),
+          reverse=True,
+        )
       d_layer_state = stack_lib.join_layers((d_full, d_tail))
-      d_layer_state = jax.tree.map(lambda d, x: d.astype(x.dtype), d_layer_state,
-                                   layer_state)
+      d_layer_state = jax.tree.map(
+        lambda d, x: d.astype(x.dtype), d_layer_state, layer_state
+      )
       return d_layer_state, d_buffer_KBTD[0], None
 
     @jax.custom_vjp
     def buffer_after_layers(layer_state, x_BTD, positions_BT):
       carry, _ = stack_lib.run_layers(
-          residual, graphdef, layer_state, x_BTD, positions_BT, cfg=cfg)
+        residual, graphdef, layer_state, x_BTD, positions_BT, cfg=cfg
+      )
       return carry.buffer_KBTD
 
     buffer_after_layers.defvjp(forward, backward)

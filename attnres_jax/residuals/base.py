@@ -57,6 +57,7 @@ class Applied(NamedTuple):
   """What one sublayer did: its input, its raw output, the residual's per-token
   weights of the read (for `sublayer_statistics`; None when it has none) and what the
   branch saved."""
+
   h_BTD: jax.Array
   out_BTD: jax.Array
   weights: Any
@@ -115,8 +116,9 @@ class Residual:
     del params, segment
     return carry, None
 
-  def sublayer(self, inner, params, per_layer, layer_in_segment, which,
-               branch: Branch) -> tuple[Any, Applied]:
+  def sublayer(
+    self, inner, params, per_layer, layer_in_segment, which, branch: Branch
+  ) -> tuple[Any, Applied]:
     """Reads the branch's input, runs `branch` once, writes its output."""
     h_BTD, weights = self.read(inner, params, per_layer, layer_in_segment, which)
     out_BTD, saved = branch(h_BTD)
@@ -172,15 +174,16 @@ class Residual:
   def pipeline_refusal(self, layers_per_chunk: int) -> str | None:
     """Why chunks of `layers_per_chunk` layers cannot be pipelined (None: they can)."""
     if layers_per_chunk % self.segment_layers:
-      return (f'a chunk of {layers_per_chunk} layers is not a whole number of the '
-              f'residual\'s segments of {self.segment_layers} layers.')
+      return (
+        f'a chunk of {layers_per_chunk} layers is not a whole number of the '
+        f"residual's segments of {self.segment_layers} layers."
+      )
     return None
 
   def pipeline_chunk(self, layers_per_chunk: int) -> tuple[Residual, int]:
     """(the residual that runs one chunk of layers, its segments per chunk). Segment
     k of chunk c is segment c * segments_per_chunk + k of the model."""
     return self, layers_per_chunk // self.segment_layers
-
 
 
 def is_int(value) -> bool:

@@ -82,13 +82,15 @@ class HyperConnectionParams(nnx.Module):
     m, d = cfg.hc_streams, cfg.d_model
     eye = lambda shape, dtype: jnp.broadcast_to(jnp.eye(m, dtype=dtype), shape)
     self.static_read = base.param(jnp.zeros, (*rows, m), (*row_axes, STREAM_AXIS), pdt)
-    self.static_mix = base.param(eye, (*rows, m, m), (*row_axes, STREAM_AXIS, STREAM_AXIS),
-                             pdt)
+    self.static_mix = base.param(
+      eye, (*rows, m, m), (*row_axes, STREAM_AXIS, STREAM_AXIS), pdt
+    )
     self.static_write = base.param(jnp.ones, (*rows, m), (*row_axes, STREAM_AXIS), pdt)
     if cfg.hc_dynamic:
       self.read_proj = base.param(jnp.zeros, (*rows, d), (*row_axes, 'embed'), pdt)
-      self.mix_proj = base.param(jnp.zeros, (*rows, d, m), (*row_axes, 'embed', STREAM_AXIS),
-                             pdt)
+      self.mix_proj = base.param(
+        jnp.zeros, (*rows, d, m), (*row_axes, 'embed', STREAM_AXIS), pdt
+      )
       self.write_proj = base.param(jnp.zeros, (*rows, d), (*row_axes, 'embed'), pdt)
       self.read_scale = base.param(_constant(DYNAMIC_SCALE_INIT), rows, row_axes, pdt)
       self.write_scale = base.param(_constant(DYNAMIC_SCALE_INIT), rows, row_axes, pdt)
@@ -106,17 +108,21 @@ class ManifoldHyperConnectionParams(nnx.Module):
     pdt = jnp.dtype(cfg.param_dtype)
     m, d = cfg.hc_streams, cfg.d_model
     res_init = lambda shape, dtype: jnp.broadcast_to(
-        MHC_LOGIT * (jnp.eye(m, dtype=dtype) - 1), shape)
+      MHC_LOGIT * (jnp.eye(m, dtype=dtype) - 1), shape
+    )
     self.pre_bias = base.param(jnp.zeros, (*rows, m), (*row_axes, STREAM_AXIS), pdt)
     self.post_bias = base.param(jnp.zeros, (*rows, m), (*row_axes, STREAM_AXIS), pdt)
-    self.res_bias = base.param(res_init, (*rows, m, m),
-                           (*row_axes, STREAM_AXIS, STREAM_AXIS), pdt)
+    self.res_bias = base.param(
+      res_init, (*rows, m, m), (*row_axes, STREAM_AXIS, STREAM_AXIS), pdt
+    )
     if cfg.hc_dynamic:
-      proj = lambda k: base.param(jnp.zeros, (*rows, m, d, k),
-                              (*row_axes, STREAM_AXIS, 'embed', STREAM_AXIS), pdt)
+      proj = lambda k: base.param(
+        jnp.zeros, (*rows, m, d, k), (*row_axes, STREAM_AXIS, 'embed', STREAM_AXIS), pdt
+      )
       self.pre_proj, self.post_proj, self.res_proj = proj(m), proj(m), proj(m * m)
       self.pre_scale, self.post_scale, self.res_scale = (
-          base.param(_constant(DYNAMIC_SCALE_INIT), rows, row_axes, pdt) for _ in range(3))
+        base.param(_constant(DYNAMIC_SCALE_INIT), rows, row_axes, pdt) for _ in range(3)
+      )
     else:
       self.pre_proj = self.post_proj = self.res_proj = None
       self.pre_scale = self.post_scale = self.res_scale = None
@@ -130,6 +136,7 @@ def _row(param, which):
 class Coefficients:
   """One sublayer's stream weights, per token: read a [m, B, T], mixing R [m, m, B, T]
   (R[i, j]: from stream i to stream j), write b [m, B, T]. float32."""
+
   read_MBT: jax.Array
   mix_MMBT: jax.Array
   write_MBT: jax.Array
@@ -138,6 +145,7 @@ class Coefficients:
 class StreamCarry(NamedTuple):
   """Within a segment: the streams and the index of the segment's first layer (for
   the initial read one-hot)."""
+
   streams_MBTD: jax.Array
   first_layer: jax.Array
 
@@ -154,23 +162,39 @@ class HyperConnectionResidual(base.Residual):
   cfg: Any
 
   # Decay would pull HC's identity mixing and the gates to zero; projections decay.
-  no_decay = frozenset({'static_read', 'static_mix', 'static_write', 'read_scale',
-                        'write_scale', 'pre_bias', 'post_bias', 'res_bias',
-                        'pre_scale', 'post_scale', 'res_scale'})
+  no_decay = frozenset(
+    {
+      'static_read',
+      'static_mix',
+      'static_write',
+      'read_scale',
+      'write_scale',
+      'pre_bias',
+      'post_bias',
+      'res_bias',
+      'pre_scale',
+      'post_scale',
+      'res_scale',
+    }
+  )
   figures = ('streams',)
 
   def validate(self) -> None:
     cfg = self.cfg
     if not base.is_int(cfg.hc_streams) or cfg.hc_streams < 1:
-      base.invalid(f'hc_streams is the number of residual streams (expansion rate m) and must '
-           f'be an integer >= 1, got {cfg.hc_streams!r}.')
+      base.invalid(
+        f'hc_streams is the number of residual streams (expansion rate m) and must '
+        f'be an integer >= 1, got {cfg.hc_streams!r}.'
+      )
     if not isinstance(cfg.hc_dynamic, bool):
       base.invalid(f'hc_dynamic must be True or False, got {cfg.hc_dynamic!r}.')
     if self.manifold and (not base.is_int(cfg.sinkhorn_iters) or cfg.sinkhorn_iters < 1):
       base.invalid(f'sinkhorn_iters must be an integer >= 1, got {cfg.sinkhorn_iters!r}.')
     if cfg.ablations:
-      base.invalid(f'the depth-read ablations {cfg.ablations} apply to AttnRes, not to '
-           f'residual={cfg.residual!r}.')
+      base.invalid(
+        f'the depth-read ablations {cfg.ablations} apply to AttnRes, not to '
+        f'residual={cfg.residual!r}.'
+      )
 
   @property
   def label(self) -> str:
@@ -207,8 +231,9 @@ class HyperConnectionResidual(base.Residual):
     k = 2 * (first_layer + layer_in_segment) + which
     return jax.nn.one_hot(k % self.num_streams, self.num_streams, dtype=jnp.float32)
 
-  def coefficients(self, inner: StreamCarry, params, layer_in_segment,
-                   which) -> Coefficients:
+  def coefficients(
+    self, inner: StreamCarry, params, layer_in_segment, which
+  ) -> Coefficients:
     selected_M = self.selected(inner.first_layer, layer_in_segment, which)
     if self.manifold:
       return self._mhc_coefficients(inner.streams_MBTD, params, selected_M, which)
@@ -226,11 +251,14 @@ class HyperConnectionResidual(base.Residual):
       normed_MBTD = _rms_normalize(streams_MBTD, self.cfg.norm_eps)
       s_alpha, s_beta = _row(params.read_scale, which), _row(params.write_scale, which)
       read_MBT += s_alpha * jnp.tanh(
-          jnp.einsum('mbtd,d->mbt', normed_MBTD, _row(params.read_proj, which)))
+        jnp.einsum('mbtd,d->mbt', normed_MBTD, _row(params.read_proj, which))
+      )
       mix_MMBT += s_alpha * jnp.tanh(
-          jnp.einsum('mbtd,dn->mnbt', normed_MBTD, _row(params.mix_proj, which)))
+        jnp.einsum('mbtd,dn->mnbt', normed_MBTD, _row(params.mix_proj, which))
+      )
       write_MBT += s_beta * jnp.tanh(
-          jnp.einsum('mbtd,d->mbt', normed_MBTD, _row(params.write_proj, which)))
+        jnp.einsum('mbtd,d->mbt', normed_MBTD, _row(params.write_proj, which))
+      )
     return Coefficients(read_MBT, mix_MMBT, write_MBT)
 
   def _mhc_coefficients(self, streams_MBTD, params, selected_M, which):
@@ -244,24 +272,27 @@ class HyperConnectionResidual(base.Residual):
     if params.pre_proj is not None:  # dynamic: from all streams, flattened and normed
       # RMSNorm(vec(H)) over the m * D features of a token (no gain: phi absorbs it).
       inv_rms_BT = jax.lax.rsqrt(
-          jnp.mean(jnp.square(streams_MBTD.astype(jnp.float32)), axis=(0, 3))
-          + self.cfg.norm_eps)
+        jnp.mean(jnp.square(streams_MBTD.astype(jnp.float32)), axis=(0, 3))
+        + self.cfg.norm_eps
+      )
       normed_MBTD = streams_MBTD.astype(jnp.float32) * inv_rms_BT[None, ..., None]
-      project = lambda proj: jnp.einsum('mbtd,mdk->btk', normed_MBTD,
-                                        _row(proj, which))
+      project = lambda proj: jnp.einsum('mbtd,mdk->btk', normed_MBTD, _row(proj, which))
       pre_BTM = pre_BTM + _row(params.pre_scale, which) * project(params.pre_proj)
       post_BTM = post_BTM + _row(params.post_scale, which) * project(params.post_proj)
       res_flat = _row(params.res_scale, which) * project(params.res_proj)
-      res_BTMM = res_BTMM + res_flat.reshape(*res_flat.shape[:-1], self.num_streams,
-                                             self.num_streams)
+      res_BTMM = res_BTMM + res_flat.reshape(
+        *res_flat.shape[:-1], self.num_streams, self.num_streams
+      )
     h_res_BTMM = sinkhorn(res_BTMM, self.cfg.sinkhorn_iters)  # [i, j]: to i from j
     return Coefficients(
-        read_MBT=jnp.moveaxis(jax.nn.sigmoid(pre_BTM), -1, 0),
-        mix_MMBT=jnp.transpose(h_res_BTMM, (3, 2, 0, 1)),  # [from, to, B, T]
-        write_MBT=jnp.moveaxis(2 * jax.nn.sigmoid(post_BTM), -1, 0))
+      read_MBT=jnp.moveaxis(jax.nn.sigmoid(pre_BTM), -1, 0),
+      mix_MMBT=jnp.transpose(h_res_BTMM, (3, 2, 0, 1)),  # [from, to, B, T]
+      write_MBT=jnp.moveaxis(2 * jax.nn.sigmoid(post_BTM), -1, 0),
+    )
 
-  def sublayer(self, inner: StreamCarry, params, per_layer, layer_in_segment, which,
-               branch):
+  def sublayer(
+    self, inner: StreamCarry, params, per_layer, layer_in_segment, which, branch
+  ):
     streams_MBTD = inner.streams_MBTD
     coeffs = self.coefficients(inner, params, layer_in_segment, which)
     streams_f32 = streams_MBTD.astype(jnp.float32)
@@ -269,10 +300,15 @@ class HyperConnectionResidual(base.Residual):
     h_BTD = sharding.constrain(h_BTD.astype(streams_MBTD.dtype), sharding.HIDDEN)
     out_BTD, saved = branch(h_BTD)
     mixed_MBTD = jnp.einsum('mnbt,mbtd->nbtd', coeffs.mix_MMBT, streams_f32)
-    new_MBTD = mixed_MBTD + coeffs.write_MBT[..., None] * out_BTD.astype(jnp.float32)[None]
+    new_MBTD = (
+      mixed_MBTD + coeffs.write_MBT[..., None] * out_BTD.astype(jnp.float32)[None]
+    )
     inner = inner._replace(
-        streams_MBTD=sharding.constrain(new_MBTD.astype(streams_MBTD.dtype), STREAMS))
-    weights = dict(coeffs=coeffs, stream_rms_MBT=1.0 / depth.rms_inverse(streams_MBTD, 0.0))
+      streams_MBTD=sharding.constrain(new_MBTD.astype(streams_MBTD.dtype), STREAMS)
+    )
+    weights = dict(
+      coeffs=coeffs, stream_rms_MBT=1.0 / depth.rms_inverse(streams_MBTD, 0.0)
+    )
     return inner, base.Applied(h_BTD, out_BTD, weights, saved)
 
   def final(self, carry, params):
@@ -287,10 +323,12 @@ class HyperConnectionResidual(base.Residual):
     mix_weights [m, m] ([i, j]: the weight of stream j in the new stream i; mHC's
     H_res, HC's A_r transposed), write_weights [m] (b)."""
     coeffs, means = weights['coeffs'], _leading_mean(mean)
-    return {'stream_rms': means(weights['stream_rms_MBT']),
-            'read_weights': means(coeffs.read_MBT),
-            'mix_weights': means(coeffs.mix_MMBT).T,
-            'write_weights': means(coeffs.write_MBT)}
+    return {
+      'stream_rms': means(weights['stream_rms_MBT']),
+      'read_weights': means(coeffs.read_MBT),
+      'mix_weights': means(coeffs.mix_MMBT).T,
+      'write_weights': means(coeffs.write_MBT),
+    }
 
   def final_statistics(self, weights, mean):
     return {'final_stream_rms': _leading_mean(mean)(weights)}
@@ -315,8 +353,10 @@ class HyperConnectionResidual(base.Residual):
     """The read reads the m streams and writes h; the write reads the m streams and
     f(h) and writes m streams; the final read reads m and writes 1."""
     m, num_sublayers = self.num_streams, 2 * self.cfg.num_layers
-    return (((2 * m + 1) * num_sublayers + m) / num_sublayers,
-            ((m + 1) * num_sublayers + 1) / num_sublayers)
+    return (
+      ((2 * m + 1) * num_sublayers + m) / num_sublayers,
+      ((m + 1) * num_sublayers + 1) / num_sublayers,
+    )
 
   # -- the pipeline: the streams cross stage boundaries whole ----------------------
 
@@ -326,9 +366,11 @@ class HyperConnectionResidual(base.Residual):
 
 def _leading_mean(mean):
   """`mean` over the trailing [B, T] axes of an array with leading axes."""
+
   def means(x_XBT):
     flat = x_XBT.reshape(-1, *x_XBT.shape[-2:])
     return jax.vmap(mean)(flat).reshape(x_XBT.shape[:-2])
+
   return means
 
 
@@ -337,11 +379,17 @@ def stream_statistics(model, tokens_BT, weights_BT=None) -> dict[str, jax.Array]
   stacked [num_layers, 2, ...], and final_stream_rms [m]), token means weighted by
   `weights_BT` (e.g. 0 on padding; default uniform): the analysis pass's."""
   if not isinstance(model.residual, HyperConnectionResidual):
-    raise ValueError(f'stream statistics need residual "hc" or "mhc", got '
-                     f'{model.cfg.residual!r}.')
+    raise ValueError(
+      f'stream statistics need residual "hc" or "mhc", got {model.cfg.residual!r}.'
+    )
   _, stats = model(tokens_BT, collect_stats=True, stats_weights_BT=weights_BT)
-  keys = ('stream_rms', 'read_weights', 'mix_weights', 'write_weights',
-          'final_stream_rms')
+  keys = (
+    'stream_rms',
+    'read_weights',
+    'mix_weights',
+    'write_weights',
+    'final_stream_rms',
+  )
   return {k: stats[k] for k in keys}
 
 

@@ -18,8 +18,9 @@ _MODES: dict[str, Callable[..., base.Residual]] = {}
 def register(name: str, factory: Callable[..., base.Residual]) -> None:
   """Makes `cfg.residual == name` build `factory(cfg)`."""
   if name in _MODES and _MODES[name] is not factory:
-    raise ValueError(f'Residual mode {name!r} is already registered '
-                     f'({_MODES[name].__name__}).')
+    raise ValueError(
+      f'Residual mode {name!r} is already registered ({_MODES[name].__name__}).'
+    )
   _MODES[name] = factory
 
 
@@ -30,11 +31,14 @@ def names() -> tuple[str, ...]:
 def make(cfg) -> base.Residual:
   """The residual of a model config (not validated: `ModelConfig` validates)."""
   if cfg.residual not in _MODES:
-    raise ValueError(f'Invalid model config: residual must be one of {names()}, got '
-                     f'{cfg.residual!r}.')
+    raise ValueError(
+      f'Invalid model config: residual must be one of {names()}, got {cfg.residual!r}.'
+    )
   return _MODES[cfg.residual](cfg)
 
 
 def no_decay_names() -> frozenset[str]:
   """The residual parameter names that no registered residual decays."""
-  return frozenset().union(*(getattr(f, 'no_decay', frozenset()) for f in _MODES.values()))
+  return frozenset().union(
+    *(getattr(f, 'no_decay', frozenset()) for f in _MODES.values())
+  )
