@@ -66,7 +66,11 @@ class Applied(NamedTuple):
 
 class Residual:
   """The interface (see the module docstring); subclasses are frozen dataclasses with
-  a `cfg` field (the `ModelConfig`), so that they hash into the model's graph."""
+  a `cfg` field (the `ModelConfig`), so that they hash into the model's graph.
+
+  Methods that raise NotImplementedError are what each residual must provide; they are
+  not abstract because `read` and `write` are needed only where `sublayer` is not
+  overridden (HC/mHC override it)."""
 
   cfg: Any
   segment_layers: int = 1
