@@ -92,6 +92,15 @@ def _sublayer_axis(ax, cfg, final=False):
   ax.set_xlabel('sublayer (A = attention, M = MLP)')
 
 
+def _save_sublayer_plot(fig, ax, cfg, path: str, title: str) -> str:
+  """Finishes a line plot over sublayers (axis, grid, legend, title) and saves it."""
+  _sublayer_axis(ax, cfg)
+  ax.grid(True, which='both', alpha=0.3)
+  ax.legend()
+  ax.set_title(title)
+  return _save(fig, path)
+
+
 def plot_magnitudes(
   stats: Mapping[str, np.ndarray], cfg, path: str, title: str | None = None
 ) -> str:
@@ -128,11 +137,13 @@ def plot_grad_norms(
   if np.all(g > 0):
     ax.set_yscale('log')
   ax.set_ylabel('gradient norm')
-  _sublayer_axis(ax, cfg)
-  ax.grid(True, which='both', alpha=0.3)
-  ax.legend()
-  ax.set_title(title or f'{statistics.mode_name(cfg)}: gradient norm per sublayer')
-  return _save(fig, path)
+  return _save_sublayer_plot(
+    fig,
+    ax,
+    cfg,
+    path,
+    title or f'{statistics.mode_name(cfg)}: gradient norm per sublayer',
+  )
 
 
 def plot_depth_entropy(
@@ -147,11 +158,9 @@ def plot_depth_entropy(
     x, np.log(mask.reshape(len(x), -1).sum(-1)), 'k:', label='uniform (log #sources)'
   )
   ax.set_ylabel('entropy (nats)')
-  _sublayer_axis(ax, cfg)
-  ax.grid(True, alpha=0.3)
-  ax.legend()
-  ax.set_title(title or f'{statistics.mode_name(cfg)}: depth-weight entropy')
-  return _save(fig, path)
+  return _save_sublayer_plot(
+    fig, ax, cfg, path, title or f'{statistics.mode_name(cfg)}: depth-weight entropy'
+  )
 
 
 def plot_streams(

@@ -30,6 +30,7 @@ from absl import app, flags
 from attnres_jax import config as config_lib
 from attnres_jax import depth
 from attnres_jax import flops
+from attnres_jax import modes
 from attnres_jax import residuals
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -47,16 +48,11 @@ flags.DEFINE_string(
 
 
 def model_config(mode: str, num_layers: int):
-  """'standard', 'full', 'block:S', 'hc', 'mhc' (m = 4) at `num_layers` layers."""
-  residual, _, size = mode.partition(':')
-  fields = dict(
-    residual=residual, num_layers=num_layers, d_model=64, num_heads=1, mlp_dim=128
+  """A residual mode (attnres_jax.modes: 'standard', 'block:4', 'mhc', ...) at
+  `num_layers` layers of a small width (the counts are per d, so any width serves)."""
+  return config_lib.ModelConfig(
+    num_layers=num_layers, d_model=64, num_heads=1, mlp_dim=128, **modes.fields(mode)
   )
-  if residual == 'block':
-    fields['block_size'] = int(size)
-  if residual in ('hc', 'mhc'):
-    fields['hc_streams'] = int(size or 4)
-  return config_lib.ModelConfig(**fields)
 
 
 ITEMS = {  # item key: what it counts (d elements per token and sublayer)

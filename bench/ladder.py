@@ -5,7 +5,7 @@ parameters, then the paper's power-law fit and the compute multiplier at matched
 
   python bench/ladder.py                                # train what is missing, then fit
   python bench/ladder.py --report_only                  # fit what has finished
-  python bench/ladder.py --residuals=standard,full,block_s4 --seeds=0,1,2,3
+  python bench/ladder.py --residuals=standard,full,block:4 --seeds=0,1,2,3
 
 Every (rung, seed) trains through `bench/sweep.py` (one `train.py` process per run,
 finished runs skipped, interrupted ones resumed), seed-major so that an interrupted
@@ -35,7 +35,7 @@ FLAGS = flags.FLAGS
 # bench/scaling.py's flags (--root, --residuals, --widths, --seeds, --bootstrap, --out,
 # --name), with the ladder's defaults.
 FLAGS.set_default('root', 'runs/ladder')
-FLAGS.set_default('residuals', ['standard', 'block_s4'])
+FLAGS.set_default('residuals', ['standard', 'block:4'])
 FLAGS.set_default('out', 'bench/results')
 FLAGS.set_default('name', 'ladder')
 flags.DEFINE_bool('report_only', False, 'Only fit what has finished.')

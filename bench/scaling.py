@@ -2,7 +2,7 @@
 the compute multiplier of each residual over the reference at matched loss.
 
   python bench/ladder.py                           # the ladder study (trains, then this)
-  python bench/scaling.py --root=runs/ladder --residuals=standard,block_s4 \\
+  python bench/scaling.py --root=runs/ladder --residuals=standard,block:4 \\
       --out=bench/results --name=ladder            # re-fit what has finished
 
 For every residual and ladder width (configs/default.py: SCALING_WIDTHS, run names
@@ -39,6 +39,7 @@ import numpy as np
 
 from attnres_jax import checkpointing
 from attnres_jax import flops
+from attnres_jax import modes
 from attnres_jax import train
 from configs import default as default_config
 
@@ -48,9 +49,21 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string('root', 'runs/ladder', 'The run root (bench/ladder.py --root).')
 flags.DEFINE_list(
   'residuals',
-  ['standard', 'block_s4'],
-  'Base run names to fit (the first is the reference).',
+  ['standard', 'block:4'],
+  f'Residual modes to fit, the first the reference ({modes.SYNTAX}).',
 )
+
+
+def _valid_modes(values) -> bool:
+  try:
+    modes.parse_list(','.join(values))
+  except ValueError as e:
+    raise flags.ValidationError(str(e)) from None
+  return True
+
+
+flags.register_validator('residuals', _valid_modes)
+
 flags.DEFINE_list(
   'widths', [str(w) for w in default_config.SCALING_WIDTHS], 'Ladder widths (d_model).'
 )

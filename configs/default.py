@@ -17,6 +17,7 @@ and any field from the command line: --config.model.block_size=4. The study grid
 import ml_collections
 
 from attnres_jax import config as config_lib
+from attnres_jax import modes
 from attnres_jax import sharding
 
 RESIDUALS = ('standard', 'full', 'block')
@@ -25,12 +26,9 @@ RESIDUALS = ('standard', 'full', 'block')
 # (SWEEP_BUDGET_STEPS steps of 16 x 128 bytes) and differs only in the named model
 # fields. With 3 seeds the grid took 1 h 42 min on 2 CPU cores.
 SWEEP_BUDGET_STEPS = 300
-SWEEP_MODES = {  # residual modes (paper Table/Fig. 6)
-  'standard': dict(residual='standard'),
-  'full': dict(residual='full'),
-  'block_s2': dict(residual='block', block_size=2),
-  'block_s4': dict(residual='block', block_size=4),
-  'block_s8': dict(residual='block', block_size=8),
+SWEEP_MODES = {  # residual modes (paper Table/Fig. 6), runs named 'block_s2', ...
+  modes.run_name(mode): modes.fields(mode)
+  for mode in ('standard', 'full', 'block:2', 'block:4', 'block:8')
 }
 _ABLATION = dict(residual='full', depth_read='one_shot')  # on Full, as in the paper
 SWEEP_ABLATIONS = {  # the read ablations (paper Section 5)
@@ -54,23 +52,21 @@ SWEEP_DEPTHS = {
   )
 }
 # The paper's comparators (Tables 2 and 4): Hyper-Connections and mHC, m = 4 streams.
-SWEEP_COMPARATORS = {
-  'mhc': dict(residual='mhc', hc_streams=4),
-  'hc': dict(residual='hc', hc_streams=4),
-}
+SWEEP_COMPARATORS = {mode: modes.fields(mode) for mode in ('mhc', 'hc')}
 # The compute ladder of the compute-multiplier study (bench/ladder.py runs it and fits
 # it with bench/scaling.py): 4 layers at four widths (head dim 8, MLP 3d), each trained
 # on SCALING_TOKENS_PER_PARAM tokens per non-embedding parameter (one rule for every
 # size), in steps of 16 x 128 tokens with a tenth of them warmup. Sized to run 2 residuals
 # x 3 seeds on 2 shared CPU cores in about an hour (docs/results.md).
 SCALING_WIDTHS = (24, 32, 40, 48)
-SCALING_RESIDUALS = ('standard', 'full', 'block_s4', 'mhc', 'hc')
+SCALING_RESIDUALS = ('standard', 'full', 'block:4', 'mhc', 'hc')  # modes
 SCALING_TOKENS_PER_PARAM = 4
 SCALING_BATCH_TOKENS = 16 * 128  # the default batch x sequence length
 
 
-def scaling_run(name: str, width: int) -> str:
-  return f'{name}_d{width}'
+def scaling_run(mode: str, width: int) -> str:
+  """The run name of a ladder rung, e.g. ('block:4', 32) -> 'block_s4_d32'."""
+  return f'{modes.run_name(mode)}_d{width}'
 
 
 def scaling_params(width: int, num_layers: int = 4) -> int:
@@ -92,7 +88,7 @@ def scaling_train_overrides(width: int) -> dict[str, int]:
 
 SWEEP_SCALING = {
   scaling_run(name, width): dict(
-    {**SWEEP_MODES, **SWEEP_COMPARATORS}[name],
+    modes.fields(name),
     d_model=width,
     num_heads=width // 8,
     mlp_dim=3 * width,
@@ -183,31 +179,19 @@ def _apply(config: ml_collections.ConfigDict, variant: str) -> None:
     # Trains in seconds on a CPU; evaluates on the first few eval batches only.
     config.model.update(d_model=32, num_layers=2, num_heads=2, mlp_dim=64)
     config.data.shuffle_window = 256
+    config.train.update(batch_size=8, seq_len=32, num_steps=30)
+    config.train.update(learning_rate=1e-2, warmup_steps=5)
+    # Every kind of event (log, eval, checkpoint rotation) happens within 30 steps.
     config.train.update(
-      batch_size=8,
-      seq_len=32,
-      num_steps=30,
-      learning_rate=1e-2,
-      warmup_steps=5,
-      log_every=5,
-      max_eval_batches=4,
-      checkpoint_every=10,
-      keep_checkpoints=2,
+      log_every=5, max_eval_batches=4, checkpoint_every=10, keep_checkpoints=2
     )
   elif name == 'paper_small' and not value:
     # The paper's comparison at small scale, sized for an accelerator: S = 2 gives
     # N = 8 blocks over 16 sublayers, about the paper's N.
     config.model.update(d_model=256, num_layers=8, num_heads=4, mlp_dim=768)
-    config.train.update(
-      batch_size=32,
-      seq_len=256,
-      num_steps=5000,
-      learning_rate=2e-3,
-      warmup_steps=250,
-      log_every=50,
-      eval_every=1000,
-      checkpoint_every=1000,
-    )
+    config.train.update(batch_size=32, seq_len=256, num_steps=5000)
+    config.train.update(learning_rate=2e-3, warmup_steps=250)
+    config.train.update(log_every=50, eval_every=1000, checkpoint_every=1000)
   elif name == 'subword' and not value:
     # A 1024-piece SentencePiece vocabulary trained on the training split on first use;
     # a 56-token window holds the 128 bytes of the byte run's: the same bytes seen.

@@ -114,6 +114,22 @@ def child_env(num_devices: int) -> dict[str, str]:
   return env
 
 
+def run_script(script: str, *args: str, timeout: float, **kwargs):
+  """Runs a repository script (e.g. 'bench/memory.py') with this Python from the
+  repository root, as the README does; a non-zero exit fails the test."""
+  return subprocess.run(
+    [sys.executable, os.path.join(ROOT, script), *args],
+    check=True,
+    cwd=ROOT,
+    timeout=timeout,
+    env={
+      **os.environ,
+      'PYTHONPATH': ROOT + os.pathsep + os.environ.get('PYTHONPATH', ''),
+    },
+    **kwargs,
+  )
+
+
 def start_children(script: str, keys, env: dict[str, str]):
   """Starts `python <script> <key>` for every key at once (they compile on both cores;
   a device count is fixed when JAX starts, hence processes). Returns result(key) ->

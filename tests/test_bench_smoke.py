@@ -4,11 +4,10 @@ import importlib.util
 import json
 import math
 import os
-import subprocess
-import sys
 
 from absl import flags
 from absl.testing import flagsaver
+from conftest import run_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -92,29 +91,41 @@ def test_prefill_memory_benchmark_smoke(tmp_path):
 def test_memory_benchmark_smoke(tmp_path):
   # A subprocess: bench/memory.py's flag names (batch_size, ...) clash with eval.py's.
   out = tmp_path / 'memory.jsonl'
-  subprocess.run(
-    [
-      sys.executable,
-      os.path.join(ROOT, 'bench', 'memory.py'),
-      '--layers=1',
-      '--modes=block:2',
-      '--d_model=64',
-      '--seq_len=8',
-      '--batch_size=2',
-      '--steps=1',
-      f'--out={out}',
-    ],
-    check=True,
-    cwd=ROOT,
+  run_script(
+    'bench/memory.py',
+    '--layers=1',
+    '--modes=block:2',
+    '--d_model=64',
+    '--seq_len=8',
+    '--batch_size=2',
+    '--steps=1',
+    f'--out={out}',
     timeout=120,
-    env={
-      **os.environ,
-      'PYTHONPATH': ROOT + os.pathsep + os.environ.get('PYTHONPATH', ''),
-    },
   )
   (row,) = _read_jsonl(out)
   assert row['mode'] == 'block:2' and row['num_layers'] == 1
   assert row['temp_bytes'] > 0 and row['step_s'] > 0 and math.isfinite(row['loss'])
+
+
+def test_memory_io_table_smoke(tmp_path):
+  """bench/memory.py --io: the counted model and XLA's bytes accessed per mode."""
+  out = tmp_path / 'io.json'
+  run_script(
+    'bench/memory.py',
+    '--io',
+    '--layers=1',
+    '--modes=standard,hc:2',
+    '--d_model=64',
+    '--seq_len=8',
+    '--batch_size=2',
+    f'--io_out={out}',
+    timeout=300,
+  )
+  rows = {row['mode']: row for row in json.load(open(out))}
+  assert rows['standard']['total'] == 3.0 and rows['standard']['hlo_total'] == 3.0
+  # HC with m = 2 streams, 2 sublayers: counted (2m + 1) + m / L read, (m + 1) + 1 / L.
+  assert rows['hc:2']['read'] == 5 + 2 / 2 and rows['hc:2']['write'] == 3 + 1 / 2
+  assert rows['hc:2']['hlo_total'] > 3.0  # the streams cost XLA more than one stream
 
 
 # Every sweep run shrunk to seconds; the data dir is the test's own.
@@ -134,25 +145,16 @@ TINY_SWEEP = (
 
 
 def _sweep(root, tfds_dir, runs):
-  result = subprocess.run(
-    [
-      sys.executable,
-      os.path.join(ROOT, 'bench', 'sweep.py'),
-      f'--root={root}',
-      f'--runs={runs}',
-      '--seeds=0,1',
-      f'--set=data.tfds_data_dir={tfds_dir}',
-      *(f'--set={override}' for override in TINY_SWEEP),
-    ],
-    check=True,
-    cwd=ROOT,
+  result = run_script(
+    'bench/sweep.py',
+    f'--root={root}',
+    f'--runs={runs}',
+    '--seeds=0,1',
+    f'--set=data.tfds_data_dir={tfds_dir}',
+    *(f'--set={override}' for override in TINY_SWEEP),
     timeout=600,
     capture_output=True,
     text=True,
-    env={
-      **os.environ,
-      'PYTHONPATH': ROOT + os.pathsep + os.environ.get('PYTHONPATH', ''),
-    },
   )
   return result.stdout
 

@@ -82,39 +82,3 @@ def test_residual_io_by_hand():
   one_shot = io(residual='full', depth_read='one_shot')
   assert one_shot['read'] == (sum(l + 1 + 1 for l in range(4)) + 5) / 4
   assert one_shot['write'] == (2 * 4 + 1) / 4
-
-
-def test_memory_io_table_smoke(tmp_path):
-  """bench/memory.py --io: the counted model and XLA's bytes accessed per mode."""
-  import json  # pylint: disable=g-import-not-at-top
-  import os  # pylint: disable=g-import-not-at-top
-  import subprocess  # pylint: disable=g-import-not-at-top
-  import sys  # pylint: disable=g-import-not-at-top
-
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  out = tmp_path / 'io.json'
-  subprocess.run(
-    [
-      sys.executable,
-      os.path.join(root, 'bench', 'memory.py'),
-      '--io',
-      '--layers=1',
-      '--modes=standard,hc:2',
-      '--d_model=64',
-      '--seq_len=8',
-      '--batch_size=2',
-      f'--io_out={out}',
-    ],
-    check=True,
-    cwd=root,
-    timeout=300,
-    env={
-      **os.environ,
-      'PYTHONPATH': root + os.pathsep + os.environ.get('PYTHONPATH', ''),
-    },
-  )
-  rows = {row['mode']: row for row in json.load(open(out))}
-  assert rows['standard']['total'] == 3.0 and rows['standard']['hlo_total'] == 3.0
-  # HC with m = 2 streams, 2 sublayers: counted (2m + 1) + m / L read, (m + 1) + 1 / L.
-  assert rows['hc:2']['read'] == 5 + 2 / 2 and rows['hc:2']['write'] == 3 + 1 / 2
-  assert rows['hc:2']['hlo_total'] > 3.0  # the streams cost XLA more than one stream

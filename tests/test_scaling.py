@@ -41,13 +41,13 @@ def write_runs(root, name, gain, noise, skip=()):
 
 
 def test_fit_recovers_a_power_law_and_the_multiplier(tmp_path):
-  # "block_s4" reaches the standard's loss with 1.25x less compute; seeds add +-0.5%.
+  # "block:4" reaches the standard's loss with 1.25x less compute; seeds add +-0.5%.
   noise = {0: 1.0, 1: 1.005, 2: 0.995}
   write_runs(tmp_path, 'standard', 1.0, noise)
-  write_runs(tmp_path, 'block_s4', 1.25, noise)
+  write_runs(tmp_path, 'block:4', 1.25, noise)
   points = {
     name: scaling.ladder_points(str(tmp_path), name, WIDTHS, (0, 1, 2))
-    for name in ('standard', 'block_s4')
+    for name in ('standard', 'block:4')
   }
   assert sorted(points['standard']) == list(WIDTHS)
   result = scaling.analyse(points, 'standard', bootstrap=200)
@@ -55,7 +55,7 @@ def test_fit_recovers_a_power_law_and_the_multiplier(tmp_path):
   # recovered to float64 rounding. A resample draws different seeds at different rungs,
   # which tilts both fits alike, but not exactly alike (Block's FLOPs are not a fixed
   # multiple of the standard's across widths), so the intervals only contain 1.25.
-  block = result['residuals']['block_s4']
+  block = result['residuals']['block:4']
   np.testing.assert_allclose(result['residuals']['standard']['alpha'], 0.05, rtol=1e-9)
   np.testing.assert_allclose(block['multiplier_middle']['value'], 1.25, rtol=1e-9)
   low, high = block['multiplier_middle']['interval']
@@ -69,26 +69,26 @@ def test_fit_recovers_a_power_law_and_the_multiplier(tmp_path):
   assert '**1.250x**' in table
   assert os.path.exists(tmp_path / 'ladder.png')
   with open(tmp_path / 'ladder.json') as f:
-    assert json.load(f)['residuals']['block_s4']['multiplier_middle']['value'] > 1.2
+    assert json.load(f)['residuals']['block:4']['multiplier_middle']['value'] > 1.2
 
 
 def test_unpaired_runs_are_left_out_and_one_seed_prints_na(tmp_path):
   # Seed 2 of block at the first rung is missing: that rung is fitted on seeds 0 and 1
   # for both residuals; a residual's different seed noise per rung widens the interval.
   write_runs(tmp_path, 'standard', 1.0, {0: 1.0, 1: 1.01, 2: 0.99})
-  write_runs(tmp_path, 'block_s4', 1.0, {0: 0.99, 1: 1.0, 2: 1.01}, skip={(WIDTHS[0], 2)})
+  write_runs(tmp_path, 'block:4', 1.0, {0: 0.99, 1: 1.0, 2: 1.01}, skip={(WIDTHS[0], 2)})
   points = {
     name: scaling.ladder_points(str(tmp_path), name, WIDTHS, (0, 1, 2))
-    for name in ('standard', 'block_s4')
+    for name in ('standard', 'block:4')
   }
   result = scaling.analyse(points, 'standard', bootstrap=300)
   first = result['residuals']['standard']['points'][str(WIDTHS[0])]
   assert first['seeds'] == [0, 1]
-  mid = result['residuals']['block_s4']['multiplier_middle']
+  mid = result['residuals']['block:4']['multiplier_middle']
   assert mid['interval'][0] < mid['interval'][1]
   # The per-rung difference pairs the runs by seed, over the seeds both finished.
-  for w, rung in result['residuals']['block_s4']['points'].items():
-    block, standard = points['block_s4'][int(w)][1], points['standard'][int(w)][1]
+  for w, rung in result['residuals']['block:4']['points'].items():
+    block, standard = points['block:4'][int(w)][1], points['standard'][int(w)][1]
     np.testing.assert_allclose(
       rung['difference'],
       np.mean([block[s] - standard[s] for s in rung['seeds']]),
@@ -134,7 +134,7 @@ def test_report_draws_an_estimate_that_lies_outside_its_interval(tmp_path):
         row,
         multiplier=[dict(flops=c, value=1.0, low=1.0, high=1.0) for c in (1e12, 4e12)],
       ),
-      'block_s4': row,
+      'block:4': row,
     },
   )
   table = scaling.report(result, str(tmp_path), 'scaling')
@@ -151,7 +151,7 @@ def test_the_ladder_follows_one_token_rule():
     rule = default_config.SCALING_TOKENS_PER_PARAM * default_config.scaling_params(width)
     assert abs(tokens - rule) <= default_config.SCALING_BATCH_TOKENS / 2
     standard = ladder_config(default_config.scaling_run('standard', width), width)
-    block = ladder_config(default_config.scaling_run('block_s4', width), width)
+    block = ladder_config(default_config.scaling_run('block:4', width), width)
     assert standard.model.d_model == block.model.d_model == width
     assert standard.train.num_steps == block.train.num_steps == steps
 

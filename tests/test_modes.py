@@ -1,0 +1,63 @@
+"""The residual-mode vocabulary of the command-line tools (attnres_jax/modes.py)."""
+
+import pytest
+
+from attnres_jax import config as config_lib
+from attnres_jax import modes
+from configs import default as default_config
+
+
+@pytest.mark.parametrize(
+  'mode, fields, run_name',
+  [
+    ('standard', dict(residual='standard'), 'standard'),
+    ('full', dict(residual='full'), 'full'),
+    ('full@2', dict(residual='full', schedule_layers=2), 'full_g2'),
+    ('block:4', dict(residual='block', block_size=4), 'block_s4'),
+    ('block:2@3', dict(residual='block', block_size=2, schedule_layers=3), 'block_s2_g3'),
+    ('hc', dict(residual='hc', hc_streams=4), 'hc'),
+    ('mhc:4', dict(residual='mhc', hc_streams=4), 'mhc'),
+    ('hc:2', dict(residual='hc', hc_streams=2), 'hc_m2'),
+  ],
+)
+def test_mode_fields_and_run_names(mode, fields, run_name):
+  assert modes.fields(mode) == fields
+  assert modes.run_name(mode) == run_name
+  # Every mode builds a valid model config.
+  config_lib.ModelConfig(num_layers=4, **modes.fields(mode))
+
+
+@pytest.mark.parametrize(
+  'mode, why',
+  [
+    ('block', 'needs its block size'),
+    ('block:0', 'positive integer'),
+    ('block:x', 'positive integer'),
+    ('block_s4', "unknown residual 'block_s4'"),
+    ('standard:2', 'takes no size'),
+    ('hc@2', 'full and block only'),
+    ('full@', 'positive integer'),
+  ],
+)
+def test_bad_modes_are_refused_with_the_syntax(mode, why):
+  with pytest.raises(ValueError, match=why) as error:
+    modes.fields(mode)
+  assert modes.SYNTAX in str(error.value)
+
+
+def test_parse_list_checks_every_mode():
+  assert modes.parse_list('standard, block:4,mhc') == ['standard', 'block:4', 'mhc']
+  with pytest.raises(ValueError, match='block:'):
+    modes.parse_list('standard,block:')
+  with pytest.raises(ValueError, match='No residual mode'):
+    modes.parse_list(' , ')
+
+
+def test_study_runs_are_named_after_their_modes():
+  assert default_config.SWEEP_MODES['block_s4'] == dict(residual='block', block_size=4)
+  assert default_config.SWEEP_COMPARATORS['mhc'] == dict(residual='mhc', hc_streams=4)
+  assert default_config.scaling_run('block:4', 32) == 'block_s4_d32'
+  for mode in default_config.SCALING_RESIDUALS:
+    for width in default_config.SCALING_WIDTHS:
+      run = default_config.SWEEP_RUNS[default_config.scaling_run(mode, width)]
+      assert {k: run[k] for k in modes.fields(mode)} == modes.fields(mode)
