@@ -5,10 +5,13 @@ Rank promotion raises in the test session: an implicit broadcast between arrays 
 different ranks is how a wrong axis goes unnoticed, so the library must never rely on it.
 """
 
+import atexit
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import jax
 import numpy as np
@@ -21,6 +24,23 @@ from attnres_jax import model as model_lib
 from configs import default as default_config
 
 jax.config.update('jax_numpy_rank_promotion', 'raise')
+
+
+def pytest_configure(config):
+  """Child processes (train.py and eval.py runs, multi-device children, benchmarks,
+  notebook kernels) run on the CPU and share one persistent compilation cache: most
+  of them compile the same tiny programs, and a cached executable computes the same
+  numbers bit for bit. Set after this process imported JAX, so only children see it;
+  pytest-xdist's workers inherit the controller's directory."""
+  del config
+  if 'ATTNRES_TEST_CACHE_DIR' not in os.environ:
+    os.environ['ATTNRES_TEST_CACHE_DIR'] = tempfile.mkdtemp(prefix='attnres_jax_tests_')
+    atexit.register(shutil.rmtree, os.environ['ATTNRES_TEST_CACHE_DIR'], True)
+  os.environ.setdefault('JAX_PLATFORMS', 'cpu')  # libtpu is installed; no TPU probe
+  os.environ.setdefault('JAX_COMPILATION_CACHE_DIR', os.environ['ATTNRES_TEST_CACHE_DIR'])
+  os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
+  os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', '0')
+
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHILD_TIMEOUT_S = 600
