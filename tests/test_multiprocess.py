@@ -9,17 +9,20 @@ Each process is a child started with its own XLA_FLAGS device count and joined b
   topology restores exactly, resharded, in the other (and on a single device in this
   process) and continues with the same loss.
 * End to end, `train.py` with --coordinator_address/--num_processes/--process_id on the
-  real data pipeline (each process reads its own shard): checkpoints written by both
-  processes, metrics by process 0 only; then this process (one device) resumes the run.
+  real data pipeline (each process reads its own shard), stopped by a SIGTERM to one
+  process: both save the same step, checkpoints written by both processes, metrics by
+  process 0 only; then this process (one device) resumes the run.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -337,7 +340,12 @@ def cache_home(tmp_path_factory) -> str:
   return cache
 
 
-def test_train_py_two_processes_then_resume_in_one(cache_home, tmp_path):
+def test_train_py_two_processes_sigterm_to_one_then_resume_in_one(cache_home, tmp_path):
+  """Two train.py processes (2 x 4 devices) on the real data pipeline, each reading its
+  own shard; a SIGTERM to process 1 alone, as a preemption notice reaches one host:
+  both stop after the same step (JAX's preemption sync point), save it together (one
+  iterator state per process) and exit 143. Metrics and the evaluation (eval_every)
+  are written once, by process 0. Then this process (one device) resumes the run."""
   from attnres_jax import checkpointing  # pylint: disable=g-import-not-at-top
   from attnres_jax import metrics as metrics_lib  # pylint: disable=g-import-not-at-top
   from attnres_jax import train as train_lib  # pylint: disable=g-import-not-at-top
@@ -345,36 +353,63 @@ def test_train_py_two_processes_then_resume_in_one(cache_home, tmp_path):
 
   workdir = str(tmp_path / 'run')
   port = _free_port()
-  overrides = [
-    '--config.train.num_steps=4',
-    '--config.train.checkpoint_every=2',
-    '--config.train.log_every=2',
-    '--config.train.warmup_steps=1',
-    '--config.train.max_eval_batches=1',
-    '--config.mesh.shape=(2,2,2)',
-  ]
-  outputs = _run_processes(
-    [
-      [
-        sys.executable,
-        'train.py',
-        '--config=configs/default.py:tiny',
-        f'--workdir={workdir}',
-        f'--coordinator_address=localhost:{port}',
-        '--num_processes=2',
-        f'--process_id={i}',
-        *overrides,
-      ]
-      for i in range(2)
-    ],
-    devices_per_process=4,
-    XDG_CACHE_HOME=cache_home,
+  train = dict(
+    num_steps=1000,
+    checkpoint_every=2,
+    log_every=1,
+    warmup_steps=1,
+    eval_every=2,
+    max_eval_batches=1,
   )
-  assert 'Trained steps 0..4 of 4' in outputs[0]
-  assert 'Trained steps' not in outputs[1]  # only process 0 reports
-  records = [r for r in metrics_lib.read_jsonl(workdir) if 'train/loss' in r]
-  assert [r['step'] for r in records] == [2, 4]  # written once, by process 0
-  data_dir = os.path.join(checkpointing.checkpoint_dir(workdir), '4', 'data')
+  logs = [tmp_path / f'process_{i}.log' for i in range(2)]
+  processes = []
+  for i, log in enumerate(logs):
+    with open(log, 'w') as out:
+      processes.append(
+        subprocess.Popen(
+          [
+            sys.executable,
+            'train.py',
+            '--config=configs/default.py:tiny',
+            f'--workdir={workdir}',
+            f'--coordinator_address=localhost:{port}',
+            '--num_processes=2',
+            f'--process_id={i}',
+            '--config.mesh.shape=(2,2,2)',
+            *(f'--config.train.{k}={v}' for k, v in train.items()),
+          ],
+          cwd=ROOT,
+          env={**_child_env(4), 'XDG_CACHE_HOME': cache_home},
+          stdout=out,
+          stderr=subprocess.STDOUT,
+        )
+      )
+  records = lambda: metrics_lib.read_jsonl(workdir) if os.path.isdir(workdir) else []
+  try:
+    deadline = time.monotonic() + TIMEOUT_S
+    while not any(r['step'] >= 3 for r in records()):  # past the save of step 2
+      assert all(p.poll() is None for p in processes), logs[0].read_text()
+      assert time.monotonic() < deadline, logs[0].read_text()
+      time.sleep(0.05)
+    processes[1].send_signal(signal.SIGTERM)
+    for process in processes:
+      process.wait(timeout=TIMEOUT_S)
+  finally:
+    for process in processes:
+      process.kill()
+      process.wait()
+  outputs = [log.read_text() for log in logs]
+  assert [p.returncode for p in processes] == [143, 143], outputs
+  saved = max(r['step'] for r in records())
+  for output in outputs:
+    assert f'Stopped by SIGTERM after step {saved}: ' in output, output
+  assert 'train: ' in outputs[0] and 'train: ' not in outputs[1]  # process 0's bar
+  steps = [r['step'] for r in records() if 'train/loss' in r]
+  assert steps == list(range(1, saved + 1))  # written once, by process 0
+  # Every second step, but not the step the signal stopped at (saved, not evaluated).
+  assert [r['step'] for r in records() if 'eval/loss' in r] == list(range(2, saved, 2))
+  assert str(saved) in os.listdir(checkpointing.checkpoint_dir(workdir))
+  data_dir = os.path.join(checkpointing.checkpoint_dir(workdir), str(saved), 'data')
   assert sorted(n for n in os.listdir(data_dir) if n.startswith('process_')) == [
     'process_0-of-2.json',
     'process_1-of-2.json',
@@ -386,16 +421,11 @@ def test_train_py_two_processes_then_resume_in_one(cache_home, tmp_path):
   config.data.tfds_data_dir = os.path.join(
     cache_home, 'attnres_jax', 'tensorflow_datasets'
   )
-  config.train.update(
-    num_steps=6, checkpoint_every=2, log_every=2, warmup_steps=1, max_eval_batches=1
-  )
-  # Training on to 6 steps changes the schedule: said explicitly, and recorded.
-  result = train_lib.train_and_evaluate(
-    config, workdir, allow_config_change=['num_steps']
-  )
-  assert result.step == 6
+  config.train.update(train)
+  result = train_lib.train_and_evaluate(config, workdir, max_steps=saved + 2)
+  assert result.step == saved + 2
   records = [r for r in metrics_lib.read_jsonl(workdir) if 'train/loss' in r]
-  assert [r['step'] for r in records] == [2, 4, 6]
+  assert [r['step'] for r in records] == list(range(1, saved + 3))
   assert records[-1]['train/loss'] < records[0]['train/loss']
 
 

@@ -16,6 +16,7 @@ import time
 import jax
 import numpy as np
 import pytest
+from jax.experimental.compilation_cache import compilation_cache as compilation_cache_lib
 
 from attnres_jax import checkpointing
 from attnres_jax import metrics as metrics_lib
@@ -124,158 +125,204 @@ def test_holder_renews_its_lease(tmp_path):
   assert path.read_text() == ''  # released: no record left
 
 
-def test_concurrent_run_refused_and_kill_9_before_first_checkpoint(tmp_path, capsys):
-  """A live `train.py` holds its workdir; after kill -9 (before any checkpoint) a rerun
-  takes the lock over and logs every step exactly once, in metrics.jsonl and in
-  TensorBoard."""
-  workdir = str(tmp_path / 'run')
-  tfds_dir = str(tmp_path / 'tfds')
-  command = [
+def test_a_rerun_drops_what_a_killed_run_logged_after_its_checkpoint(tmp_path):
+  """A run killed (kill -9) before its first checkpoint had logged steps 1..5, some
+  flushed to TensorBoard; its rerun starts from step 0: metrics.jsonl and TensorBoard
+  then show each step once, with the rerun's values. (After a checkpoint of step s,
+  the same with s: the end-to-end test below.)"""
+  workdir = str(tmp_path)
+  dead = metrics_lib.MetricWriter(workdir)
+  for step in range(1, 6):
+    dead.write_scalars(step, {'train/loss': 10.0 + step})
+  dead.flush()  # and never closed: killed
+  with metrics_lib.MetricWriter(workdir, resume_step=0) as rerun:
+    for step in range(1, 4):
+      rerun.write_scalars(step, {'train/loss': float(step)})
+  expected = [(1, 1.0), (2, 2.0), (3, 3.0)]
+  records = metrics_lib.read_jsonl(workdir)
+  assert [(r['step'], r['train/loss']) for r in records] == expected
+  assert metrics_lib.read_tensorboard(workdir)['train/loss'] == expected
+
+
+# -- real train.py processes -----------------------------------------------------------
+
+# Every child trains the same program (the tiny model, this schedule), so that with the
+# shared compilation cache below only the first one compiles it; checkpoint_every is
+# host-side and may differ. Their numbers are compared bitwise with runs in this
+# process: the children keep this process's XLA flags.
+TRAIN = dict(num_steps=100_000, checkpoint_every=100_000, log_every=1, warmup_steps=1)
+
+
+CACHE_OPTIONS = {  # every compiled program is cached, however small or quick
+  'jax_persistent_cache_min_compile_time_secs': 0,
+  'jax_persistent_cache_min_entry_size_bytes': 0,
+}
+
+
+@pytest.fixture(scope='module', autouse=True)
+def compilation_cache(tmp_path_factory):
+  """A persistent JAX compilation cache, one for the session, in this module's
+  process and its children: a step compiled once (the tiny model, one schedule) is
+  loaded, not rebuilt, by every later run of it. The same executable, so the same
+  numbers, bit for bit. The process's previous cache settings come back after the
+  module (`reset_cache`: the cache is set up at the first compilation after it)."""
+  path = str(tmp_path_factory.getbasetemp() / 'jax_cache')
+  options = {'jax_compilation_cache_dir': path, **CACHE_OPTIONS}
+  previous = {name: getattr(jax.config, name) for name in options}
+  for name, value in options.items():
+    jax.config.update(name, value)
+  compilation_cache_lib.reset_cache()
+  try:
+    yield path
+  finally:
+    for name, value in previous.items():
+      jax.config.update(name, value)
+    compilation_cache_lib.reset_cache()
+
+
+@pytest.fixture(scope='module')
+def child_env(compilation_cache) -> dict[str, str]:  # pylint: disable=redefined-outer-name
+  """The environment of the train.py children: CPU only, and the compilation cache."""
+  env = dict(os.environ)
+  env.update(
+    JAX_PLATFORMS='cpu',
+    JAX_COMPILATION_CACHE_DIR=compilation_cache,
+    **{name.upper(): str(value) for name, value in CACHE_OPTIONS.items()},
+  )
+  return env
+
+
+def _command(workdir, tfds_dir, *extra, **train) -> list[str]:
+  """The train.py command line of a tiny run with TRAIN (and `train`) settings."""
+  return [
     sys.executable,
     'train.py',
     '--config=configs/default.py:tiny',
     f'--workdir={workdir}',
     f'--config.data.tfds_data_dir={tfds_dir}',
-    '--config.train.log_every=1',
-    '--config.train.warmup_steps=1',
-    '--config.train.num_steps=100000',
-    '--config.train.checkpoint_every=100000',
+    *(f'--config.train.{k}={v}' for k, v in {**TRAIN, **train}.items()),
+    *extra,
   ]
-  log = tmp_path / 'first.log'
+
+
+def _start(command, log, env) -> subprocess.Popen:
+  """Starts `command` with its stdout and stderr into the file `log`."""
   with open(log, 'w') as out:
-    first = subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+      command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT
+    )
+
+
+def _stop(process, signum, timeout=120) -> None:
+  """Sends `signum` and waits for the process to exit (a hang fails here)."""
   try:
-    # Until TensorBoard holds steps too (its writer flushes when its buffer fills).
-    _wait_for(
-      lambda: (
-        len(metrics_lib.read_jsonl(workdir)) >= 25
-        and len(metrics_lib.read_tensorboard(workdir).get('train/loss', ())) >= 10
-      ),
-      first,
-      log,
-    )
-    second = subprocess.run(
-      command, cwd=REPO, capture_output=True, text=True, timeout=300
-    )
-    assert second.returncode == 1
-    assert (
-      f'FATAL: Workdir {workdir!r} is in use by pid {first.pid} on host '
-      f'{socket.gethostname()} (train, started '
-    ) in second.stderr
-    assert 'Traceback' not in second.stderr
+    process.send_signal(signum)
+    process.wait(timeout=timeout)
   finally:
-    first.kill()  # SIGKILL: no clean-up runs
-    first.wait()
-  assert first.returncode == -signal.SIGKILL
-  dead_steps = [r['step'] for r in metrics_lib.read_jsonl(workdir)]
-  assert dead_steps == list(range(1, len(dead_steps) + 1))  # the second run wrote none
-  assert len(metrics_lib.read_tensorboard(workdir)['train/loss']) >= 10
-
-  config = default_config.get_config('tiny')
-  config.data.tfds_data_dir = tfds_dir
-  config.train.update(num_steps=6, checkpoint_every=3, log_every=1, warmup_steps=1)
-  result = train_lib.train_and_evaluate(config, workdir)
-
-  assert f'Taking over the stale lock of pid {first.pid}' in capsys.readouterr().out
-  assert result.step == 6
-  records = metrics_lib.read_jsonl(workdir)
-  assert [r['step'] for r in records if 'train/loss' in r] == [1, 2, 3, 4, 5, 6]
-  steps = [s for s, _ in metrics_lib.read_tensorboard(workdir)['train/loss']]
-  assert steps == [1, 2, 3, 4, 5, 6]
-  assert [
-    v for _, v in metrics_lib.read_tensorboard(workdir)['train/loss']
-  ] == pytest.approx([r['train/loss'] for r in records if 'train/loss' in r])
-
-
-def test_unknown_config_field_on_the_command_line(tmp_path):
-  result = subprocess.run(
-    [
-      sys.executable,
-      'train.py',
-      '--config=configs/default.py:tiny',
-      '--config.model.nope=1',
-      f'--workdir={tmp_path}',
-    ],
-    cwd=REPO,
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
-  assert result.returncode == 1
-  assert (
-    "Flags parsing error: unknown config field 'model.nope' in "
-    "'--config.model.nope=1'. The fields of model are: "
-  ) in result.stderr
-  assert 'Traceback' not in result.stderr
+    process.kill()
+    process.wait()
 
 
 def _tiny(tfds_dir, **train):
   config = default_config.get_config('tiny')
   config.data.tfds_data_dir = tfds_dir
-  config.train.update(train)
+  config.train.update({**TRAIN, **train})
   return config
 
 
-def test_sigterm_saves_the_step_in_flight_and_sigint_too_then_resume_is_exact(
-  tfds_dir, tmp_path, capsys
+def test_stop_signal_catches_the_first_signal_and_restores_the_handlers():
+  previous = signal.getsignal(signal.SIGINT)
+  previous_term = signal.getsignal(signal.SIGTERM)
+  with preemption.StopSignal() as stop:
+    assert not stop.reached(1)
+    os.kill(os.getpid(), signal.SIGINT)  # as Ctrl-C does
+    assert stop.reached(2) and stop.signum == signal.SIGINT
+    # A second signal acts as without the handler (here: KeyboardInterrupt).
+    assert signal.getsignal(signal.SIGINT) is previous
+  assert signal.getsignal(signal.SIGINT) is previous
+  assert signal.getsignal(signal.SIGTERM) is previous_term
+
+
+def test_sigterm_sigint_kill_9_then_resume_equals_a_straight_run(
+  tfds_dir, child_env, tmp_path, capsys
 ):
-  """SIGTERM to a real train.py: the step in flight is saved, one line, exit 143; the
-  rerun resumes there. SIGINT (sent in-process, at a known step) does the same with
-  130. The run resumed twice equals a run never interrupted, bitwise."""
+  """One workdir, real train.py processes one after another, then a rerun here:
+  1. SIGTERM: the step in flight is saved, one line, exit 143, the lock released.
+  2. The same command resumes there; SIGINT (Ctrl-C) does the same, exit 130.
+  3. The next run resumes from that and dies by kill -9 before its next checkpoint;
+     while it runs, a second run on the workdir is refused in one line.
+  4. A rerun here takes the dead run's lock over, drops what it logged after the
+     checkpoint, and equals a run never interrupted, bitwise, with every step logged
+     exactly once in metrics.jsonl and in TensorBoard."""
   workdir = str(tmp_path / 'run')
-  train = dict(num_steps=1000, checkpoint_every=1000, log_every=1, warmup_steps=1)
-  command = [
-    sys.executable,
-    'train.py',
-    '--config=configs/default.py:tiny',
-    f'--workdir={workdir}',
-    f'--config.data.tfds_data_dir={tfds_dir}',
-    *(f'--config.train.{k}={v}' for k, v in train.items()),
-  ]
-  log = tmp_path / 'train.log'
-  with open(log, 'w') as out:
-    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=out)
-  try:
-    _wait_for(lambda: len(metrics_lib.read_jsonl(workdir)) >= 3, process, log)
-    process.send_signal(signal.SIGTERM)
-    process.wait(timeout=120)
-  finally:
-    process.kill()
-  assert process.returncode == 128 + signal.SIGTERM == 143
-  logged = [r['step'] for r in metrics_lib.read_jsonl(workdir)]
-  saved = max(logged)  # no step it trained and logged is lost
-  stderr = log.read_text()
+  ckpt_dir = checkpointing.checkpoint_dir(workdir)
+  command = _command(workdir, tfds_dir)
+  steps = lambda: [r['step'] for r in metrics_lib.read_jsonl(workdir)] or [0]
+
+  log = tmp_path / 'sigterm.log'
+  process = _start(command, log, child_env)
+  _wait_for(lambda: len(steps()) >= 3, process, log)
+  _stop(process, signal.SIGTERM)
+  output = log.read_text()
+  assert process.returncode == 128 + signal.SIGTERM == 143, output
+  saved = max(steps())  # no step it trained and logged is lost
   assert (
     f'Stopped by SIGTERM after step {saved}: its checkpoint is saved in '
-    f'{checkpointing.checkpoint_dir(workdir)}; run the same command to resume.'
-    in stderr.splitlines()
-  ), stderr
-  assert 'Traceback' not in stderr and 'FATAL' not in stderr
-  assert sorted(os.listdir(checkpointing.checkpoint_dir(workdir))) == [str(saved)]
+    f'{ckpt_dir}; run the same command to resume.\n' in output
+  ), output
+  assert 'Traceback' not in output and 'FATAL' not in output
+  assert os.listdir(ckpt_dir) == [str(saved)]
   assert (tmp_path / 'run' / workdir_lib.LOCK_FILE).read_text() == ''  # released
   assert (tmp_path / 'run' / checkpointing.CONFIG_JSON).exists()
 
-  config = _tiny(tfds_dir, **train)
-  previous = signal.getsignal(signal.SIGINT)
+  log = tmp_path / 'sigint.log'
+  process = _start(command, log, child_env)
+  _wait_for(lambda: max(steps()) >= saved + 2, process, log)
+  _stop(process, signal.SIGINT)
+  output = log.read_text()
+  assert process.returncode == 128 + signal.SIGINT == 130, output
+  assert f'Resuming from the checkpoint of step {saved} in {ckpt_dir}.' in output
+  interrupted = max(steps())
+  assert f'Stopped by SIGINT after step {interrupted}: ' in output, output
+  assert 'Traceback' not in output and 'FATAL' not in output
+  assert sorted(map(int, os.listdir(ckpt_dir))) == [saved, interrupted]
+  assert steps() == list(range(1, interrupted + 1))  # each step once
 
-  def interrupt(step, record):
-    if step == saved + 1 and 'train/loss' in record:
-      os.kill(os.getpid(), signal.SIGINT)  # as Ctrl-C does
+  log = tmp_path / 'killed.log'
+  killed = _start(command, log, child_env)
+  try:
+    # Until TensorBoard holds its steps too (its writer flushes when its buffer fills).
+    _wait_for(
+      lambda: (
+        max(steps()) >= interrupted + 20
+        and max(s for s, _ in metrics_lib.read_tensorboard(workdir)['train/loss'])
+        > interrupted + 5  # the runs before left TensorBoard steps
+      ),
+      killed,
+      log,
+    )
+    refused = subprocess.run(
+      command, cwd=REPO, env=child_env, capture_output=True, text=True, timeout=300
+    )
+  finally:
+    killed.kill()  # SIGKILL: no clean-up runs
+    killed.wait()
+  assert killed.returncode == -signal.SIGKILL
+  assert refused.returncode == 1
+  assert (
+    f'FATAL: Workdir {workdir!r} is in use by pid {killed.pid} on host '
+    f'{socket.gethostname()} (train, started '
+  ) in refused.stderr
+  assert 'Traceback' not in refused.stderr
+  dead_steps = steps()
+  assert dead_steps == list(range(1, len(dead_steps) + 1))  # the refused run wrote none
+  assert sorted(map(int, os.listdir(ckpt_dir))) == [saved, interrupted]
 
-  with pytest.raises(preemption.Preempted) as stopped:
-    train_lib.train_and_evaluate(config, workdir, on_metrics=interrupt)
-  assert capsys.readouterr().out.count(f'Resuming from the checkpoint of step {saved}')
-  # Step s's metrics are read after step s + 1 is dispatched: s + 1 was in flight.
-  assert stopped.value.exit_code == 130 and stopped.value.step == saved + 2
-  assert str(stopped.value).startswith(f'Stopped by SIGINT after step {saved + 2}: ')
-  assert sorted(map(int, os.listdir(checkpointing.checkpoint_dir(workdir)))) == [
-    saved,
-    saved + 2,
-  ]
-  assert signal.getsignal(signal.SIGINT) is previous  # handlers restored
-
-  stop = saved + 4
+  config, stop = _tiny(tfds_dir), interrupted + 4
   resumed = train_lib.train_and_evaluate(config, workdir, max_steps=stop)
+  out = capsys.readouterr().out
+  assert f'Taking over the stale lock of pid {killed.pid}' in out
+  assert f'Resuming from the checkpoint of step {interrupted}' in out
   reference_dir = str(tmp_path / 'reference')
   reference = train_lib.train_and_evaluate(config, reference_dir, max_steps=stop)
   jax.tree.map(
@@ -285,6 +332,48 @@ def test_sigterm_saves_the_step_in_flight_and_sigint_too_then_resume_is_exact(
   )
   losses = lambda w: [(r['step'], r['train/loss']) for r in metrics_lib.read_jsonl(w)]
   assert losses(workdir) == losses(reference_dir)  # every step once, the same values
+  shown = metrics_lib.read_tensorboard(workdir)['train/loss']
+  assert [s for s, _ in shown] == list(range(1, stop + 1))
+  assert [v for _, v in shown] == pytest.approx([v for _, v in losses(workdir)])
+
+
+def test_config_errors_are_one_line_and_debug_shows_the_traceback(tmp_path):
+  """A bad value and an unknown field: one FATAL line naming the field, exit 1, no
+  workdir left; --debug adds the traceback. (Three processes at once: none compiles.)"""
+  bad_value = [
+    sys.executable,
+    'train.py',
+    '--config=configs/default.py:tiny',
+    '--config.train.num_steps=0',
+    f'--workdir={tmp_path / "work"}',
+  ]
+  runs = [
+    subprocess.Popen(
+      command,
+      cwd=REPO,
+      env={**os.environ, 'JAX_PLATFORMS': 'cpu'},
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+    )
+    for command in (
+      bad_value,
+      bad_value + ['--debug'],
+      [*bad_value[:3], '--config.model.nope=1', f'--workdir={tmp_path}'],
+    )
+  ]
+  (plain, debug, unknown) = [(run, *run.communicate(timeout=300)) for run in runs]
+  assert [run.returncode for run, _, _ in (plain, debug, unknown)] == [1, 1, 1]
+  (line,) = plain[2].strip().splitlines()  # one line, naming the field
+  assert line.startswith('FATAL: ') and 'num_steps must be a positive integer' in line
+  assert 'Traceback (most recent call last)' in debug[2]
+  assert debug[2].strip().splitlines()[-1] == line
+  assert not (tmp_path / 'work').exists()
+  assert (
+    "Flags parsing error: unknown config field 'model.nope' in "
+    "'--config.model.nope=1'. The fields of model are: "
+  ) in unknown[2]
+  assert 'Traceback' not in unknown[2]
 
 
 @pytest.fixture
@@ -317,26 +406,14 @@ def _fill(directory) -> None:
 
 
 def test_disk_full_between_saves_stops_with_one_line(
-  tfds_dir, small_filesystem, tmp_path
+  tfds_dir, child_env, small_filesystem, tmp_path
 ):
   """The disk fills up after the first checkpoint: whichever writer meets it first
   (metrics, TensorBoard, the background save), the run stops within seconds with one
   FATAL line naming the cause and the last good checkpoint; nothing hangs."""
   workdir = str(small_filesystem / 'run')
-  command = [
-    sys.executable,
-    'train.py',
-    '--config=configs/default.py:tiny',
-    f'--workdir={workdir}',
-    f'--config.data.tfds_data_dir={tfds_dir}',
-    '--config.train.num_steps=100000',
-    '--config.train.checkpoint_every=4',
-    '--config.train.log_every=1',
-    '--config.train.warmup_steps=1',
-  ]
   log = tmp_path / 'train.log'
-  with open(log, 'w') as out:
-    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=out)
+  process = _start(_command(workdir, tfds_dir, checkpoint_every=4), log, child_env)
   try:
     ckpt_dir = checkpointing.checkpoint_dir(workdir)
     _wait_for(
@@ -352,93 +429,14 @@ def test_disk_full_between_saves_stops_with_one_line(
     seconds = time.monotonic() - filled
   finally:
     process.kill()
-  stderr = log.read_text()
-  assert process.returncode == 1, stderr
-  fatal = [line for line in stderr.splitlines() if line.startswith('FATAL')]
-  assert len(fatal) == 1, stderr
+    process.wait()
+  output = log.read_text()
+  assert process.returncode == 1, output
+  fatal = [line for line in output.splitlines() if line.startswith('FATAL')]
+  assert len(fatal) == 1, output
   assert (
     'No space left on device' in fatal[0] and 'last good checkpoint is step ' in fatal[0]
   ), fatal[0]
-  assert 'Traceback' not in stderr, stderr
+  assert 'Traceback' not in output, output
   print(f'stopped {seconds:.1f} s after the disk filled: {fatal[0]}')
   assert seconds < 60  # seconds, not a hang (generous: 2 shared cores)
-
-
-def test_config_error_is_one_line_and_debug_shows_the_traceback(tmp_path):
-  command = [
-    sys.executable,
-    'train.py',
-    '--config=configs/default.py:tiny',
-    '--config.train.num_steps=0',
-    f'--workdir={tmp_path / "work"}',
-  ]
-  plain = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
-  assert plain.returncode == 1
-  (line,) = plain.stderr.strip().splitlines()  # one line, naming the field
-  assert line.startswith('FATAL: ') and 'num_steps must be a positive integer' in line
-  debug = subprocess.run(
-    command + ['--debug'], cwd=REPO, capture_output=True, text=True, timeout=300
-  )
-  assert debug.returncode == 1
-  assert 'Traceback (most recent call last)' in debug.stderr
-  assert debug.stderr.strip().splitlines()[-1] == line
-  assert not (tmp_path / 'work').exists()
-
-
-def test_sigterm_to_one_of_two_processes_stops_both_after_the_same_step(
-  tfds_dir, tmp_path
-):
-  """Two train.py processes (jax.distributed on localhost, 2 x 2 CPU devices); a
-  SIGTERM to process 1 alone, as a preemption notice reaches one host: both stop after
-  the same step (JAX's preemption sync point), save it together and exit 143."""
-  # A test module (its children's environment), imported only by this test.
-  from test_multiprocess import _child_env, _free_port  # pylint: disable=g-import-not-at-top
-
-  workdir = str(tmp_path / 'run')
-  port = _free_port()
-  logs = [tmp_path / f'process_{i}.log' for i in range(2)]
-  processes = []
-  for i, log in enumerate(logs):
-    with open(log, 'w') as out:
-      processes.append(
-        subprocess.Popen(
-          [
-            sys.executable,
-            'train.py',
-            '--config=configs/default.py:tiny',
-            f'--workdir={workdir}',
-            f'--config.data.tfds_data_dir={tfds_dir}',
-            f'--coordinator_address=localhost:{port}',
-            '--num_processes=2',
-            f'--process_id={i}',
-            '--config.train.num_steps=1000',
-            '--config.train.checkpoint_every=1000',
-            '--config.train.log_every=1',
-            '--config.train.warmup_steps=1',
-            '--config.mesh.shape=(4,1,1)',
-          ],
-          cwd=REPO,
-          env=_child_env(2),
-          stdout=subprocess.DEVNULL,
-          stderr=out,
-        )
-      )
-  try:
-    _wait_for(lambda: len(metrics_lib.read_jsonl(workdir)) >= 3, processes[0], logs[0])
-    processes[1].send_signal(signal.SIGTERM)
-    for process in processes:
-      process.wait(timeout=180)
-  finally:
-    for process in processes:
-      process.kill()
-  outputs = [log.read_text() for log in logs]
-  assert [p.returncode for p in processes] == [143, 143], outputs
-  (saved,) = os.listdir(checkpointing.checkpoint_dir(workdir))
-  for output in outputs:
-    assert f'Stopped by SIGTERM after step {saved}: ' in output, output
-  assert max(r['step'] for r in metrics_lib.read_jsonl(workdir)) == int(saved)
-  data_dir = os.path.join(checkpointing.checkpoint_dir(workdir), saved, 'data')
-  assert sorted(n for n in os.listdir(data_dir) if n.startswith('process_')) == [
-    'process_0-of-2.json',
-    'process_1-of-2.json',
-  ]
