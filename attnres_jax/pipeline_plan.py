@@ -20,7 +20,7 @@ from attnres_jax.residuals import attnres
 # What the backward pass of the schedule's scan keeps per iteration. 'remat': the carry
 # only (what each stage received: one microbatch's boundary), the iteration rerun in
 # the backward pass; 'gpipe': every activation of every iteration (plain autodiff).
-SCHEDULES = sharding.PIPELINE_SCHEDULES
+SCHEDULES = ('remat', 'gpipe')
 
 
 @dataclasses.dataclass(frozen=True)

@@ -46,7 +46,6 @@ from jax.sharding import PartitionSpec as P
 AXIS_NAMES = ('data', 'fsdp', 'tensor')
 STAGE_AXIS = 'stage'  # pipeline stages: always the mesh's first axis
 PIPELINE_TRANSFERS = ('naive', 'cached')
-PIPELINE_SCHEDULES = ('remat', 'gpipe')  # what the backward keeps (pipeline_plan.py)
 
 # logical name -> the mesh axes it is split over (empty: not split): the default of
 # config.mesh.rules. Tuples, so that one rule can be overridden on the command line:
@@ -90,7 +89,6 @@ def default_mesh_config(**overrides) -> ml_collections.ConfigDict:
       virtual_stages=1,  # V chunks per stage: 1 GPipe, > 1 interleaved (circular)
       num_microbatches=1,  # M microbatches in flight in the pipeline (V > 1: M >= P)
       pipeline_transfer='cached',  # AttnRes state between stages: 'naive' | 'cached'
-      pipeline_schedule='remat',  # backward keeps: 'remat' (boundaries) | 'gpipe' (all)
     )
   )
   cfg.update(overrides)
@@ -145,12 +143,6 @@ def validate_mesh_config(mesh_config: ml_collections.ConfigDict) -> None:
     raise ValueError(
       f'Invalid mesh config: pipeline_transfer must be one of '
       f'{PIPELINE_TRANSFERS}, got {transfer!r}.'
-    )
-  schedule = mesh_config.get('pipeline_schedule', 'remat')
-  if schedule not in PIPELINE_SCHEDULES:
-    raise ValueError(
-      f'Invalid mesh config: pipeline_schedule must be one of '
-      f'{PIPELINE_SCHEDULES}, got {schedule!r}.'
     )
   if mesh_config.get('stage', 1) == 1 and (mesh_config.get('virtual_stages', 1) > 1):
     raise ValueError(

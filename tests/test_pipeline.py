@@ -513,6 +513,10 @@ def test_invalid_pipelines_fail_before_compiling():
     pipeline_plan.validate(pipeline_plan.PipelineConfig(2, 1, 3), model, 8)
   with pytest.raises(ValueError, match='num_microbatches >= stage'):
     pipeline_plan.validate(pipeline_plan.PipelineConfig(2, 2, 1), model, 8)
+  with pytest.raises(ValueError, match='pipeline_schedule must be one of'):
+    pipeline_plan.validate(
+      pipeline_plan.PipelineConfig(2, 1, 2, schedule='1f1b'), model, 8
+    )
   with pytest.raises(ValueError, match='data-parallel'):
     pipeline_plan.validate(pipeline_plan.PipelineConfig(2, 1, 4), model, 8, data_shards=4)
   # A residual refuses what it cannot pipeline (`Residual.pipeline_refusal`).
@@ -541,7 +545,6 @@ def test_invalid_pipelines_fail_before_compiling():
     dict(stage=0),
     dict(virtual_stages=2),
     dict(stage=2, pipeline_transfer='cache'),
-    dict(stage=2, pipeline_schedule='1f1b'),
     dict(axis_names=('data', 'fsdp', 'stage')),
   ):
     with pytest.raises(ValueError, match='Invalid mesh config'):
