@@ -129,9 +129,18 @@ class NaiveTransfer:
 class CachedTransfer:
   """A window of the AttnRes buffer crosses, merged into the receiver's cache."""
 
-  def __init__(self, plan: TransferPlan):
+  def __init__(self, plan: TransferPlan, num_stages: int):
     self.plan = plan
     self.starts = jnp.asarray(plan.starts, jnp.int32)
+    # From its second visit on a stage takes the slots below the window from its
+    # cache, the rest from the window or empty: it caches only those slots.
+    self.cache_slots = max(plan.starts[num_stages - 1 : -1], default=0)
+
+  def to_cache(self, carry):
+    return jax.tree.map(lambda x: x[: self.cache_slots], carry)
+
+  def from_cache(self, cached, zero_carry):
+    return jax.tree.map(lambda z, c: z.at[: self.cache_slots].set(c), zero_carry, cached)
 
   def send(self, carry, chunk):
     start = self.starts[chunk]
@@ -172,9 +181,13 @@ def pipeline_hidden(model, x_MBTD, positions_BT, pipe: PipelineConfig):
   residual, segments_per_chunk = model.residual.pipeline_chunk(layers_per_chunk)
   cached = residual.cached_transfer and pipe.transfer == 'cached'
   transfer = (
-    CachedTransfer(pipeline_plan.transfer_plan(cfg, pipe)) if cached else NaiveTransfer()
+    CachedTransfer(pipeline_plan.transfer_plan(cfg, pipe), num_stages)
+    if cached
+    else NaiveTransfer()
   )
-  keeps_cache = cached and num_virtual > 1  # else a stage sees each microbatch once
+  # With V = 1 a stage sees each microbatch once; with nothing below the window, the
+  # cache would hold no slot.
+  keeps_cache = cached and num_virtual > 1 and transfer.cache_slots > 0
   graphdef, layer_state = nnx.split(model.layers)
   final_params = model.final_residual
 
@@ -198,21 +211,21 @@ def pipeline_hidden(model, x_MBTD, positions_BT, pipe: PipelineConfig):
   )
   state = dict(
     inbox=stacked(zero_message, num_stages),
-    outputs=jnp.zeros((num_stages, *x_MBTD.shape), x_MBTD.dtype),
     wrap=stacked(zero_message, num_stages, num_micro) if num_virtual > 1 else None,
-    cache=stacked(zero_carry, num_stages, num_micro) if keeps_cache else None,
+    cache=stacked(transfer.to_cache(zero_carry), num_stages, num_micro)
+    if keeps_cache
+    else None,
   )
   carry_axes = residual.carry_axes()
 
   def constrain_state(state):
     return dict(
       inbox=_constrain_stages(state['inbox'], carry_axes),
-      outputs=_constrain_stages(state['outputs'], sharding.HIDDEN, 1),
       wrap=_constrain_stages(state['wrap'], carry_axes, 1),
       cache=_constrain_stages(state['cache'], carry_axes, 1),
     )
 
-  def stage_step(stage, virtual_states, inbox, outputs, wrap, cache, t):
+  def stage_step(stage, virtual_states, inbox, wrap, cache, t):
     """One iteration of one stage: receive, run its chunk, emit."""
     k = t - stage
     valid = (k >= 0) & (k < num_micro * num_virtual)
@@ -227,12 +240,16 @@ def pipeline_hidden(model, x_MBTD, positions_BT, pipe: PipelineConfig):
         lambda w, x: w.at[arrived].set(jnp.where(stage == 0, x, w[arrived])), wrap, inbox
       )
       message = _select(stage == 0, jax.tree.map(lambda w: w[micro], wrap), inbox)
-    base = jax.tree.map(lambda c: c[micro], cache) if keeps_cache else zero_carry
+    base = zero_carry
+    if keeps_cache:
+      base = transfer.from_cache(jax.tree.map(lambda c: c[micro], cache), zero_carry)
     received = transfer.receive(message, base, jnp.maximum(chunk - 1, 0))
     carry = _select(first, residual.init(x_MBTD[micro]), received)
     if keeps_cache:  # what this stage had of the microbatch, for its next visit
       cache = jax.tree.map(
-        lambda c, x: c.at[micro].set(jnp.where(valid, x, c[micro])), cache, carry
+        lambda c, x: c.at[micro].set(jnp.where(valid, x, c[micro])),
+        cache,
+        transfer.to_cache(carry),
       )
     chunk_state = jax.tree.map(lambda x: x[virtual], virtual_states)
     carry = run_chunk(
@@ -245,36 +262,40 @@ def pipeline_hidden(model, x_MBTD, positions_BT, pipe: PipelineConfig):
       model_config=cfg,
       layers_per_chunk=layers_per_chunk,
     )
-    h_BTD, _ = residual.final(carry, final_params)
-    outputs = outputs.at[micro].set(
-      jnp.where(valid & (chunk == num_chunks - 1), h_BTD, outputs[micro])
-    )
-    return transfer.send(carry, chunk), outputs, wrap, cache
+    h_BTD, _ = residual.final(carry, final_params)  # used from the last chunk only
+    return transfer.send(carry, chunk), h_BTD, wrap, cache
 
   stages_step = jax.vmap(
-    stage_step, in_axes=(0, 0, 0, 0, 0, 0, None), spmd_axis_name=sharding.STAGE_AXIS
+    stage_step, in_axes=(0, 0, 0, 0, 0, None), spmd_axis_name=sharding.STAGE_AXIS
   )
 
   def iteration(state, t):
-    sent, outputs, wrap, cache = stages_step(
+    sent, h_PBTD, wrap, cache = stages_step(
       jnp.arange(num_stages),
       stage_state,
       state['inbox'],
-      state['outputs'],
       state['wrap'],
       state['cache'],
       t,
     )
     # Stage p's message goes to stage p + 1 (and stage P - 1's to stage 0).
     inbox = jax.tree.map(lambda x: jnp.roll(x, 1, axis=0), sent)
-    return constrain_state(
-      dict(inbox=inbox, outputs=outputs, wrap=wrap, cache=cache)
-    ), None
+    state = constrain_state(dict(inbox=inbox, wrap=wrap, cache=cache))
+    # Outputs leave as the scan's per-iteration results, not in its carry: a carry
+    # is what the backward pass keeps once per iteration.
+    return state, _constrain_stages(h_PBTD, sharding.HIDDEN)
 
-  state, _ = jax.lax.scan(
+  if pipe.schedule == 'remat':
+    # The backward pass reruns each iteration from its saved carry (what the stages
+    # received) instead of keeping the activations of every microbatch in flight.
+    iteration = jax.checkpoint(
+      iteration, prevent_cse=False, policy=jax.checkpoint_policies.nothing_saveable
+    )
+  _, h_IPBTD = jax.lax.scan(
     iteration, constrain_state(state), jnp.arange(pipe.num_iterations)
   )
-  return state['outputs'][num_stages - 1]
+  # The last stage finishes microbatch m's last chunk at iteration (V - 1) M + m + P - 1.
+  return h_IPBTD[(num_virtual - 1) * num_micro + num_stages - 1 :, num_stages - 1]
 
 
 def split_microbatches(tree, num_microbatches: int):

@@ -17,12 +17,19 @@ from attnres_jax import sharding
 from attnres_jax.residuals import attnres
 
 
+# What the backward pass of the schedule's scan keeps per iteration. 'remat': the carry
+# only (what each stage received: one microbatch's boundary), the iteration rerun in
+# the backward pass; 'gpipe': every activation of every iteration (plain autodiff).
+SCHEDULES = ('remat', 'gpipe')
+
+
 @dataclasses.dataclass(frozen=True)
 class PipelineConfig:
   stages: int  # P
   virtual_stages: int = 1  # V
   num_microbatches: int = 1  # M
   transfer: str = 'cached'  # 'naive' | 'cached' (AttnRes only)
+  schedule: str = 'remat'  # 'remat' | 'gpipe': what the backward pass keeps (SCHEDULES)
 
   @property
   def num_chunks(self) -> int:
@@ -42,6 +49,7 @@ def from_mesh_config(mesh_config) -> PipelineConfig | None:
     virtual_stages=mesh_config.get('virtual_stages', 1),
     num_microbatches=mesh_config.get('num_microbatches', 1),
     transfer=mesh_config.get('pipeline_transfer', 'cached'),
+    schedule=mesh_config.get('pipeline_schedule', 'remat'),
   )
 
 
@@ -82,6 +90,8 @@ def validate(
     )
   if pipe.transfer not in sharding.PIPELINE_TRANSFERS:
     fail(f'pipeline_transfer must be one of {sharding.PIPELINE_TRANSFERS}.')
+  if pipe.schedule not in SCHEDULES:
+    fail(f'pipeline_schedule must be one of {SCHEDULES}, got {pipe.schedule!r}.')
   refusal = residuals.make(model_config).pipeline_refusal(
     model_config.num_layers // pipe.num_chunks
   )
@@ -129,12 +139,30 @@ class TransferPlan:
   needed: tuple[tuple[int, int], ...]  # per transition c = 0 .. C - 2
   starts: tuple[int, ...]  # per chunk c = 0 .. C - 1 (the last: unused)
 
-  def block_transmissions(self) -> tuple[int, int]:
-    """(naive, cached) block sums sent over all transitions of one microbatch, not
-    counting the embedding (the paper's count): naive sends every block so far."""
-    naive = sum(hi - 1 for _, hi in self.needed)
-    cached = sum(hi - max(lo, 1) for lo, hi in self.needed)
-    return naive, cached
+  def block_sets(self, embedding: bool = True) -> tuple[tuple[range, range], ...]:
+    """Per transition c -> c + 1, the (naive, cached) buffer slots the receiver gets
+    (slot 0 the embedding b0, slot i >= 1 block b_i, partial or complete): naive every
+    slot written so far, cached the ones its copy of the microbatch's buffer lacks.
+    Logical sets; on the wire naive sends all K slots and cached a W-slot window."""
+    first = 0 if embedding else 1
+    return tuple((range(first, hi), range(max(lo, first), hi)) for lo, hi in self.needed)
+
+  def block_transmissions(self, embedding: bool = False) -> tuple[int, int]:
+    """(naive, cached) block sums sent over all transitions of one microbatch (the
+    sizes of `block_sets`); without the embedding and at N_p = 1 these are the
+    paper's eqs. 7-8."""
+    sets = self.block_sets(embedding)
+    return sum(len(n) for n, _ in sets), sum(len(c) for _, c in sets)
+
+  def wire_slots(self) -> tuple[int, int]:
+    """(naive, cached) buffer slots actually sent over all C - 1 transitions of one
+    microbatch: (C - 1) K whole buffers against (C - 1) W fixed-width windows."""
+    return len(self.needed) * self.num_slots, len(self.needed) * self.width
+
+  def accumulated_slots(self) -> int:
+    """Slots the paper's naive transfer sends over the C - 1 transitions: only those
+    written so far, embedding included (ours, 'preallocated', sends all K)."""
+    return sum(hi for _, hi in self.needed)
 
 
 def transfer_plan(model_config, pipe: PipelineConfig) -> TransferPlan:

@@ -3,16 +3,27 @@
 
 1. Communication: for P stages x V virtual stages, Block AttnRes with N = 8 blocks and
    Full AttnRes, the bytes one device sends per stage transition, read from the
-   collective-permutes in the loop of the compiled (forward) pipelined loss, naive vs
-   cached; beside them the slots per message and the paper's count of block
-   transmissions per microbatch (`TransferPlan.block_transmissions`).
+   collective-permutes in the loop of the compiled (forward) pipelined loss, naive
+   ('preallocated': the whole K-slot buffer) vs cached (a W-slot window); beside them
+   the paper's naive, which sends only the slots written so far (per-slot bytes from
+   the measured naive message times the accumulated slots, averaged over the
+   transitions), and the logical count of block transmissions per microbatch
+   (`TransferPlan.block_transmissions`, embedding excluded).
 2. Step time and memory: one train step (loss, gradients, AdamW) per configuration,
    timed interleaved (median), against the same model data-parallel on the same 8
    devices; peak per-device memory from XLA's `memory_analysis()` (temporaries +
    arguments + outputs of one device's program), cached vs naive.
 
-  python bench/pipeline.py                               # both parts
+3. TPU (`--topology=v5p:2x2x1`, compile-only with libtpu, `attnres_jax/aot.py`): per
+   device temp memory and the estimated step time (loops counted with their trip
+   counts) of the train step for standard, Block S=4 and Full AttnRes, FSDP over all
+   chips (no pipeline) against stage x data with M microbatches, each pipeline
+   schedule ('remat', 'gpipe'), with the bubble fraction.
+
+  python bench/pipeline.py                               # parts comm and time
   python bench/pipeline.py --parts=comm --stages=2 --virtual_stages=2 --out=/tmp/pp.jsonl
+  JAX_PLATFORMS=cpu python bench/pipeline.py --parts=tpu --topology=v5p:2x2x1 \\
+      --out=/tmp/pp_tpu.jsonl
 
 The simulated devices share the host's cores: a step-time ratio says how much more
 work the pipelined program does in total (bubble slots still compute, masked), not
@@ -36,6 +47,7 @@ from absl import app, flags
 import jax
 import numpy as np
 
+from attnres_jax import aot
 from attnres_jax import checkpointing
 from attnres_jax import config as config_lib
 from attnres_jax import metrics as metrics_lib
@@ -69,6 +81,16 @@ flags.DEFINE_integer('steps', 5, 'Timed rounds after one warm-up round.')
 flags.DEFINE_string(
   'out', 'bench/results/pipeline.jsonl', 'JSON output, one record per row.'
 )
+flags.DEFINE_list('topology', [], 'TPU topologies of part tpu, e.g. v5p:2x2x1.')
+flags.DEFINE_list('tpu_modes', ['standard', 'block4', 'full'], 'Part tpu: models.')
+flags.DEFINE_list('tpu_schedules', ['remat', 'gpipe'], 'Part tpu: pipeline schedules.')
+flags.DEFINE_integer('tpu_stages', 2, 'Part tpu: pipeline stages P (the rest data).')
+flags.DEFINE_integer('tpu_virtual_stages', 1, 'Part tpu: virtual stages V.')
+flags.DEFINE_integer('tpu_microbatches', 4, 'Part tpu: microbatches M.')
+flags.DEFINE_integer('tpu_d_model', 1024, 'Part tpu: model width (heads of 128).')
+flags.DEFINE_integer('tpu_layers', 8, 'Part tpu: layers.')
+flags.DEFINE_integer('tpu_seq_len', 1024, 'Part tpu: sequence length.')
+flags.DEFINE_integer('tpu_per_chip', 8, 'Part tpu: sequences per chip.')
 
 NUM_DEVICES = 8
 
@@ -110,8 +132,8 @@ def communication() -> list[dict]:
   rows = []
   print(
     f'{"model":>7} {"P":>2} {"V":>2} {"slots naive":>11} {"slots cached":>12} '
-    f'{"KiB naive":>9} {"KiB cached":>10} {"naive/cached":>12} '
-    f'{"blocks naive":>12} {"blocks cached":>13}'
+    f'{"KiB prealloc":>12} {"KiB paper":>9} {"KiB cached":>10} {"prealloc/c":>10} '
+    f'{"paper/c":>7} {"blocks naive":>12} {"blocks cached":>13}'
   )
   for residual in ('block', 'full'):
     cfg = model_config(residual, FLAGS.comm_layers)
@@ -158,28 +180,55 @@ def communication() -> list[dict]:
         plan = pipeline_plan.transfer_plan(cfg, pipe)
         row['num_slots'], row['cached_slots'] = plan.num_slots, plan.width
         row['blocks_naive'], row['blocks_cached'] = plan.block_transmissions()
+        row['wire_slots_naive'], row['wire_slots_cached'] = plan.wire_slots()
+        row['accumulated_slots'] = plan.accumulated_slots()
+        # The paper's naive: the accumulated slots only, at the measured bytes a slot.
+        row['paper_naive_bytes'] = (
+          row['naive_bytes']
+          / plan.num_slots
+          * plan.accumulated_slots()
+          / len(plan.needed)
+        )
         row['ratio'] = row['naive_bytes'] / row['cached_bytes']
+        row['paper_ratio'] = row['paper_naive_bytes'] / row['cached_bytes']
         rows.append(row)
         print(
           f'{residual:>7} {stages:>2} {virtual:>2} {plan.num_slots:>11} '
-          f'{plan.width:>12} {row["naive_bytes"] / 1024:>9.1f} '
-          f'{row["cached_bytes"] / 1024:>10.1f} {row["ratio"]:>12.2f} '
+          f'{plan.width:>12} {row["naive_bytes"] / 1024:>12.1f} '
+          f'{row["paper_naive_bytes"] / 1024:>9.1f} '
+          f'{row["cached_bytes"] / 1024:>10.1f} {row["ratio"]:>10.2f} '
+          f'{row["paper_ratio"]:>7.2f} '
           f'{row["blocks_naive"]:>12} {row["blocks_cached"]:>13}',
           flush=True,
         )
-  # The paper's Fig. 3: P = 4, V = 2, one block per chunk.
-  plan = pipeline_plan.transfer_plan(
-    config_lib.model_config(num_layers=8, block_size=2),
-    pipeline_plan.PipelineConfig(4, 2),
-  )
-  naive, cached = plan.block_transmissions()
-  print(
-    f'Fig. 3 setting (P=4, V=2, 8 chunks of one block): {naive} block '
-    f'transmissions naive, {cached} cached: {naive - cached} removed.'
-  )
-  rows.append(
-    dict(part='fig3', blocks_naive=naive, blocks_cached=cached, removed=naive - cached)
-  )
+  # Eqs. 7-8 at N_p = 1 (8 chunks of one block) and the paper's Fig. 3 (N_p = 1/2).
+  for label, block_size in (('eqs. 7-8, N_p = 1', 2), ('Fig. 3, N_p = 1/2', 4)):
+    plan = pipeline_plan.transfer_plan(
+      config_lib.model_config(num_layers=8, block_size=block_size),
+      pipeline_plan.PipelineConfig(4, 2),
+    )
+    naive, cached = plan.block_transmissions()
+    naive_b0, cached_b0 = plan.block_transmissions(embedding=True)
+    wire_naive, wire_cached = plan.wire_slots()
+    print(
+      f'P=4, V=2, {label}: blocks sent {naive} naive, {cached} cached (with the '
+      f'embedding {naive_b0}, {cached_b0}: {naive_b0 - cached_b0} removed); on the '
+      f'wire {wire_naive} slots preallocated, {plan.accumulated_slots()} accumulated, '
+      f'{wire_cached} cached.'
+    )
+    rows.append(
+      dict(
+        part='fig3',
+        setting=label,
+        blocks_naive=naive,
+        blocks_cached=cached,
+        blocks_naive_with_embedding=naive_b0,
+        blocks_cached_with_embedding=cached_b0,
+        wire_slots_naive=wire_naive,
+        wire_slots_cached=wire_cached,
+        accumulated_slots=plan.accumulated_slots(),
+      )
+    )
   return rows
 
 
@@ -275,14 +324,132 @@ def step_times() -> list[dict]:
   return rows
 
 
+TPU_MODES = {
+  'standard': dict(residual='standard'),
+  'block4': dict(residual='block', block_size=4),
+  'full': dict(residual='full'),
+}
+
+
+def tpu_config(mode: str, chips: int, stages: int, schedule: str):
+  """The bf16 model of part tpu: FSDP over all chips (stages = 1) or the pipeline."""
+  config = default_config.get_config()
+  d_model = FLAGS.tpu_d_model
+  config.model.update(
+    vocab_size=32768,
+    dtype='bfloat16',
+    d_model=d_model,
+    num_layers=FLAGS.tpu_layers,
+    num_heads=max(1, d_model // 128),
+    mlp_dim=4 * d_model,
+    **TPU_MODES[mode],
+  )
+  config.train.update(seq_len=FLAGS.tpu_seq_len, batch_size=FLAGS.tpu_per_chip * chips)
+  if stages == 1:
+    config.mesh.shape = (1, -1, 1)
+  else:
+    config.mesh.update(
+      shape=(-1, 1, 1),
+      stage=stages,
+      virtual_stages=FLAGS.tpu_virtual_stages,
+      num_microbatches=FLAGS.tpu_microbatches,
+      pipeline_schedule=schedule,
+    )
+  return config
+
+
+def tpu_rows() -> list[dict]:
+  rows = []
+  gib = 2**30
+  print(
+    f'{"topology":<11}{"model":<9}{"configuration":<26}{"bubble":>7}{"temp GiB":>9}'
+    f'{"temp/FSDP":>10}{"est. ms":>9}{"vs std":>7}{"compile s":>10}'
+  )
+  for topology in FLAGS.topology:
+    chips = aot.get_topology(topology).num_chips
+    configurations = [('FSDP', 1, None)] + [
+      (
+        f'P={FLAGS.tpu_stages} V={FLAGS.tpu_virtual_stages} '
+        f'M={FLAGS.tpu_microbatches} {schedule}',
+        FLAGS.tpu_stages,
+        schedule,
+      )
+      for schedule in FLAGS.tpu_schedules
+    ]
+    standard, fsdp_temp = {}, {}
+    for mode in FLAGS.tpu_modes:
+      for label, stages, schedule in configurations:
+        config = tpu_config(mode, chips, stages, schedule or 'remat')
+        pipe = pipeline_plan.from_mesh_config(config.mesh)
+        row = dict(
+          part='tpu',
+          topology=topology,
+          model=mode,
+          configuration=label,
+          stages=stages,
+          schedule=schedule,
+          num_microbatches=pipe.num_microbatches if pipe else 1,
+          bubble=pipeline_plan.bubble_fraction(pipe) if pipe else 0.0,
+          d_model=FLAGS.tpu_d_model,
+          num_layers=FLAGS.tpu_layers,
+          seq_len=FLAGS.tpu_seq_len,
+          batch_size=config.train.batch_size,
+        )
+        try:
+          report = aot.compile_report(config, topology, steps=('train',), check_hbm=False)
+        except ValueError as e:  # the compiler's out-of-memory, said as a row
+          row['error'] = str(e)
+          rows.append(row)
+          print(f'{topology:<11}{mode:<9}{label:<26} failed: {str(e)[:100]}', flush=True)
+          continue
+        step = report['steps']['train']
+        row.update(
+          temp_bytes=step['memory']['temp_bytes'],
+          total_bytes=step['memory']['total_bytes'],
+          est_step_seconds=step['est_step_seconds'],
+          compile_seconds=step['compile_seconds'],
+          while_trip_counts=step['while_trip_counts'],
+          unknown_trip_counts=step['unknown_trip_counts'],
+          collectives=step['collectives'],
+        )
+        if stages == 1:
+          fsdp_temp[mode] = row['temp_bytes']
+        if mode == 'standard':
+          standard[label] = row['est_step_seconds']
+        row['temp_vs_fsdp'] = row['temp_bytes'] / fsdp_temp[mode]
+        row['step_vs_standard'] = (
+          row['est_step_seconds'] / standard[label] if label in standard else None
+        )
+        rows.append(row)
+        ratio = row['step_vs_standard']
+        print(
+          f'{topology:<11}{mode:<9}{label:<26}{row["bubble"]:>7.3f}'
+          f'{row["temp_bytes"] / gib:>9.2f}{row["temp_vs_fsdp"]:>10.2f}'
+          f'{row["est_step_seconds"] * 1e3:>9.1f}'
+          f'{ratio if ratio is not None else float("nan"):>7.3f}'
+          f'{row["compile_seconds"]:>10.0f}',
+          flush=True,
+        )
+        metrics_lib.write_jsonl(FLAGS.out, rows)  # a long table keeps what it ran
+  return rows
+
+
 def main(argv):
   del argv
-  assert jax.device_count() == NUM_DEVICES, jax.devices()
+  parts = set(FLAGS.parts)
+  if parts - {'comm', 'time', 'tpu'}:
+    raise app.UsageError(f'--parts: of comm, time, tpu; got {FLAGS.parts}.')
+  if 'tpu' in parts and not FLAGS.topology:
+    raise app.UsageError('--parts=tpu needs --topology, e.g. v5p:2x2x1.')
+  if parts & {'comm', 'time'}:
+    assert jax.device_count() == NUM_DEVICES, jax.devices()
   rows = []
   if 'comm' in FLAGS.parts:
     rows += communication()
   if 'time' in FLAGS.parts:
     rows += step_times()
+  if 'tpu' in FLAGS.parts:
+    rows += tpu_rows()
   metrics_lib.write_jsonl(FLAGS.out, rows)
 
 

@@ -165,6 +165,9 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
   # (e.g. --config.mesh.shape='(2,2,2)', --config.mesh.rules.hidden=tensor,
   # --config.mesh.stage=2).
   config.mesh = sharding.default_mesh_config()
+  # What the pipeline's backward pass keeps (attnres_jax/pipeline_plan.py, SCHEDULES):
+  # 'remat' (each iteration's received state; the iteration rerun) or 'gpipe' (all).
+  config.mesh.pipeline_schedule = 'remat'
 
   for variant in filter(None, arg.split(',')):
     _apply(config, variant.strip())

@@ -1,7 +1,8 @@
 """Pipeline parallelism (`attnres_jax/pipeline.py`): the pipelined train step equals the
-single-device one (standard, Block and Full AttnRes, HC, mHC), cached and naive
-transfers are bitwise equal, the cached one sends fewer bytes, and checkpoints move
-between pipelined and plain meshes.
+single-device one (standard, Block and Full AttnRes, HC, mHC; both schedules), cached
+and naive transfers are bitwise equal (also in the paper's Fig. 3 configuration), the
+cached one sends fewer bytes, the 'remat' schedule keeps less memory than 'gpipe', and
+checkpoints move between pipelined and plain meshes.
 
 The device checks run in two child processes started with 8 simulated CPU devices
 (as in test_sharding.py), in parallel; each prints its measurements as JSON and the
@@ -47,6 +48,11 @@ CASES = {
     'block4_p4v1': (
       dict(residual='block', block_size=4),
       dict(stage=4, num_microbatches=2),
+    ),
+    # The schedule whose backward pass keeps every iteration's activations.
+    'block4_p4v1_gpipe': (
+      dict(residual='block', block_size=4),
+      dict(stage=4, num_microbatches=2, pipeline_schedule='gpipe'),
     ),
     # stage x data x fsdp x tensor = 2 x 1 x 2 x 2.
     'block2_mixed': (
@@ -96,6 +102,7 @@ def run_checks(group: str) -> dict:
   import optax  # pylint: disable=g-import-not-at-top
 
   from attnres_jax import checkpointing  # pylint: disable=g-import-not-at-top
+  from attnres_jax import evaluate  # pylint: disable=g-import-not-at-top
   from attnres_jax import optim  # pylint: disable=g-import-not-at-top
   from attnres_jax import train  # pylint: disable=g-import-not-at-top
   from conftest import train_config  # pylint: disable=g-import-not-at-top
@@ -150,6 +157,7 @@ def run_checks(group: str) -> dict:
       metrics.append({k: float(v) for k, v in jax.device_get(step_metrics).items()})
     return dict(
       metrics=metrics,
+      temp_bytes=compiled.memory_analysis().temp_size_in_bytes,
       state=state,
       host=host(state),
       layout=layout,
@@ -169,7 +177,41 @@ def run_checks(group: str) -> dict:
       )
     return [float(x) for x in sums]
 
+  def figure_3_forward():
+    """The Fig. 3 configuration end to end, forward: Block S = 4, 8 layers, P = 4,
+    V = 2, M = 4 (blocks straddle chunks, the second virtual stage reads its cache),
+    one device against both transfers, random parameters (non-zero queries)."""
+    model_config = config_lib.model_config(
+      **dict(MODEL, num_layers=8), residual='block', block_size=4
+    )
+    params = train.init_train_state(model_config, tx, 0).params
+    noise = np.random.default_rng(1)
+    params = jax.tree.map(
+      lambda x: x + 0.5 * noise.standard_normal(x.shape).astype(x.dtype), params
+    )
+    graphdef = checkpointing.abstract_model(model_config)[0]
+    _, plain = setup(model_config, dict(shape=(1, 1, 1)))
+    with sharding.logical_rules(plain.mesh, plain.rules):
+      one_device = jax.jit(functools.partial(evaluate.loss_sums, graphdef=graphdef))(
+        jax.device_put(params, plain.state.params), plain.to_global(batch)
+      )
+    result = {'one_device': [float(x) for x in one_device]}
+    for transfer in ('naive', 'cached'):
+      result[transfer] = forward_loss(
+        model_config,
+        dict(
+          stage=4,
+          virtual_stages=2,
+          num_microbatches=4,
+          pipeline_transfer=transfer,
+        ),
+        params,
+      )
+    return result
+
   out = {}
+  if group == 'b':
+    out['figure_3_forward'] = figure_3_forward()
   references = {}
   for name, (model_overrides, mesh_overrides) in CASES[group].items():
     model_config = config_lib.model_config(**MODEL, **model_overrides)
@@ -190,6 +232,7 @@ def run_checks(group: str) -> dict:
       loop_permute_bytes=sum(c['bytes'] for c in permutes),
       loop_permute_shapes=[s for c in permutes for s in c['shapes']],
       params=[np.asarray(x).tolist() for x in jax.tree.leaves(got['host'][0])],
+      temp_bytes=got['temp_bytes'],
     )
     if name == 'block2_p2v2_naive':  # forward, both transfers, the same parameters
       out['forward_loss'] = {
@@ -325,6 +368,33 @@ def test_cached_transfer_is_bitwise_equal_and_sends_less(children):
   )
 
 
+def test_figure_3_pipeline_equals_one_device_and_transfers_are_bitwise_equal(children):
+  got = children('b')['figure_3_forward']
+  # Cached and naive: the receiver's buffer holds the very values the whole buffer
+  # would carry, so the loss is bitwise equal (with 4 stages, 2 virtual stages, 4
+  # microbatches and blocks spanning two chunks: the cache is read at every transition
+  # of the second virtual stage).
+  assert got['cached'] == got['naive']
+  # Against one device: float32 sums in another order (per microbatch, one-shot reads
+  # for the blocks that straddle chunks) differ by a few ulps of the O(100) loss sum;
+  # a missed or doubled block changes it by percents.
+  assert got['naive'][0] == pytest.approx(got['one_device'][0], rel=1e-5)
+  assert got['naive'][1] == got['one_device'][1]
+
+
+def test_remat_schedule_keeps_less_than_gpipe(children):
+  out = children('a')
+  remat, gpipe = out['block4_p4v1'], out['block4_p4v1_gpipe']
+  # The same step (equal losses: the schedule changes what the backward pass keeps,
+  # not what it computes), with less temporary memory per device: 'remat' keeps each
+  # iteration's received carry, 'gpipe' every activation of every iteration.
+  assert remat['metrics'][0]['loss'] == gpipe['metrics'][0]['loss']
+  assert remat['temp_bytes'] < gpipe['temp_bytes'], (
+    remat['temp_bytes'],
+    gpipe['temp_bytes'],
+  )
+
+
 def test_checkpoints_move_between_pipelined_and_plain_meshes(children):
   result = children('a')['checkpoint']
   for direction, got in result.items():
@@ -358,18 +428,52 @@ def test_schedule_runs_every_chunk_once_in_order(stages, virtual, micro):
   assert pipeline_plan.bubble_fraction(pipe) == idle / (stages * pipe.num_iterations)
 
 
-def test_transfer_plan_reproduces_the_papers_figure_3_count():
-  # P = 4, V = 2: 8 chunks of one block each (8 layers, 2 sublayers per block).
+def test_transfer_plan_counts_are_the_papers_eqs_7_and_8_at_one_block_per_chunk():
+  # P = 4, V = 2, N_p = 1: 8 chunks of one block each (8 layers, 2 sublayers a block).
   model = config_lib.model_config(num_layers=8, residual='block', block_size=2)
   plan = pipeline_plan.transfer_plan(model, pipeline_plan.PipelineConfig(4, 2))
   naive, cached = plan.block_transmissions()
-  # Naive: transition c sends blocks 1..c+1: 1 + 2 + ... + 7.
+  # Eq. 7, naive: transition j sends the j N_p blocks so far, 1 + 2 + ... + 7.
   assert naive == 28
-  # Cached: the first virtual stage as naive (1, 2, 3); from the second on, the P
-  # blocks since the receiver last saw the state: 4 per transition.
+  # Eq. 8, cached: the first virtual stage as naive (1, 2, 3); from the second on, the
+  # P N_p blocks since the receiver last saw the state: 4 per transition.
   assert cached == 1 + 2 + 3 + 4 * 4
-  assert naive - cached == 6
   assert plan.width == 4 and plan.num_slots == 9
+  # On the wire: C - 1 = 7 transitions of K = 9 slots (naive) or W = 4 (cached).
+  assert plan.wire_slots() == (7 * 9, 7 * 4)
+  # The paper's naive sends only the accumulated slots, embedding included.
+  assert plan.accumulated_slots() == 28 + 7
+
+
+def test_transfer_plan_reproduces_the_papers_figure_3():
+  # Fig. 3: P = 4 ranks, V = 2, 8 chunks of one layer; a block (4 sublayers) spans two
+  # chunks, so N_p = 1/2 (the paper's footnote). Chunk c writes block 1 + c // 2; rank
+  # c mod 4 runs chunk c, and caches what it received at its first virtual stage.
+  model = config_lib.model_config(num_layers=8, residual='block', block_size=4)
+  plan = pipeline_plan.transfer_plan(model, pipeline_plan.PipelineConfig(4, 2))
+  sets = [(set(n), set(c)) for n, c in plan.block_sets(embedding=True)]
+  figure = [  # (naive, cached) per transition: slot 0 = b0 (the embedding), i = b_i
+    ({0, 1}, {0, 1}),  # rank 0 -> 1: first virtual stage, the receiver has nothing
+    ({0, 1}, {0, 1}),
+    ({0, 1, 2}, {0, 1, 2}),
+    ({0, 1, 2}, {1, 2}),  # rank 3 -> 0: has b0 from chunk 0; b1 was finished by chunk 1
+    ({0, 1, 2, 3}, {1, 2, 3}),  # rank 1 cached b1's partial sum, not its completion
+    ({0, 1, 2, 3}, {2, 3}),  # rank 2 cached b0, b1 (complete at chunk 2)
+    ({0, 1, 2, 3, 4}, {2, 3, 4}),
+  ]
+  assert sets == figure
+  second = [n - c for n, c in sets[3:]]  # transitions into the second virtual stage
+  assert sum(map(len, second)) == 6  # the figure's 6 redundant transmissions removed
+  # Embedding excluded (our default count): 16 naive, 14 cached.
+  assert plan.block_transmissions() == (16, 14)
+  assert plan.block_transmissions(embedding=True) == (23, 17)
+  # On the wire: 7 whole buffers of K = 5 slots against 7 windows of W = 3.
+  assert (plan.num_slots, plan.width) == (5, 3)
+  assert plan.wire_slots() == (35, 21)
+  assert plan.accumulated_slots() == 23
+  # A stage caches, per microbatch, only the slots it later reads from its cache (those
+  # below every later window): b0 and b1, not the whole buffer of K = 5 slots.
+  assert pipeline.CachedTransfer(plan, 4).cache_slots == 2
 
 
 def test_transfer_plan_window_covers_every_new_slot():
@@ -409,6 +513,10 @@ def test_invalid_pipelines_fail_before_compiling():
     pipeline_plan.validate(pipeline_plan.PipelineConfig(2, 1, 3), model, 8)
   with pytest.raises(ValueError, match='num_microbatches >= stage'):
     pipeline_plan.validate(pipeline_plan.PipelineConfig(2, 2, 1), model, 8)
+  with pytest.raises(ValueError, match='pipeline_schedule must be one of'):
+    pipeline_plan.validate(
+      pipeline_plan.PipelineConfig(2, 1, 2, schedule='1f1b'), model, 8
+    )
   with pytest.raises(ValueError, match='data-parallel'):
     pipeline_plan.validate(pipeline_plan.PipelineConfig(2, 1, 4), model, 8, data_shards=4)
   # A residual refuses what it cannot pipeline (`Residual.pipeline_refusal`).
