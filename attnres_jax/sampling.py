@@ -9,6 +9,10 @@ per layer (`Transformer.decoding_layers`). The position, temperature and top_k a
 traced arguments, so the step compiles once per (model, batch, cache length) and is
 reused for every position and setting. Sampling keys are
 `fold_in(PRNGKey(seed), cache slot)`: a fixed seed gives a fixed output.
+
+`weights_dtype='bfloat16'` serves from bfloat16 copies of the weight matrices (cast
+once, before the prefill; `serving_weights`): a token step reads half the weight bytes.
+The default serves the parameters as they are.
 """
 
 from __future__ import annotations
@@ -25,6 +29,11 @@ from attnres_jax import tokenizer as tokenizer_lib
 SEPARATOR = 0  # the document-start byte of the data pipeline (data.SEPARATOR)
 CACHE_ROUNDING = 64  # the KV cache length is a multiple of this
 _BYTES = tokenizer_lib.ByteTokenizer()
+# The weight matrices a token step reads (paths' first names): the layers' attention and
+# MLP, the embedding and the output head. Norm gains and the residual's parameters stay
+# as they are: a few vectors, read in float32 arithmetic anyway.
+SERVING_LAYER_WEIGHTS = ('attention', 'mlp')
+SERVING_MODEL_WEIGHTS = ('embedding', 'lm_head')
 
 
 def encode_text(
@@ -46,6 +55,51 @@ def decode_tokens(tokens, tokenizer: tokenizer_lib.Tokenizer | None = None) -> s
   """Tokens back to text (default: bytes, invalid UTF-8 replaced); document starts
   and ids outside the tokenizer's vocabulary (a padded model vocab) are dropped."""
   return (tokenizer or _BYTES).decode(tokens)
+
+
+def _serving_dtype(weights_dtype):
+  """The floating dtype named by `weights_dtype` (None: None); else a ValueError."""
+  if weights_dtype is None:
+    return None
+  try:
+    dtype = jnp.dtype(weights_dtype)
+  except TypeError:
+    dtype = None
+  if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+    raise ValueError(
+      f"weights_dtype must be a floating dtype (e.g. 'bfloat16'), got {weights_dtype!r}."
+    )
+  return dtype
+
+
+def serving_weights(tree, names, weights_dtype):
+  """`tree` (an nnx.State) with the floating arrays under the first names `names` cast
+  to `weights_dtype` (None: `tree` itself)."""
+  dtype = _serving_dtype(weights_dtype)
+  if dtype is None:
+    return tree
+
+  def cast(path, x):
+    first = getattr(path[0], 'key', None) if path else None
+    if first in names and jnp.issubdtype(x.dtype, jnp.floating):
+      return x.astype(dtype)
+    return x
+
+  return jax.tree_util.tree_map_with_path(cast, tree)
+
+
+def serving_state(model: nnx.Module, weights_dtype=None):
+  """(graphdef, state, layers) that the jitted prefill and step take: the model split,
+  and its layers one state per layer (`Transformer.decoding_layers`), the weight
+  matrices cast to `weights_dtype` when given (the stacked layers in `state` are not
+  read by `decode` given `layers`, so they stay as they are)."""
+  graphdef, state = nnx.split(model)  # the graph is hashable: a static argument
+  state = serving_weights(state, SERVING_MODEL_WEIGHTS, weights_dtype)
+  layers = tuple(
+    serving_weights(layer, SERVING_LAYER_WEIGHTS, weights_dtype)
+    for layer in model.decoding_layers()
+  )
+  return graphdef, state, layers
 
 
 def _choose(logits_BV, key, temperature, top_k):
@@ -129,6 +183,7 @@ def generate(
   return_logits: bool = False,
   stop_tokens=(),
   prefill_chunk: int | None = None,
+  weights_dtype=None,
 ):
   """Continues `prompt_tokens` by `max_new_tokens` tokens.
 
@@ -139,6 +194,8 @@ def generate(
   A row stops after it produces one of `stop_tokens` (generation ends when every row
   has); its later tokens repeat that stop token. `prefill_chunk`: prefill the prompt
   C tokens at a time (exact; only one chunk's depth state is alive at once).
+  `weights_dtype`: serve from weight matrices cast to this dtype (e.g. 'bfloat16';
+  `serving_state`); default: the parameters as they are.
 
   Returns the new tokens as int32 [max_new_tokens] (or [B, max_new_tokens]); for a
   list of prompts, a list of 1-D arrays, each cut after its stop token. With
@@ -170,13 +227,13 @@ def generate(
     raise ValueError(f'max_new_tokens must be >= 1, got {max_new_tokens}.')
   if prefill_chunk is not None and prefill_chunk < 1:
     raise ValueError(f'prefill_chunk must be >= 1 or None, got {prefill_chunk}.')
+  _serving_dtype(weights_dtype)  # a bad dtype fails here, before any compilation
   batch, prompt_len = prompt_BT.shape
 
   vocab = model.cfg.vocab_size
   options = (jnp.float32(temperature), jnp.int32(min(top_k or vocab, vocab)))
   key = jax.random.PRNGKey(seed)
-  graphdef, state = nnx.split(model)  # the graph is hashable: a static argument
-  layers = model.decoding_layers()
+  graphdef, state, layers = serving_state(model, weights_dtype)
   # The last new token is never fed back, so the cache needs one slot less. Its length
   # is rounded up (unused slots are masked) so that nearby lengths share a compilation.
   needed = prompt_len + max_new_tokens - 1
@@ -257,11 +314,12 @@ def generate_text(
   tokenizer: tokenizer_lib.Tokenizer | None = None,
   stop_tokens=(),
   prefill_chunk: int | None = None,
+  weights_dtype=None,
 ):
   """The prompt's continuation as text, `max_new_tokens` tokens long (default
   tokenizer: bytes; a run's own is `data.make_tokenizer(config.data, workdir=...)`).
   An empty prompt starts a document. A list of prompts is generated as one batch and
-  gives a list of texts."""
+  gives a list of texts. `weights_dtype`: as in `generate`."""
   many = isinstance(prompt, (list, tuple))
   prompts = list(prompt) if many else [prompt]
   tokens = [
@@ -277,6 +335,7 @@ def generate_text(
     seed=seed,
     stop_tokens=stop_tokens,
     prefill_chunk=prefill_chunk,
+    weights_dtype=weights_dtype,
   )
   if not many:
     return decode_tokens(new_tokens, tokenizer)

@@ -155,6 +155,55 @@ def test_step_compiles_once_for_all_prompt_lengths_and_text_batches():
   assert sampling._step._cache_size() == compiled
 
 
+def bf16_rounded(model):
+  """A copy of `model` whose weight matrices hold their values rounded to bfloat16
+  (still float32): what serving with bfloat16 weights computes with."""
+  graphdef, state = nnx.split(model)
+  round_trip = lambda x: x.astype(jnp.bfloat16).astype(x.dtype)
+  rounded = jax.tree_util.tree_map_with_path(
+    lambda path, x: (
+      round_trip(x)
+      if {getattr(k, 'key', None) for k in path[:2]}
+      & {'embedding', 'lm_head', 'attention', 'mlp'}
+      else x
+    ),
+    state,
+  )
+  return nnx.merge(graphdef, rounded)
+
+
+def test_bfloat16_serving_weights():
+  """weights_dtype='bfloat16' serves from bfloat16 copies of the weight matrices alone:
+  the same logits as the model whose matrices (and nothing else) are rounded to
+  bfloat16; norm gains and depth parameters stay float32."""
+  model = tiny_model('block', 3)
+  graphdef, state, layers = sampling.serving_state(model, 'bfloat16')
+  assert state['embedding'].dtype == jnp.bfloat16
+  assert state['final_norm']['scale'].dtype == jnp.float32
+  assert state['final_residual']['query'].dtype == jnp.float32
+  for layer in layers:
+    assert layer['mlp']['down'].dtype == layer['attention']['out'].dtype == jnp.bfloat16
+    assert layer['mlp_norm']['scale'].dtype == jnp.float32
+    assert layer['residual']['query'].dtype == jnp.float32
+  # The default serves the parameters as they are.
+  _, plain, plain_layers = sampling.serving_state(model)
+  assert plain['embedding'].dtype == plain_layers[0]['mlp']['down'].dtype == jnp.float32
+  tokens, logits = sampling.generate(
+    model, PROMPTS, 4, temperature=0.0, return_logits=True, weights_dtype='bfloat16'
+  )
+  want_tokens, want = sampling.generate(
+    bf16_rounded(model), PROMPTS, 4, temperature=0.0, return_logits=True
+  )
+  for a, b, la, lb in zip(tokens, want_tokens, logits, want):
+    # The same float32 arithmetic on the same (bf16-representable) weights: the dots
+    # only see a bf16 operand upcast where the reference has the float32 equal.
+    assert_same_greedy_run(a, b, la, lb, atol=ATOL, rtol=RTOL)
+  with pytest.raises(ValueError, match='weights_dtype'):
+    sampling.generate(model, PROMPTS, 2, weights_dtype='int8')
+  with pytest.raises(ValueError, match='weights_dtype'):
+    sampling.generate_text(model, 'O', 2, weights_dtype='no_such_dtype')
+
+
 def test_bad_input_is_a_clear_error():
   model = tiny_model('standard', 1)
   with pytest.raises(ValueError, match='at least one token'):

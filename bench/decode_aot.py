@@ -1,0 +1,333 @@
+"""Decode traffic on the TPU compiler: the one-token step of Standard, Full and Block
+AttnRes compiled ahead-of-time for a TPU topology on this host (libtpu), per token.
+
+  JAX_PLATFORMS=cpu python bench/decode_aot.py                      # the issue's grid
+  JAX_PLATFORMS=cpu python bench/decode_aot.py --batches=8 --contexts=1024 \\
+      --weights_dtypes=bfloat16 --out=/tmp/decode_aot.json
+
+The model is the issue's (d_model 1024, 8 layers, 8 heads of 128, MLP 4096, vocab
+32768, bf16 compute), data parallel over the topology's chips; the step is
+`sampling`'s, with a cache of `--contexts` slots and the weights served as they are
+(float32) or cast for serving (`sampling.serving_state`). Per row:
+
+  XLA GB      the compiler's "bytes accessed" (every operand and result, on-chip too)
+  est. us     the compiler's time estimate (its roofline over those bytes)
+  async GB    the share of async copies (copy-start) in our count (`hlo_cost`)
+  HBM GB      the bytes that cross HBM: operands and results that the compiler placed
+              in on-chip memory (memory space S(1), the layout's `S(1)`) do not count;
+              an async copy into on-chip memory counts its read from HBM
+  HBM us      a roofline over the HBM bytes (per kernel the larger of FLOPs / peak and
+              HBM bytes / bandwidth)
+
+and each ratio to the standard model of the same batch, context and weights. Each
+compile takes about a minute on 2 cores.
+"""
+
+import argparse
+import collections
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from attnres_jax import aot
+from attnres_jax import config as config_lib
+from attnres_jax import hlo_cost
+from attnres_jax import hlo_text
+from attnres_jax import model as model_lib
+from attnres_jax import sampling
+from attnres_jax import sharding
+
+from configs import default as default_config
+
+MODES = {
+  'standard': dict(residual='standard'),
+  'full': dict(residual='full'),
+  'block4': dict(residual='block', block_size=4),
+  'block8': dict(residual='block', block_size=8),
+  'hc': dict(residual='hc'),
+  'mhc': dict(residual='mhc'),
+}
+MODEL = dict(
+  vocab_size=32768,
+  dtype='bfloat16',
+  d_model=1024,
+  num_layers=8,
+  num_heads=8,
+  mlp_dim=4096,
+  remat='none',
+)
+ON_CHIP = 'S(1)'  # the memory-space mark of an on-chip (VMEM) buffer in a TPU layout
+
+
+def row_config(mode: str, batch: int, context: int):
+  config = default_config.get_config()
+  config.model.update(**MODEL, **MODES[mode])
+  config.train.update(seq_len=context, batch_size=batch)
+  config.mesh.shape = (-1, 1, 1)  # data parallel over every chip
+  return config
+
+
+def lowered_step(config, devices, weights_dtype):
+  """`sampling._step` lowered on abstract inputs placed on a mesh of `devices`: the
+  parameters sharded as training shards them, each layer's as its stacked slice, the
+  weight matrices cast to `weights_dtype` (`sampling.serving_state`)."""
+  cfg, rows, slots = config.model, config.train.batch_size, config.train.seq_len
+  mesh = sharding.make_mesh(config.mesh, devices=devices)
+  rules = sharding.rules_from_config(config.mesh)
+  abstract = nnx.eval_shape(lambda: model_lib.Transformer(cfg, rngs=nnx.Rngs(0)))
+  graphdef, abstract_state = nnx.split(abstract)
+  specs = sharding.param_shardings(abstract_state, mesh, rules)  # a pure dict
+
+  def served(state):
+    _, state, layers = sampling.serving_state(nnx.merge(graphdef, state), weights_dtype)
+    return nnx.to_pure_dict(state), tuple(nnx.to_pure_dict(x) for x in layers)
+
+  state_dict, layer_dicts = jax.eval_shape(served, abstract_state)
+  place = lambda tree, shardings: jax.tree.map(
+    lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
+  )
+  layer_specs = jax.tree.map(
+    lambda s: NamedSharding(mesh, P(*s.spec[1:])), specs['layers']
+  )
+  state = jax.tree.map(lambda x: x, abstract_state)
+  nnx.replace_by_pure_dict(state, place(state_dict, specs))
+  layers = []
+  for layer_dict in layer_dicts:
+    layer = jax.tree.map(lambda x: x, nnx.split(abstract.layers)[1])
+    nnx.replace_by_pure_dict(layer, place(layer_dict, layer_specs))
+    layers.append(layer)
+
+  def placed(shape, dtype, axes):
+    spec = sharding.logical_to_spec(axes, rules, mesh=mesh, shape=shape)
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+
+  cache = tuple(
+    model_lib.KVCache(
+      placed(c.keys_BNHS.shape, c.keys_BNHS.dtype, model_lib.KEYS_AXES),
+      placed(c.values_BNSH.shape, c.values_BNSH.dtype, model_lib.VALUES_AXES),
+    )
+    for c in jax.eval_shape(lambda: abstract.init_cache(rows, slots))
+  )
+  row = placed((rows,), jnp.int32, ('batch',))
+  replicated = NamedSharding(mesh, P())
+  scalar = lambda dtype: jax.ShapeDtypeStruct((), dtype, sharding=replicated)
+  key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
+  args = (
+    state,
+    tuple(layers),
+    row,
+    cache,
+    scalar(jnp.int32),
+    row,
+    jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=replicated),
+    scalar(jnp.float32),
+    scalar(jnp.int32),
+    jax.ShapeDtypeStruct((1,), jnp.int32, sharding=replicated),
+    placed((rows,), jnp.bool_, ('batch',)),
+  )
+  with sharding.logical_rules(mesh, rules):  # traced here: constrain as in serving
+    return sampling._step.lower(graphdef, *args)  # pylint: disable=protected-access
+
+
+def _on_chip(type_str: str) -> bool:
+  return ON_CHIP in type_str
+
+
+def _off_chip_share(type_str: str) -> float:
+  """The fraction of a (tuple) type's bytes that is not in on-chip memory."""
+  parts = hlo_text.split_top(type_str[1:-1]) if type_str.startswith('(') else [type_str]
+  total = sum(hlo_text.type_bytes(p) for p in parts)
+  off_chip = sum(hlo_text.type_bytes(p) for p in parts if not _on_chip(p))
+  return off_chip / total if total else 0.0
+
+
+# hlo_cost's per-kernel byte rules (its private helpers), less what lies in on-chip
+# memory, and with one correction (`_read_bytes`).
+# pylint: disable=protected-access
+def _read_bytes(computation, name: str, full: float, computations) -> float:
+  """Bytes a fusion reads of value `name` of (nested) `computation`: hlo_cost's rule
+  (the slices, when the value only feeds slices; else all of it), except that a value
+  that reaches the root is read whole. A nested fusion that only bitcasts a weight
+  (XLA's `bitcast_fusion`, on TPU in front of a dot) has its parameter as the root:
+  hlo_cost counts that read 0 bytes, which drops the weight reads of the dots that
+  read a weight straight from HBM (and not those of prefetched weights)."""
+  if computation.root is not None and computation.root.name == name:
+    return full
+  total = 0.0
+  for user in computation.instructions:
+    if name not in user.operands:
+      continue
+    if user.opcode in ('dynamic-slice', 'slice') and user.operands[0] == name:
+      total += hlo_text.type_bytes(user.type_str)
+    elif user.opcode == 'dynamic-update-slice' and user.operands[0] == name:
+      continue
+    elif user.opcode == 'bitcast':
+      total += _read_bytes(computation, user.name, full, computations)
+    elif user.opcode == 'fusion':
+      nested = hlo_text.Computation(computations[user.called('calls')[0]])
+      for k, operand in enumerate(user.operands):
+        if operand == name:
+          total += _operand_read_bytes(nested, k, full, computations)
+    else:
+      return full
+  return min(total, full)
+
+
+def _operand_read_bytes(fused, index: int, full: float, computations) -> float:
+  parameter = next(
+    (
+      i
+      for i in fused.instructions
+      if i.opcode == 'parameter' and i.operands == [str(index)]
+    ),
+    None,
+  )
+  return (
+    full if parameter is None else _read_bytes(fused, parameter.name, full, computations)
+  )
+
+
+def _hbm_bytes(instruction, computation, computations) -> float:
+  """Bytes of one kernel that cross HBM (see the module docstring)."""
+  op = instruction.opcode
+  if op in hlo_cost._FREE:
+    return 0.0
+  types = [computation.type_of(o) for o in instruction.operands]
+  reads = [hlo_text.type_bytes(t) for t in types]
+  if op == 'copy-start':  # (destination, source, context) from the source operand
+    destination = hlo_text.split_top(instruction.type_str[1:-1])[0]
+    written = 0.0 if _on_chip(destination) else hlo_text.type_bytes(destination)
+    return (0.0 if _on_chip(types[0]) else reads[0]) + written
+  written = hlo_text.type_bytes(instruction.type_str)
+  if op == 'fusion':
+    fused = hlo_text.Computation(computations[instruction.called('calls')[0]])
+    reads = [_operand_read_bytes(fused, k, b, computations) for k, b in enumerate(reads)]
+    written = hlo_cost._fusion_output_bytes(fused)
+  elif op in ('dynamic-slice', 'slice'):
+    reads[0] = written
+  elif op == 'dynamic-update-slice':
+    reads[0], written = 0.0, reads[1]
+  elif op.endswith('-start') and instruction.type_str.startswith('('):
+    written = hlo_cost._start_output_bytes(instruction, reads)
+  off_chip_reads = sum(b for b, t in zip(reads, types) if not _on_chip(t))
+  return off_chip_reads + written * _off_chip_share(instruction.type_str)
+
+
+def hbm_costs(text: str, peak_flops: float, bandwidth: float) -> dict:
+  """HBM bytes and their roofline seconds of an optimized TPU module, loops counted."""
+  computations, entry = hlo_text.parse_module(text)
+  counts, _ = hlo_cost.multiplicities(computations, entry)
+  totals = collections.Counter()
+  for name, times in counts.items():
+    computation = hlo_text.Computation(computations[name])
+    for instruction in computation.instructions:
+      moved = _hbm_bytes(instruction, computation, computations)
+      flops, _ = hlo_cost._arithmetic(instruction, computation, computations)
+      totals['hbm_bytes'] += times * moved
+      totals['hbm_seconds'] += times * max(flops / peak_flops, moved / bandwidth)
+  return dict(totals)
+
+
+# pylint: enable=protected-access
+
+
+def measure(mode, batch, context, weights_dtype, topo, dump_dir=None):
+  config = row_config(mode, batch, context)
+  config_lib.validate(config, num_devices=len(topo.devices))
+  start = time.perf_counter()
+  compiled = lowered_step(config, topo.devices, weights_dtype).compile()
+  seconds = time.perf_counter() - start
+  text = compiled.as_text()
+  if dump_dir:  # the optimized HLO, to diff two modes
+    os.makedirs(dump_dir, exist_ok=True)
+    name = f'{mode}_b{batch}_c{context}_{weights_dtype or "float32"}.hlo'
+    with open(os.path.join(dump_dir, name), 'w', encoding='utf-8') as f:
+      f.write(text)
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  bandwidth = topo.chip.hbm_bandwidth / topo.devices_per_chip
+  ours = hlo_cost.analyze(text, topo.device_peak_flops, bandwidth)
+  hbm = hbm_costs(text, topo.device_peak_flops, bandwidth)
+  return dict(
+    mode=mode,
+    batch=batch,
+    context=context,
+    weights_dtype=weights_dtype or 'float32',
+    xla_bytes=float(cost.get('bytes accessed', 0.0)),
+    est_seconds=float(cost.get('optimal_seconds', 0.0)),
+    bytes=ours['bytes'],
+    async_copy_bytes=ours['bytes_async_copies'],
+    hbm_bytes=hbm['hbm_bytes'],
+    hbm_seconds=hbm['hbm_seconds'],
+    temp_bytes=compiled.memory_analysis().temp_size_in_bytes,
+    compile_seconds=seconds,
+  )
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+  parser.add_argument('--topology', default='v5p:2x2x1', help=aot.TOPOLOGY_FORM)
+  parser.add_argument('--modes', default='standard,full,block4', help=','.join(MODES))
+  parser.add_argument('--batches', default='8,64', help='Sequences (all chips).')
+  parser.add_argument('--contexts', default='1024,2048', help='KV cache slots.')
+  parser.add_argument(
+    '--weights_dtypes',
+    default='float32,bfloat16',
+    help='float32: the parameters as trained; bfloat16: cast for serving.',
+  )
+  parser.add_argument('--out', default='bench/results/decode_aot.json', help='JSON.')
+  parser.add_argument('--dump_hlo', default=None, help='Folder for the optimized HLO.')
+  args = parser.parse_args(argv)
+  modes = args.modes.split(',')
+  unknown = sorted(set(modes) - set(MODES))
+  if unknown:
+    parser.error(f'unknown modes {unknown}; known: {",".join(MODES)}')
+  dtypes = [None if d == 'float32' else d for d in args.weights_dtypes.split(',')]
+  for d in dtypes:
+    sampling._serving_dtype(d)  # pylint: disable=protected-access
+  topo = aot.get_topology(args.topology)
+  print(
+    f'{args.topology}: {topo.num_chips} chips, data parallel; per device and token.\n'
+    f'{"mode":<9}{"batch":>6}{"ctx":>6}{"weights":>9}{"XLA GB":>8}{"est. us":>9}'
+    f'{"x std":>7}{"async GB":>9}{"HBM GB":>8}{"HBM us":>8}{"x std":>7}'
+  )
+  rows, base = [], {}
+  for weights_dtype in dtypes:
+    for batch in (int(b) for b in args.batches.split(',')):
+      for context in (int(c) for c in args.contexts.split(',')):
+        for mode in modes:
+          row = measure(mode, batch, context, weights_dtype, topo, args.dump_hlo)
+          key = (batch, context, row['weights_dtype'])
+          if mode == 'standard':
+            base[key] = row
+          std = base.get(key)
+          if std is not None:
+            row['est_vs_standard'] = row['est_seconds'] / std['est_seconds']
+            row['hbm_vs_standard'] = row['hbm_bytes'] / std['hbm_bytes']
+            row['hbm_seconds_vs_standard'] = row['hbm_seconds'] / std['hbm_seconds']
+          rows.append(row)
+          print(
+            f'{mode:<9}{batch:>6}{context:>6}{row["weights_dtype"][:8]:>9}'
+            f'{row["xla_bytes"] / 1e9:>8.3f}{row["est_seconds"] * 1e6:>9.1f}'
+            f'{row.get("est_vs_standard", float("nan")):>7.3f}'
+            f'{row["async_copy_bytes"] / 1e9:>9.3f}{row["hbm_bytes"] / 1e9:>8.3f}'
+            f'{row["hbm_seconds"] * 1e6:>8.1f}'
+            f'{row.get("hbm_seconds_vs_standard", float("nan")):>7.3f}',
+            flush=True,
+          )
+          if args.out:  # after every row: an interrupted grid keeps what it ran
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+            with open(args.out, 'w', encoding='utf-8') as f:
+              json.dump(rows, f, indent=1)
+  if args.out:
+    print(f'Wrote {args.out}.')
+
+
+if __name__ == '__main__':
+  main()
