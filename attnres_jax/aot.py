@@ -42,6 +42,7 @@ from attnres_jax import model as model_lib
 from attnres_jax import optim
 from attnres_jax import pipeline
 from attnres_jax import pipeline_plan
+from attnres_jax import residuals
 from attnres_jax import sampling
 from attnres_jax import sharding
 from attnres_jax import train as train_lib
@@ -229,6 +230,29 @@ def _model_flops(config, step: str) -> float:
   return per_token * tc.batch_size * tc.seq_len * (3.0 if step == 'train' else 1.0)
 
 
+def residual_floor(model_cfg, tokens: int, num_devices: int) -> dict[str, Any] | None:
+  """The least extra HBM bytes per device that the residual must add to a train step
+  of `tokens` tokens (`Residual.min_extra_per_sublayer`, in d elements of the compute
+  dtype, the depth buffer's storage dtype), spread evenly over the devices; None for a
+  residual that declares no floor."""
+  cfg = config_lib.ModelConfig.from_config(model_cfg)
+  units = residuals.make(cfg).min_extra_per_sublayer()
+  if units is None:
+    return None
+  itemsize = jnp.dtype(cfg.dtype).itemsize
+  total = units * cfg.d_model * itemsize * tokens * 2 * cfg.num_layers
+  return {'units_per_sublayer': units, 'bytes': total / num_devices}
+
+
+def extra_over_floor(step: dict[str, Any], standard_step: dict[str, Any]) -> float | None:
+  """(bytes accessed - the standard step's) / the residual's floor, both train steps
+  of the same shape compiled for the same topology; None without a floor."""
+  floor = step.get('residual_floor')
+  if not floor or not floor['bytes']:
+    return None
+  return (step['bytes_accessed'] - standard_step['bytes_accessed']) / floor['bytes']
+
+
 def _summarize(compiled, seconds: float, topo: Topology, model_flops: float) -> dict:
   memory = compiled.memory_analysis()
   cost = compiled.cost_analysis()
@@ -288,12 +312,14 @@ def compile_report(
   num_slices: int = 1,
   steps=STEPS,
   check_hbm: bool = True,
+  hlo_dir: str | None = None,
 ) -> dict[str, Any]:
   """Compiles `steps` of `config` for a TPU topology; the report (see module doc).
 
   Raises AotError for a bad topology or missing libtpu and ValueError for a config or
   mesh that cannot work, before compiling; with `check_hbm`, ValueError (from
   `train.check_memory`) for a step that needs more memory per device than the chip has.
+  `hlo_dir`: also writes each step's optimized HLO there (`<step>.hlo.txt`).
   """
   unknown = sorted(set(steps) - set(STEPS))
   if unknown:
@@ -351,6 +377,14 @@ def compile_report(
     summary = _summarize(
       compiled, time.perf_counter() - start, topo, _model_flops(config, step)
     )
+    if hlo_dir:
+      os.makedirs(hlo_dir, exist_ok=True)
+      with open(os.path.join(hlo_dir, f'{step}.hlo.txt'), 'w', encoding='utf-8') as f:
+        f.write(compiled.as_text())
+    if step == 'train':
+      summary['residual_floor'] = residual_floor(
+        config.model, tc.batch_size * tc.seq_len, len(topo.devices)
+      )
     report['steps'][step] = summary
     if check_hbm:
       train_lib.check_memory(

@@ -1,9 +1,14 @@
 """Ahead-of-time TPU cost table: residual modes x model sizes x topologies, compiled on
 this host with libtpu (attnres_jax/aot.py). Per row: the train step's estimated time
-(the compiler's roofline, loops counted), MFU, HBM per device and collective bytes.
+(the compiler's roofline, loops counted) and its ratio to the standard step's, MFU,
+HBM per device, temp memory / the standard's, bytes accessed, extra bytes over the
+standard's, that extra / the residual's floor (`Residual.min_extra_per_sublayer`,
+docs/method.md) and collective bytes.
 
   JAX_PLATFORMS=cpu python bench/aot.py --modes=standard,full --sizes=125m \\
       --topologies=v5p-8 --out=bench/results/aot.json
+  JAX_PLATFORMS=cpu python bench/aot.py --modes=standard,block4,block8,full \\
+      --sizes=d1024 --mesh=data --out=bench/results/aot_depth_core.json
 
 A row that does not fit says so (the compiler's HBM figures). Each compile runs in
 this process one after another; big sizes take minutes and several GB of host memory.
@@ -42,6 +47,12 @@ SIZES = {
     4096,
     4,
   ),
+  # The depth-core shape of issue 26 (docs/results.md, "Depth core v3").
+  'd1024': (
+    dict(d_model=1024, num_layers=8, num_heads=8, mlp_dim=4096, remat='none'),
+    1024,
+    8,
+  ),
   '8b': (
     dict(d_model=4096, num_layers=32, num_heads=32, mlp_dim=14336, remat='layer'),
     8192,
@@ -57,12 +68,15 @@ TOPOLOGIES = {
 }
 
 
-def row_config(mode: str, size: str, chips: int):
+MESHES = {'fsdp': (1, -1, 1), 'data': (-1, 1, 1)}  # mesh.shape (data, fsdp, tensor)
+
+
+def row_config(mode: str, size: str, chips: int, mesh: str = 'fsdp'):
   fields, seq_len, per_chip = SIZES[size]
   config = default_config.get_config()
   config.model.update(vocab_size=32768, dtype='bfloat16', **fields, **MODES[mode])
   config.train.update(seq_len=seq_len, batch_size=per_chip * chips)
-  config.mesh.shape = (1, -1, 1)  # FSDP over every chip
+  config.mesh.shape = MESHES[mesh]  # over every chip
   return config
 
 
@@ -71,12 +85,27 @@ def main(argv=None):
   parser.add_argument('--modes', default='standard', help=f'of {",".join(MODES)}')
   parser.add_argument('--sizes', default='125m', help=f'of {",".join(SIZES)}')
   parser.add_argument('--topologies', default='v5p-8', help=f'of {",".join(TOPOLOGIES)}')
+  parser.add_argument('--mesh', default='fsdp', choices=sorted(MESHES))
   parser.add_argument('--out', default=None, help='JSON file for the rows.')
+  parser.add_argument(
+    '--hlo_dir',
+    default=None,
+    help="Also write each row's optimized HLO to <dir>/<mode>_<size>_<topology>/.",
+  )
   args = parser.parse_args(argv)
+  for flag, value, known in (
+    ('modes', args.modes, MODES),
+    ('sizes', args.sizes, SIZES),
+    ('topologies', args.topologies, TOPOLOGIES),
+  ):
+    unknown = sorted(set(value.split(',')) - set(known))
+    if unknown:
+      parser.error(f'--{flag}: unknown {unknown}; known: {",".join(known)}')
   rows = []
   print(
     f'{"mode":<9}{"size":<6}{"topology":<9}{"est. ms":>9}{"vs std":>7}{"MFU":>6}'
-    f'{"HBM GiB":>9}{"coll. GB":>9}{"compile s":>10}  note'
+    f'{"HBM GiB":>9}{"temp":>7}{"GB acc.":>9}{"extra":>7}{"/min":>6}'
+    f'{"coll. GB":>9}{"compile s":>10}  note'
   )
   for topo_label in args.topologies.split(','):
     topology = TOPOLOGIES[topo_label]
@@ -84,7 +113,7 @@ def main(argv=None):
       standard = None
       for mode in args.modes.split(','):
         chips = aot.get_topology(topology).num_chips
-        config = row_config(mode, size, chips)
+        config = row_config(mode, size, chips, args.mesh)
         start = time.perf_counter()
         row = dict(
           mode=mode,
@@ -95,13 +124,20 @@ def main(argv=None):
           batch_size=config.train.batch_size,
         )
         try:
-          step = aot.compile_report(config, topology, steps=('train',))['steps']['train']
+          hlo_dir = args.hlo_dir and os.path.join(
+            args.hlo_dir, f'{mode}_{size}_{topo_label}'
+          )
+          step = aot.compile_report(config, topology, steps=('train',), hlo_dir=hlo_dir)[
+            'steps'
+          ]['train']
         except ValueError as e:
           row['error'] = str(e)
         else:
           row.update(step)
           if mode == 'standard':
-            standard = step['est_step_seconds']
+            standard = step
+          elif standard is not None:
+            row['extra_over_floor'] = aot.extra_over_floor(step, standard)
         row['wall_seconds'] = time.perf_counter() - start
         rows.append(row)
         if args.out:  # after every row: a long table interrupted keeps what it ran
@@ -111,11 +147,20 @@ def main(argv=None):
           print(f'{mode:<9}{size:<6}{topo_label:<9}  does not fit: {row["error"][:120]}')
           continue
         coll = sum(v['bytes'] for v in row['collectives'].values()) / 1e9
-        ratio = row['est_step_seconds'] / standard if standard else float('nan')
+        nan = float('nan')
+        ratio = lambda key, s=standard: row[key] / s[key] if s else nan
+        temp = (
+          row['memory']['temp_bytes'] / standard['memory']['temp_bytes']
+          if standard
+          else nan
+        )
+        floor = row.get('extra_over_floor')
         print(
           f'{mode:<9}{size:<6}{topo_label:<9}{row["est_step_seconds"] * 1e3:>9.1f}'
-          f'{ratio:>7.2f}{row["est_mfu"]:>6.0%}'
-          f'{row["memory"]["total_bytes"] / aot.GIB:>9.1f}{coll:>9.2f}'
+          f'{ratio("est_step_seconds"):>7.2f}{row["est_mfu"]:>6.0%}'
+          f'{row["memory"]["total_bytes"] / aot.GIB:>9.1f}{temp:>7.2f}'
+          f'{row["bytes_accessed"] / 1e9:>9.1f}{ratio("bytes_accessed") - 1:>+7.0%}'
+          f'{"-" if floor is None else f"{floor:.1f}":>6}{coll:>9.2f}'
           f'{row["compile_seconds"]:>10.0f}  time: '
           + ', '.join(f'{k} {v:.0%}' for k, v in row['time_shares'].items()),
           flush=True,

@@ -138,13 +138,61 @@ def test_loop_bodies_counted_by_trip_count_nested_loops_too():
 
 
 @functools.lru_cache(maxsize=None)
-def train_report(shape, stage=1, scan_layers=True):
-  """The train step's report for the tiny standard model on v5e:2x2 (cached: the
-  FSDP compile serves two tests)."""
+def train_report(shape, stage=1, scan_layers=True, residual='standard'):
+  """The train step's report for the tiny model on v5e:2x2 (cached: the FSDP compile
+  of the standard model serves three tests)."""
   mesh = dict(shape=shape, stage=stage, num_microbatches=stage)
   config = tiny_config(**mesh)
-  config.model.update(residual='standard', scan_layers=scan_layers)
+  config.model.update(residual=residual, scan_layers=scan_layers)
   return aot.compile_report(config, 'v5e:2x2', steps=('train',))
+
+
+@pytest.mark.parametrize(
+  'num_layers, fields, units',
+  [
+    (8, dict(residual='block', block_size=8), 6.5),  # 6 + 2N/S, N = 2
+    (8, dict(residual='block', block_size=4), 8.0),  # N = 4
+    (8, dict(residual='full'), 16.0),  # 2(L/Q + Q) + 4/Q - 1, L = 16, Q = 4
+    (16, dict(residual='block', block_size=4), 10.0),
+    (16, dict(residual='full'), 24.0),
+    (3, dict(residual='block', block_size=4), 6 + 2 * 2 / 4),  # N = ceil(6/4)
+    (8, dict(residual='standard'), None),
+  ],
+)
+def test_residual_floor_is_the_documented_minimum(num_layers, fields, units):
+  """docs/method.md's table: the floor per sublayer in units of d, and in bytes a
+  device for 8 x 1024 tokens of d = 1024 in bf16 (one unit 268 MB at 8 layers)."""
+  config = default_config.get_config()
+  config.model.update(num_layers=num_layers, d_model=1024, dtype='bfloat16', **fields)
+  floor = aot.residual_floor(config.model, tokens=4 * 8 * 1024, num_devices=4)
+  if units is None:
+    assert floor is None
+    return
+  assert floor['units_per_sublayer'] == pytest.approx(units, rel=1e-12)
+  unit_bytes = 1024 * 2 * 8 * 1024 * 2 * num_layers
+  assert floor['bytes'] == pytest.approx(units * unit_bytes, rel=1e-12)
+
+
+@needs_libtpu
+def test_report_divides_extra_bytes_by_the_floor():
+  """The train step's report carries the residual's floor (none for the standard
+  residual: it is the reference), and the column is (bytes - the standard step's) /
+  floor. The standard step is the FSDP compile the tests above share; a Block AttnRes
+  step is its figures with the floor of the tiny Block model (one compile fewer)."""
+  standard = train_report((1, 4, 1))['steps']['train']
+  assert standard['residual_floor'] is None
+  assert aot.extra_over_floor(standard, standard) is None
+  config = tiny_config()
+  config.model.update(residual='block', block_size=2)
+  floor = aot.residual_floor(config.model, tokens=8 * 32, num_devices=4)
+  # tiny: d 32, 2 layers, S = 2 (N = 2: 6 + 2N/S = 8), 8 x 32 tokens, bf16, 4 devices
+  assert floor == {'units_per_sublayer': 8.0, 'bytes': 8 * 32 * 2 * (8 * 32) * 4 / 4}
+  block = dict(
+    standard,
+    bytes_accessed=standard['bytes_accessed'] + 3 * floor['bytes'],
+    residual_floor=floor,
+  )
+  assert aot.extra_over_floor(block, standard) == pytest.approx(3.0, rel=1e-12)
 
 
 @needs_libtpu

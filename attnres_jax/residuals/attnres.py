@@ -384,6 +384,17 @@ class AttnResResidual(base.Residual):
     read, write = read + self.num_slots, write + 1  # the final read
     return read / num_sublayers, write / num_sublayers
 
+  def min_extra_per_sublayer(self) -> float:
+    """Block (S >= 2, N blocks): 6 + 2N/S; Full (segments of Q sublayers over L):
+    2(L/Q + Q) + 4/Q - 1 (`docs/method.md`, the derivation)."""
+    num_sublayers = 2 * self.cfg.num_layers
+    if self.block_size >= 2:
+      return (
+        6.0 + 2.0 * depth.num_blocks(num_sublayers, self.block_size) / self.block_size
+      )
+    q = 2 * min(self.segment_layers, self.cfg.num_layers)
+    return 2.0 * (num_sublayers / q + q) + 4.0 / q - 1.0
+
   # -- the pipeline -----------------------------------------------------------------
 
   def carry_axes(self):

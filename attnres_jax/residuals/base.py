@@ -29,7 +29,8 @@ by it.
 Besides computing, a residual declares what the rest of the library needs to know of
 it, so that nothing else branches on the mode: its config checks (`validate`), its
 parameters' weight decay (`no_decay`), its arithmetic and memory traffic per token
-(`forward_flops`, `io_per_sublayer`), its names and statistics for the analysis
+(`forward_flops`, `io_per_sublayer`) and the least traffic it must add to the standard
+residual's (`min_extra_per_sublayer`), its names and statistics for the analysis
 (`label`, `describe`, `sublayer_statistics`, `final_statistics`, `figures`) and how it
 runs under the pipeline (`carry_axes`, `pipeline_chunk`, `pipeline_refusal`).
 Adding a residual is one module and one `registry.register` line.
@@ -168,6 +169,14 @@ class Residual:
     """(elements read, written) per token and sublayer, in units of d, averaged over
     the sublayers with the final read included (`flops.residual_io_per_sublayer`)."""
     raise NotImplementedError
+
+  def min_extra_per_sublayer(self) -> float | None:
+    """The least HBM traffic the residual must add to the standard residual's, per
+    token and sublayer of a training step (forward and backward), in units of d
+    elements of the storage dtype (`docs/method.md`, "The least HBM traffic AttnRes
+    must add"); None where no floor is derived. The compile-only report divides the
+    step's extra bytes by it (`aot.residual_floor`)."""
+    return None
 
   # -- the pipeline (`pipeline.py`) ---------------------------------------------------
 
