@@ -183,6 +183,15 @@ def test_sinkhorn_extreme_logits(scale):
   assert bool(jnp.all(jnp.isfinite(grads)))
 
 
+def test_sinkhorn_over_leading_axes_equals_the_last_two():
+  """The model's layout: matrices over axes (0, 1) of [m, m, B, T], tokens minor."""
+  logits = 3 * jax.random.normal(jax.random.key(2), (4, 4, 3, 5))
+  leading = hcl.sinkhorn(logits, 20, axes=(0, 1))
+  last = hcl.sinkhorn(jnp.transpose(logits, (2, 3, 0, 1)), 20)
+  # The same float32 operations per matrix, reduced along other axes: rounding only.
+  np.testing.assert_allclose(jnp.transpose(leading, (2, 3, 0, 1)), last, atol=1e-6)
+
+
 def test_sinkhorn_of_the_initial_logits_is_near_identity():
   m = 4
   logits = hcl.MHC_LOGIT * (jnp.eye(m) - 1)
@@ -209,6 +218,37 @@ def test_matches_the_papers_equations(residual, dynamic):
   # float32, the same arithmetic in another order (einsum layouts, log-domain
   # Sinkhorn): measured <= 2e-6 of the logit scale.
   np.testing.assert_allclose(got, want, atol=2e-5 * scale)
+
+
+@pytest.mark.parametrize('residual', ['hc', 'mhc'])
+def test_coefficients_are_computed_once_per_sublayer(residual, monkeypatch):
+  """The read and the write of a sublayer share one computation of its coefficients
+  (`sublayer`): tracing a forward pass and a decoding step (layers unrolled) calls
+  `coefficients` once per sublayer, and the training gradient adds no call."""
+  calls = []
+  original = hcl.HyperConnectionResidual.coefficients
+
+  def counted(self, *args):
+    calls.append(args[-1])
+    return original(self, *args)
+
+  monkeypatch.setattr(hcl.HyperConnectionResidual, 'coefficients', counted)
+  model = make_model(residual, scan_layers=False)
+  graphdef, params = nnx.split(model)
+  x = tokens(length=4)
+  loss = lambda p: jnp.mean(nnx.merge(graphdef, p)(x) ** 2)
+  jax.eval_shape(loss, params)
+  assert calls == [0, 1] * TINY['num_layers']
+  calls.clear()
+  jax.eval_shape(jax.grad(loss), params)
+  assert len(calls) == NUM_SUBLAYERS
+  calls.clear()
+  jax.eval_shape(
+    lambda p, cache: nnx.merge(graphdef, p).decode(x[:, :1], cache, 0),
+    params,
+    model.init_cache(2, 4),
+  )
+  assert len(calls) == NUM_SUBLAYERS
 
 
 @pytest.mark.parametrize('residual', ['hc', 'mhc'])

@@ -48,23 +48,25 @@ DYNAMIC_SCALE_INIT = 0.01
 MHC_LOGIT = 8.0
 
 
-def sinkhorn(logits_XNN, iters: int):
-  """Sinkhorn-Knopp: exp(logits) scaled to a doubly stochastic matrix (the last two
-  axes), in float32 and in the log domain so that extreme logits neither overflow nor
-  underflow. Each iteration normalises the columns, then the rows (the paper's
-  M <- T_r(T_c(M))): the rows of the result sum to one up to rounding, the columns to
-  within the iteration's convergence."""
-  log_m = logits_XNN.astype(jnp.float32)
+def sinkhorn(logits, iters: int, axes: tuple[int, int] = (-2, -1)):
+  """Sinkhorn-Knopp: exp(logits) scaled to a doubly stochastic matrix over `axes`
+  (row index, column index; default the last two), in float32 and in the log domain so
+  that extreme logits neither overflow nor underflow. Each iteration normalises the
+  columns, then the rows (the paper's M <- T_r(T_c(M))): the rows of the result sum to
+  one up to rounding, the columns to within the iteration's convergence. The model
+  calls it on [m, m, B, T] (axes (0, 1)): the tokens stay on the minor (lane) axes."""
+  rows, columns = axes
+  log_m = logits.astype(jnp.float32)
 
   def iteration(_, log_m):
-    log_m = log_m - jax.nn.logsumexp(log_m, axis=-2, keepdims=True)
-    return log_m - jax.nn.logsumexp(log_m, axis=-1, keepdims=True)
+    log_m = log_m - jax.nn.logsumexp(log_m, axis=rows, keepdims=True)
+    return log_m - jax.nn.logsumexp(log_m, axis=columns, keepdims=True)
 
   matrix = jnp.exp(jax.lax.fori_loop(0, iters, iteration, log_m))
   # The last row normalisation once more, in the linear domain (exactly a no-op in
   # real arithmetic): in the log domain an entry's relative rounding error is that of
   # its log, ~2^-24 times the logits' magnitude, 1e-5 already for logits of 100.
-  return matrix / jnp.sum(matrix, axis=-1, keepdims=True)
+  return matrix / jnp.sum(matrix, axis=columns, keepdims=True)
 
 
 def _constant(value):
@@ -163,19 +165,8 @@ class HyperConnectionResidual(base.Residual):
 
   # Decay would pull HC's identity mixing and the gates to zero; projections decay.
   no_decay = frozenset(
-    {
-      'static_read',
-      'static_mix',
-      'static_write',
-      'read_scale',
-      'write_scale',
-      'pre_bias',
-      'post_bias',
-      'res_bias',
-      'pre_scale',
-      'post_scale',
-      'res_scale',
-    }
+    'static_read static_mix static_write read_scale write_scale pre_bias post_bias '
+    'res_bias pre_scale post_scale res_scale'.split()
   )
   figures = ('streams',)
 
@@ -250,25 +241,22 @@ class HyperConnectionResidual(base.Residual):
     if params.read_proj is not None:  # dynamic: from each stream's own normalised state
       normed_MBTD = _rms_normalize(streams_MBTD, self.cfg.norm_eps)
       s_alpha, s_beta = _row(params.read_scale, which), _row(params.write_scale, which)
-      read_MBT += s_alpha * jnp.tanh(
-        jnp.einsum('mbtd,d->mbt', normed_MBTD, _row(params.read_proj, which))
-      )
-      mix_MMBT += s_alpha * jnp.tanh(
-        jnp.einsum('mbtd,dn->mnbt', normed_MBTD, _row(params.mix_proj, which))
-      )
-      write_MBT += s_beta * jnp.tanh(
-        jnp.einsum('mbtd,d->mbt', normed_MBTD, _row(params.write_proj, which))
-      )
+      # Per-token maps with the tokens minor: [m, B, T] and [m, n, B, T].
+      gate = lambda rule, proj: jnp.tanh(jnp.einsum(rule, normed_MBTD, _row(proj, which)))
+      read_MBT += s_alpha * gate('mbtd,d->mbt', params.read_proj)
+      mix_MMBT += s_alpha * gate('mbtd,dn->mnbt', params.mix_proj)
+      write_MBT += s_beta * gate('mbtd,d->mbt', params.write_proj)
     return Coefficients(read_MBT, mix_MMBT, write_MBT)
 
   def _mhc_coefficients(self, streams_MBTD, params, selected_M, which):
-    pre_BTM = MHC_LOGIT * (2 * selected_M - 1) + _row(params.pre_bias, which)
-    post_BTM = _row(params.post_bias, which)
-    res_BTMM = _row(params.res_bias, which)
+    """mHC's maps, every one with the tokens on the minor axes ([m, B, T] and
+    [m, m, B, T]): a per-token m x m matrix in the minor axes pads m to a tile."""
+    m = self.num_streams
     batch = streams_MBTD.shape[1:3]
-    pre_BTM = jnp.broadcast_to(pre_BTM, batch + pre_BTM.shape[-1:])
-    post_BTM = jnp.broadcast_to(post_BTM, batch + post_BTM.shape[-1:])
-    res_BTMM = jnp.broadcast_to(res_BTMM, batch + res_BTMM.shape[-2:])
+    per_token = lambda x: jnp.broadcast_to(x[..., None, None], x.shape + batch)
+    pre_MBT = per_token(MHC_LOGIT * (2 * selected_M - 1) + _row(params.pre_bias, which))
+    post_MBT = per_token(_row(params.post_bias, which))
+    res_MMBT = per_token(_row(params.res_bias, which))  # [i, j]: to i from j
     if params.pre_proj is not None:  # dynamic: from all streams, flattened and normed
       # RMSNorm(vec(H)) over the m * D features of a token (no gain: phi absorbs it).
       inv_rms_BT = jax.lax.rsqrt(
@@ -276,18 +264,21 @@ class HyperConnectionResidual(base.Residual):
         + self.cfg.norm_eps
       )
       normed_MBTD = streams_MBTD.astype(jnp.float32) * inv_rms_BT[None, ..., None]
-      project = lambda proj: jnp.einsum('mbtd,mdk->btk', normed_MBTD, _row(proj, which))
-      pre_BTM = pre_BTM + _row(params.pre_scale, which) * project(params.pre_proj)
-      post_BTM = post_BTM + _row(params.post_scale, which) * project(params.post_proj)
-      res_flat = _row(params.res_scale, which) * project(params.res_proj)
-      res_BTMM = res_BTMM + res_flat.reshape(
-        *res_flat.shape[:-1], self.num_streams, self.num_streams
+      # One dot for the three projections, its outputs leading: [m + m + m^2, B, T].
+      phi = jnp.concatenate(
+        [_row(p, which) for p in (params.pre_proj, params.post_proj, params.res_proj)],
+        axis=-1,
       )
-    h_res_BTMM = sinkhorn(res_BTMM, self.cfg.sinkhorn_iters)  # [i, j]: to i from j
+      projected_KBT = jnp.einsum('mdk,mbtd->kbt', phi, normed_MBTD)
+      pre_KBT, post_KBT, res_KBT = jnp.split(projected_KBT, [m, 2 * m])
+      pre_MBT = pre_MBT + _row(params.pre_scale, which) * pre_KBT
+      post_MBT = post_MBT + _row(params.post_scale, which) * post_KBT
+      res_MMBT = res_MMBT + _row(params.res_scale, which) * res_KBT.reshape(m, m, *batch)
+    h_res_MMBT = sinkhorn(res_MMBT, self.cfg.sinkhorn_iters, axes=(0, 1))
     return Coefficients(
-      read_MBT=jnp.moveaxis(jax.nn.sigmoid(pre_BTM), -1, 0),
-      mix_MMBT=jnp.transpose(h_res_BTMM, (3, 2, 0, 1)),  # [from, to, B, T]
-      write_MBT=jnp.moveaxis(2 * jax.nn.sigmoid(post_BTM), -1, 0),
+      read_MBT=jax.nn.sigmoid(pre_MBT),
+      mix_MMBT=jnp.swapaxes(h_res_MMBT, 0, 1),  # [from, to, B, T]
+      write_MBT=2 * jax.nn.sigmoid(post_MBT),
     )
 
   def sublayer(
@@ -295,13 +286,20 @@ class HyperConnectionResidual(base.Residual):
   ):
     streams_MBTD = inner.streams_MBTD
     coeffs = self.coefficients(inner, params, layer_in_segment, which)
-    streams_f32 = streams_MBTD.astype(jnp.float32)
-    h_BTD = jnp.einsum('mbt,mbtd->btd', coeffs.read_MBT, streams_f32)
+    # Sums over the m streams as m scaled adds (elementwise, in float32, fused with
+    # the reads of the streams), not as dots: a dot contracting m per token would be a
+    # batch of B T tiny m x m products with m padded to a tile.
+    streams = [x.astype(jnp.float32) for x in streams_MBTD]
+    h_BTD = _weighted_sum(coeffs.read_MBT, streams)
     h_BTD = sharding.constrain(h_BTD.astype(streams_MBTD.dtype), sharding.HIDDEN)
     out_BTD, saved = branch(h_BTD)
-    mixed_MBTD = jnp.einsum('mnbt,mbtd->nbtd', coeffs.mix_MMBT, streams_f32)
-    new_MBTD = (
-      mixed_MBTD + coeffs.write_MBT[..., None] * out_BTD.astype(jnp.float32)[None]
+    out_f32 = out_BTD.astype(jnp.float32)
+    new_MBTD = jnp.stack(
+      [
+        _weighted_sum(coeffs.mix_MMBT[:, j], streams)
+        + coeffs.write_MBT[j][..., None] * out_f32
+        for j in range(self.num_streams)
+      ]
     )
     inner = inner._replace(
       streams_MBTD=sharding.constrain(new_MBTD.astype(streams_MBTD.dtype), STREAMS)
@@ -383,14 +381,16 @@ def stream_statistics(model, tokens_BT, weights_BT=None) -> dict[str, jax.Array]
       f'stream statistics need residual "hc" or "mhc", got {model.cfg.residual!r}.'
     )
   _, stats = model(tokens_BT, collect_stats=True, stats_weights_BT=weights_BT)
-  keys = (
-    'stream_rms',
-    'read_weights',
-    'mix_weights',
-    'write_weights',
-    'final_stream_rms',
-  )
+  keys = 'stream_rms read_weights mix_weights write_weights final_stream_rms'.split()
   return {k: stats[k] for k in keys}
+
+
+def _weighted_sum(weights_MBT, streams):
+  """sum_i weights[i] * streams[i] over the m streams ([B, T, D] each), per token."""
+  total = weights_MBT[0][..., None] * streams[0]
+  for weight_BT, stream_BTD in zip(weights_MBT[1:], streams[1:]):
+    total = total + weight_BT[..., None] * stream_BTD
+  return total
 
 
 def _rms_normalize(x, eps):
