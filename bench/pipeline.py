@@ -51,6 +51,7 @@ from attnres_jax import aot
 from attnres_jax import checkpointing
 from attnres_jax import config as config_lib
 from attnres_jax import metrics as metrics_lib
+from attnres_jax import modes
 from attnres_jax import optim
 from attnres_jax import pipeline
 from attnres_jax import pipeline_plan
@@ -82,7 +83,11 @@ flags.DEFINE_string(
   'out', 'bench/results/pipeline.jsonl', 'JSON output, one record per row.'
 )
 flags.DEFINE_list('topology', [], 'TPU topologies of part tpu, e.g. v5p:2x2x1.')
-flags.DEFINE_list('tpu_modes', ['standard', 'block4', 'full'], 'Part tpu: models.')
+flags.DEFINE_list(
+  'tpu_modes',
+  ['standard', 'block:4', 'full'],
+  f'Part tpu: residual modes ({modes.SYNTAX}).',
+)
 flags.DEFINE_list('tpu_schedules', ['remat', 'gpipe'], 'Part tpu: pipeline schedules.')
 flags.DEFINE_integer('tpu_stages', 2, 'Part tpu: pipeline stages P (the rest data).')
 flags.DEFINE_integer('tpu_virtual_stages', 1, 'Part tpu: virtual stages V.')
@@ -324,13 +329,6 @@ def step_times() -> list[dict]:
   return rows
 
 
-TPU_MODES = {
-  'standard': dict(residual='standard'),
-  'block4': dict(residual='block', block_size=4),
-  'full': dict(residual='full'),
-}
-
-
 def tpu_config(mode: str, chips: int, stages: int, schedule: str):
   """The bf16 model of part tpu: FSDP over all chips (stages = 1) or the pipeline."""
   config = default_config.get_config()
@@ -342,7 +340,7 @@ def tpu_config(mode: str, chips: int, stages: int, schedule: str):
     num_layers=FLAGS.tpu_layers,
     num_heads=max(1, d_model // 128),
     mlp_dim=4 * d_model,
-    **TPU_MODES[mode],
+    **modes.fields(mode),
   )
   config.train.update(seq_len=FLAGS.tpu_seq_len, batch_size=FLAGS.tpu_per_chip * chips)
   if stages == 1:
