@@ -25,7 +25,6 @@ cause and the last good checkpoint.
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 from typing import Any
@@ -54,35 +53,6 @@ class CheckpointSaveError(OSError):
 
 class CheckpointRestoreError(RuntimeError):
   """No checkpoint of a workdir restores."""
-
-
-def root_cause(error: BaseException) -> str:
-  """'Type: first line' of the innermost exception of `error`'s chain (TensorStore's
-  outer messages run to pages and name no file)."""
-  seen = set()
-  while (error.__cause__ or error.__context__) is not None and id(error) not in seen:
-    seen.add(id(error))
-    error = error.__cause__ or error.__context__
-  lines = str(error).strip().splitlines()
-  return f'{type(error).__name__}: {lines[0][:300] if lines else ""}'
-
-
-def _cause(error: BaseException) -> str:
-  """The root cause of a save error, e.g. '[Errno 28] No space left on device'."""
-  seen, chain = set(), []
-  while error is not None and id(error) not in seen:
-    seen.add(id(error))
-    chain.append(error)
-    error = error.__cause__ or error.__context__
-  for e in chain:  # an OS error with an errno says it best
-    if isinstance(e, OSError) and e.errno is not None:
-      return f'{type(e).__name__}: [Errno {e.errno}] {os.strerror(e.errno)}' + (
-        f': {e.filename}' if e.filename else ''
-      )
-  text = str(chain[-1]).strip().splitlines()
-  if any('No space left' in str(e) for e in chain):
-    return f'[Errno {errno.ENOSPC}] No space left on device'
-  return f'{type(chain[-1]).__name__}: {text[0][:300] if text else ""}'
 
 
 def checkpoint_dir(workdir: str) -> str:
@@ -179,7 +149,7 @@ class Checkpointer:
     last = self.manager.latest_step()
     return CheckpointSaveError(
       f'Saving the checkpoint of step {step} in {self.directory} failed: '
-      f'{_cause(error)}. Training stopped at step {now}; the last good checkpoint is '
+      f'{quiet.save_error_cause(error)}. Training stopped at step {now}; the last good checkpoint is '
       + (f'step {last}.' if last is not None else 'none (no checkpoint was saved).')
     )
 
@@ -279,7 +249,9 @@ class Checkpointer:
     try:
       self.manager.close()
     except Exception as e:  # pylint: disable=broad-except
-      logging.error('A checkpoint save in %s failed: %s', self.directory, _cause(e))
+      logging.error(
+        'A checkpoint save in %s failed: %s', self.directory, quiet.save_error_cause(e)
+      )
 
 
 def abstract_model(config: ml_collections.ConfigDict):
@@ -321,7 +293,7 @@ def restore_model(workdir: str, step: int | None = None):
       others = [s for s in checkpointer.all_steps() if s != step]
       raise CheckpointRestoreError(
         f'The checkpoint of step {step} in {checkpointer.directory} does not restore '
-        f'({root_cause(e)}); other steps: {others}.'
+        f'({quiet.root_cause(e)}); other steps: {others}.'
       ) from e
   finally:
     checkpointer.close()
@@ -347,7 +319,7 @@ def newest_that_restores(workdir: str, steps, fn, say=metrics.say):
           'was deleted while it was read (a running training keeps only its newest '
           'checkpoints)'
           if gone
-          else f'does not restore ({root_cause(e)})'
+          else f'does not restore ({quiet.root_cause(e)})'
         )
         + f'; using step {steps[i + 1]} instead.'
       )
@@ -394,7 +366,7 @@ def restore_newest(checkpointer: Checkpointer, layout, datasets, *, restore_data
     except Exception as e:  # pylint: disable=broad-except
       error = e
     if not _on_all_processes(error is None):
-      why = root_cause(error) if error else 'failed on another process'
+      why = quiet.root_cause(error) if error else 'failed on another process'
       failures.append((step, why))
       metrics.say(
         f'WARNING: the checkpoint of step {step} in {checkpointer.directory} does '

@@ -1,4 +1,4 @@
-"""Keeping orbax's background noise out of what a run prints.
+"""Keeping orbax's background noise out of what a run prints, and errors to one line.
 
 A run reports a failed save once, in one line (`checkpointing.CheckpointSaveError`);
 orbax's own threads would also log a traceback per array, and TensorStore callbacks
@@ -8,6 +8,7 @@ that outlive orbax's event loop raise 'Event loop is closed' as unraisable excep
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging as std_logging
 import os
 import sys
@@ -64,3 +65,32 @@ def silence_save_errors() -> None:
 
   logging.get_absl_handler().addFilter(_DropBackgroundErrors())  # all loggers
   sys.unraisablehook = hook
+
+
+def root_cause(error: BaseException) -> str:
+  """'Type: first line' of the innermost exception of `error`'s chain (TensorStore's
+  outer messages run to pages and name no file)."""
+  seen = set()
+  while (error.__cause__ or error.__context__) is not None and id(error) not in seen:
+    seen.add(id(error))
+    error = error.__cause__ or error.__context__
+  lines = str(error).strip().splitlines()
+  return f'{type(error).__name__}: {lines[0][:300] if lines else ""}'
+
+
+def save_error_cause(error: BaseException) -> str:
+  """The root cause of a save error, e.g. '[Errno 28] No space left on device'."""
+  seen, chain = set(), []
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    chain.append(error)
+    error = error.__cause__ or error.__context__
+  for e in chain:  # an OS error with an errno says it best
+    if isinstance(e, OSError) and e.errno is not None:
+      return f'{type(e).__name__}: [Errno {e.errno}] {os.strerror(e.errno)}' + (
+        f': {e.filename}' if e.filename else ''
+      )
+  text = str(chain[-1]).strip().splitlines()
+  if any('No space left' in str(e) for e in chain):
+    return f'[Errno {errno.ENOSPC}] No space left on device'
+  return f'{type(chain[-1]).__name__}: {text[0][:300] if text else ""}'

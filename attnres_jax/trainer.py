@@ -30,6 +30,7 @@ from attnres_jax import optim
 from attnres_jax import pipeline
 from attnres_jax import pipeline_plan
 from attnres_jax import preemption
+from attnres_jax import quiet
 from attnres_jax import sharding
 from attnres_jax import train as train_lib
 from attnres_jax import workdir as workdir_lib
@@ -240,7 +241,7 @@ class Trainer:
     last = self.checkpointer.latest_step()
     return metrics_lib.MetricsWriteError(
       f'Writing the metrics of step {step} to {self.workdir} failed: '
-      f'{checkpointing.root_cause(error)}. Training stopped at step {step}; the last '
+      f'{quiet.root_cause(error)}. Training stopped at step {step}; the last '
       'good checkpoint is ' + (f'step {last}.' if last is not None else 'none.')
     )
 

@@ -20,7 +20,11 @@ from attnres_jax import evaluate
 from attnres_jax import sampling
 from attnres_jax import statistics
 
-from conftest import assert_greedy_choices, tiny_model
+from conftest import assert_greedy_choices, child_env, tiny_model
+
+# The session's persistent compilation cache (autouse): a program compiled before
+# (the same model, shapes and code) is loaded instead of compiled again.
+from test_reliability import compilation_cache  # noqa: F401
 
 # (residual, block_size): Block S=4 with 6 sublayers has a partial last block.
 MODES = [('standard', 1), ('full', 1), ('block', 1), ('block', 4)]
@@ -415,10 +419,12 @@ def test_evaluate_and_analyze_a_trained_run(tmp_path, tfds_dir):
 
   config = default_config.get_config('tiny')
   config.data.tfds_data_dir = tfds_dir
+  # The schedule of test_train's resumed runs: one compilation for both modules.
   config.train.update(
-    num_steps=2,
-    warmup_steps=1,
-    checkpoint_every=2,
+    num_steps=8,
+    warmup_steps=2,
+    checkpoint_every=4,
+    log_every=1,
     max_eval_batches=1,
     async_checkpointing=False,
   )
@@ -427,19 +433,19 @@ def test_evaluate_and_analyze_a_trained_run(tmp_path, tfds_dir):
 
   record = analysis.evaluate_and_analyze(workdir, max_eval_batches=3, grad_batches=1)
 
-  out = tmp_path / 'run' / 'eval' / 'step_2'
+  out = tmp_path / 'run' / 'eval' / 'step_8'
   assert json.loads((out / 'eval.json').read_text()) == record
-  assert record['step'] == 2 and record['num_batches'] == 3
+  assert record['step'] == 8 and record['num_batches'] == 3
   assert record['whole_split'] is False and record['residual'] == 'block'
   assert 0 < record['num_tokens'] <= 3 * 8 * config.train.seq_len
   assert set(record['files']) <= set(os.listdir(out))
   assert 'depth_weights.png' in record['files']
   model, _, step = checkpointing.restore_model(workdir)
-  assert step == 2
+  assert step == 8
   text = sampling.generate_text(model, 'ROMEO:', 5, temperature=0.0)
   assert isinstance(text, str)
   table = analysis.compare_runs([workdir], str(tmp_path / 'compare'))
-  assert '| run | block | 2 | 2 |' in table
+  assert '| run | block | 2 | 8 |' in table
 
 
 def _eval_cli(*args, timeout=300):
@@ -448,6 +454,7 @@ def _eval_cli(*args, timeout=300):
   return subprocess.Popen(
     [sys.executable, 'eval.py', *args],
     cwd=repo,
+    env=child_env(1),
     text=True,
     stdout=subprocess.PIPE,
     stderr=subprocess.STDOUT,

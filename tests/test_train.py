@@ -38,7 +38,12 @@ from attnres_jax import workdir as workdir_lib
 from attnres_jax.model import Transformer
 from configs import default as default_config
 
+from conftest import child_env
 from conftest import train_config as _train_config
+
+# The session's persistent compilation cache (autouse): a run of a config compiled
+# before loads its steps instead of compiling them again.
+from test_reliability import compilation_cache  # noqa: F401
 
 
 def _decayed(name: str) -> bool:
@@ -503,7 +508,8 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(
     return dataclasses.replace(datasets, train=_PoisonedWeights(datasets.train, at=10))
 
   monkeypatch.setattr(data_lib, 'build_datasets', poisoned)
-  config = _config(tfds_dir, num_steps=20, checkpoint_every=5, keep_checkpoints=None)
+  # The tiny run's 30 steps (a program compiled before, see compilation_cache).
+  config = _config(tfds_dir, checkpoint_every=5, keep_checkpoints=None)
   with pytest.raises(
     train_lib.NonFiniteLossError, match=r'at step 10 .*last good checkpoint is step 5'
   ):
@@ -523,7 +529,7 @@ def test_non_finite_loss_before_any_checkpoint_says_so(tfds_dir, tmp_path, monke
     return dataclasses.replace(datasets, train=_PoisonedWeights(datasets.train, at=3))
 
   monkeypatch.setattr(data_lib, 'build_datasets', poisoned)
-  config = _config(tfds_dir, num_steps=10, checkpoint_every=5)
+  config = _config(tfds_dir, checkpoint_every=5)  # the tiny run's 30 steps
   with pytest.raises(
     train_lib.NonFiniteLossError,
     match=r'at step 3 .*Step 3 was not saved; no checkpoint was saved '
@@ -559,7 +565,7 @@ def test_failed_background_save_stops_training_with_its_cause(
     'disk_usage',
     lambda path: shutil._ntuple_diskusage(10**9, 10**9 - 1024, 1024),
   )
-  config = _config(tfds_dir, num_steps=16, checkpoint_every=4, log_every=1)
+  config = _config(tfds_dir, checkpoint_every=4, log_every=1)  # tiny's 30 steps
   # Noticed at the first step that starts after the background save ended: at step 8,
   # 9 or 10 (step 9's hook waits for the save; step 10 is dispatched before step 9 is
   # read). Without the check, the run would compute until the next save, step 12
@@ -997,6 +1003,7 @@ def test_eval_cli_failure_leaves_no_empty_output_directory(uninterrupted, tmp_pa
   done = subprocess.run(
     [sys.executable, 'eval.py', f'--workdir={workdir}'],
     cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    env=child_env(1),
     capture_output=True,
     text=True,
     timeout=300,
@@ -1011,3 +1018,50 @@ def test_eval_cli_failure_leaves_no_empty_output_directory(uninterrupted, tmp_pa
     line.startswith(f'FATAL: The checkpoint of step {N} in ') and 'ChecksumError' in line
   )
   assert not os.path.exists(os.path.join(workdir, 'eval'))
+
+
+def test_eval_cli_reads_a_prompt_longer_than_the_trained_length_in_chunks(
+  uninterrupted, tmp_path
+):
+  """eval.py --prompt far past the trained length (a 42,000-byte prompt once died out
+  of memory in one prefill): a warning naming the trained length, the prompt read in
+  chunks of it, a continuation, and less memory than one layer's attention scores of
+  a one-shot prefill would take. (12,000 bytes: chunks still attend over the whole
+  cache, so the compute grows with the square of the length.)"""
+  config, workdir, _ = uninterrupted
+  trained, length = config.train.seq_len, 12_000
+  prompt = ('ROMEO: ' * length)[:length]
+  log = tmp_path / 'eval.log'
+  with open(log, 'w') as out:
+    child = subprocess.Popen(
+      [
+        sys.executable,
+        'eval.py',
+        f'--workdir={workdir}',
+        f'--prompt={prompt}',
+        '--max_new_tokens=4',
+        '--temperature=0',
+      ],
+      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+      env=child_env(1),
+      stdout=out,
+      stderr=subprocess.STDOUT,
+    )
+  timer = threading.Timer(300, child.kill)  # a hang fails below, not forever
+  timer.start()
+  try:
+    _, status, usage = os.wait4(child.pid, 0)  # this child's own peak memory
+  finally:
+    timer.cancel()
+  child.returncode = os.waitstatus_to_exitcode(status)  # reaped: Popen must not wait
+  output = log.read_text()
+  assert child.returncode == 0, output[-3000:]
+  assert (
+    f'WARNING: prompt and continuation reach {length + 4} tokens, past the {trained} '
+    'the model was trained on (train.seq_len): positions beyond it were never seen. '
+    f'The prompt is read in chunks of {trained} tokens'
+  ) in output
+  assert f'[step {2 * N}, temperature 0.0, top_k None, seed 0]\n{prompt}' in output
+  assert 'Traceback' not in output and 'read only' not in output  # no orbax notice
+  one_shot_scores = config.model.num_heads * length**2 * 4  # float32, one layer
+  assert usage.ru_maxrss * 1024 < one_shot_scores, usage.ru_maxrss  # ru_maxrss: KiB
