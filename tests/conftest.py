@@ -17,6 +17,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from jax.experimental.compilation_cache import compilation_cache as compilation_cache_lib
 
 from attnres_jax import config as config_lib
 from attnres_jax import data as data_lib
@@ -38,8 +39,8 @@ def pytest_configure(config):
     atexit.register(shutil.rmtree, os.environ['ATTNRES_TEST_CACHE_DIR'], True)
   os.environ.setdefault('JAX_PLATFORMS', 'cpu')  # libtpu is installed; no TPU probe
   os.environ.setdefault('JAX_COMPILATION_CACHE_DIR', os.environ['ATTNRES_TEST_CACHE_DIR'])
-  os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
-  os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', '0')
+  for name, value in CACHE_OPTIONS.items():
+    os.environ.setdefault(name.upper(), str(value))
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -132,6 +133,34 @@ def child_env(num_devices: int) -> dict[str, str]:
   env['PYTHONPATH'] = ROOT + os.pathsep + env.get('PYTHONPATH', '')
   env.setdefault('JAX_PLATFORMS', 'cpu')
   return env
+
+
+CACHE_OPTIONS = {  # every compiled program is cached, however small or quick
+  'jax_persistent_cache_min_compile_time_secs': 0,
+  'jax_persistent_cache_min_entry_size_bytes': 0,
+}
+
+
+@pytest.fixture(scope='module')
+def compilation_cache():
+  """The session's persistent compilation cache (the children's, see
+  pytest_configure) in this process too, for one module (`pytestmark =
+  pytest.mark.usefixtures('compilation_cache')`): a step compiled once, here or in a
+  child, is loaded, not rebuilt, by every later run of it; the same executable, so the
+  same numbers, bit for bit. The previous settings come back after the module
+  (`reset_cache`: the cache is set up at the first compilation after it)."""
+  path = os.environ['ATTNRES_TEST_CACHE_DIR']
+  options = {'jax_compilation_cache_dir': path, **CACHE_OPTIONS}
+  previous = {name: getattr(jax.config, name) for name in options}
+  for name, value in options.items():
+    jax.config.update(name, value)
+  compilation_cache_lib.reset_cache()
+  try:
+    yield path
+  finally:
+    for name, value in previous.items():
+      jax.config.update(name, value)
+    compilation_cache_lib.reset_cache()
 
 
 def run_script(script: str, *args: str, timeout: float, **kwargs):

@@ -16,7 +16,6 @@ import time
 import jax
 import numpy as np
 import pytest
-from jax.experimental.compilation_cache import compilation_cache as compilation_cache_lib
 
 from attnres_jax import checkpointing
 from attnres_jax import metrics as metrics_lib
@@ -24,6 +23,8 @@ from attnres_jax import preemption
 from attnres_jax import train as train_lib
 from attnres_jax import workdir as workdir_lib
 from configs import default as default_config
+
+from conftest import CACHE_OPTIONS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -153,36 +154,13 @@ def test_a_rerun_drops_what_a_killed_run_logged_after_its_checkpoint(tmp_path):
 TRAIN = dict(num_steps=100_000, checkpoint_every=100_000, log_every=1, warmup_steps=1)
 
 
-CACHE_OPTIONS = {  # every compiled program is cached, however small or quick
-  'jax_persistent_cache_min_compile_time_secs': 0,
-  'jax_persistent_cache_min_entry_size_bytes': 0,
-}
-
-
-@pytest.fixture(scope='module', autouse=True)
-def compilation_cache(tmp_path_factory):
-  """A persistent JAX compilation cache, one for the session, in this module's
-  process and its children: a step compiled once (the tiny model, one schedule) is
-  loaded, not rebuilt, by every later run of it. The same executable, so the same
-  numbers, bit for bit. The process's previous cache settings come back after the
-  module (`reset_cache`: the cache is set up at the first compilation after it)."""
-  path = str(tmp_path_factory.getbasetemp() / 'jax_cache')
-  options = {'jax_compilation_cache_dir': path, **CACHE_OPTIONS}
-  previous = {name: getattr(jax.config, name) for name in options}
-  for name, value in options.items():
-    jax.config.update(name, value)
-  compilation_cache_lib.reset_cache()
-  try:
-    yield path
-  finally:
-    for name, value in previous.items():
-      jax.config.update(name, value)
-    compilation_cache_lib.reset_cache()
+pytestmark = pytest.mark.usefixtures('compilation_cache')
 
 
 @pytest.fixture(scope='module')
 def child_env(compilation_cache) -> dict[str, str]:  # pylint: disable=redefined-outer-name
-  """The environment of the train.py children: CPU only, and the compilation cache."""
+  """The environment of the train.py children: CPU only, and the compilation cache
+  this process uses (conftest.pytest_configure sets both for every child)."""
   env = dict(os.environ)
   env.update(
     JAX_PLATFORMS='cpu',

@@ -41,9 +41,9 @@ from configs import default as default_config
 from conftest import child_env
 from conftest import train_config as _train_config
 
-# The session's persistent compilation cache (autouse): a run of a config compiled
-# before loads its steps instead of compiling them again.
-from test_reliability import compilation_cache  # noqa: F401
+# The session's persistent compilation cache: a run of a config compiled before loads
+# its steps instead of compiling them again.
+pytestmark = pytest.mark.usefixtures('compilation_cache')
 
 
 def _decayed(name: str) -> bool:
