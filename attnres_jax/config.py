@@ -78,6 +78,9 @@ class ModelConfig:
   linear_memory_backward: bool = (
     True  # two-phase: memory linear in depth; False: autodiff
   )
+  # AttnRes storage of the depth buffer, partial sums and Phase 1 outputs: '' = the
+  # compute dtype (Phase 1 outputs float32) | 'bfloat16' | 'float32'
+  depth_dtype: str = ''
   depth_query_input: bool = False  # ablation: query += W RMSNorm(latest source) / sqrt(D)
   depth_normalizer: str = 'softmax'  # ablation: 'softmax' | 'sigmoid'
   depth_key_norm: bool = True  # ablation: False = logits from the raw sources

@@ -156,12 +156,24 @@ def attn_res_read(
 # through them cancel exactly and need not be computed.
 
 
-def phase1(buffer_KBTD, queries_QD, gains_QD, *, eps, num_valid, inv_rms_KBT=None):
+def phase1(
+  buffer_KBTD,
+  queries_QD,
+  gains_QD,
+  *,
+  eps,
+  num_valid,
+  inv_rms_KBT=None,
+  out_dtype=jnp.float32,
+):
   """Phase 1: all Q queries against the first `num_valid` sources at once.
 
   The sources are normalised once for all queries and every query carries its own
-  gain. Returns the float32 online-softmax statistics per query: max logit [Q, B, T],
-  sum of exponentials [Q, B, T], unnormalised output [Q, B, T, D].
+  gain. Returns the online-softmax statistics per query: max logit [Q, B, T] and sum
+  of exponentials [Q, B, T] in float32, the unnormalised output [Q, B, T, D]
+  accumulated in float32 and stored in `out_dtype` (bfloat16 halves its traffic: it
+  has float32's range, and its rounding, 2^-9 relative, is that of the stored
+  buffer).
   """
   folded_QD = queries_QD.astype(jnp.float32) * gains_QD.astype(jnp.float32)
   if inv_rms_KBT is None:
@@ -182,7 +194,7 @@ def phase1(buffer_KBTD, queries_QD, gains_QD, *, eps, num_valid, inv_rms_KBT=Non
   out_QBTD = jnp.einsum(
     'qkbt,kbtd->qbtd', exp_QKBT, buffer_KBTD, preferred_element_type=jnp.float32
   )
-  return max_QBT, jnp.sum(exp_QKBT, axis=1), out_QBTD
+  return max_QBT, jnp.sum(exp_QKBT, axis=1), out_QBTD.astype(out_dtype)
 
 
 def phase2(
@@ -203,7 +215,7 @@ def phase2(
   old_scale_BT = jnp.exp(max_BT - new_max_BT)
   local_weights_JBT = jnp.exp(logits_JBT - new_max_BT[None])  # 0 where not valid
   total_BT = sum_BT * old_scale_BT + jnp.sum(local_weights_JBT, axis=0)
-  h_BTD = out_BTD * old_scale_BT[..., None] + jnp.sum(
+  h_BTD = out_BTD.astype(jnp.float32) * old_scale_BT[..., None] + jnp.sum(
     local_weights_JBT[..., None] * local_JBTD.astype(jnp.float32), axis=0
   )
   return (h_BTD / total_BT[..., None]).astype(local_JBTD.dtype)

@@ -67,21 +67,22 @@ def _sublayer_stats(residual, applied, token_weights_BT):
 SublayerHook = Callable[..., tuple[jax.Array, Any]]
 
 
-def split_segments(tree, num_layers: int, size: int):
-  """Per-layer stacked arrays [L, ...] in the schedule's layout: (the whole segments
-  as a tuple of `size` trees [num_segments, ...], one per position in the segment,
-  or None; the last, shorter segment as a tuple of single-layer trees, or None).
+def group_segments(tree, num_layers: int, size: int):
+  """Per-layer stacked arrays [L, ...] in the schedule's layout: (the whole segments,
+  each array [num_segments, size, ...], or None; the last, shorter segment as a tuple
+  of single-layer trees, or None).
 
-  One array per position keeps every layer's slice an input of the segment scan, so
-  whatever a layer saves of its parameters is forwarded by the scan, not copied.
+  The whole segments are a reshape of the leading layers, free when they are all of
+  them: the scan over segments slices one segment's [size, ...] block (contiguous)
+  and each layer takes its row of it, where a tree per position in the segment
+  (`x[:, j]`, a strided slice) is a copy of every layer's parameters.
   """
   num_full, rest = divmod(num_layers, size)
   full = tail = None
   if num_full:
-    grouped = jax.tree.map(
+    full = jax.tree.map(
       lambda x: x[: num_full * size].reshape(num_full, size, *x.shape[1:]), tree
     )
-    full = tuple(jax.tree.map(lambda x: x[:, j], grouped) for j in range(size))
   if rest:
     tail = tuple(
       jax.tree.map(lambda x: x[num_full * size + j], tree) for j in range(rest)
@@ -89,16 +90,33 @@ def split_segments(tree, num_layers: int, size: int):
   return full, tail
 
 
-def join_layers(segmented):
-  """The inverse of `split_segments`: one stack over all layers [L, ...]."""
-  full, tail = segmented
+def segment_layers_of(grouped, size: int):
+  """One segment's layers from its slice of `group_segments`' arrays [size, ...]."""
+  return tuple(jax.tree.map(lambda x: x[j], grouped) for j in range(size))
+
+
+def ungroup_layers(grouped):
+  """The inverse of `group_segments` for trees: one stack over all layers [L, ...]
+  (a reshape when there is no shorter last segment)."""
+  full, tail = grouped
   parts = []
   if full is not None:
-    stacked = jax.tree.map(lambda *y: jnp.stack(y, axis=1), *full)
-    parts.append(jax.tree.map(lambda y: y.reshape(-1, *y.shape[2:]), stacked))
+    parts.append(jax.tree.map(lambda y: y.reshape(-1, *y.shape[2:]), full))
   if tail is not None:
     parts.append(jax.tree.map(lambda *y: jnp.stack(y), *tail))
-  return jax.tree.map(lambda *y: jnp.concatenate(y), *parts)
+  return (
+    parts[0] if len(parts) == 1 else jax.tree.map(lambda *y: jnp.concatenate(y), *parts)
+  )
+
+
+def join_layers(segmented):
+  """Per-layer outputs of `run_layers` (the whole segments as a tuple of `size` trees
+  [num_segments, ...], one per position; the shorter last segment as a tuple of
+  single-layer trees) stacked over all layers [L, ...]."""
+  full, tail = segmented
+  if full is not None:
+    full = jax.tree.map(lambda *y: jnp.stack(y, axis=1), *full)
+  return ungroup_layers((full, tail))
 
 
 def stacked_residual_params(graphdef, layer_states):
@@ -129,8 +147,9 @@ def run_layers(
 
   Per-layer outputs: what `apply_sublayer` saved for each sublayer (a pair) and the
   statistics when `collect_stats` (means over tokens weighted by `stats_weights_BT`,
-  default uniform), in the layout of `split_segments`; `join_layers` stacks them over
-  layers.
+  default uniform): the whole segments' as a tuple of `size` trees [num_segments,
+  ...], one per position, the last shorter segment's a tuple of trees; `join_layers`
+  stacks them over layers.
   `extra_xs`: per-layer inputs stacked over layers (a KV cache), handed to the hook.
   """
   if apply_sublayer is None:
@@ -176,16 +195,28 @@ def run_layers(
   size = residual.segment_layers
   num_full = cfg.num_layers // size
   states, extras = (
-    split_segments(tree, cfg.num_layers, size) for tree in (layer_state, extra_xs)
+    group_segments(tree, cfg.num_layers, size) for tree in (layer_state, extra_xs)
   )
   carry = residual.init(x_BTD)
   full_ys = tail_ys = None
   if states[0] is not None:
-    extras_full = extras[0] if extras[0] is not None else (None,) * size
+
+    def run_grouped(carry, xs):
+      """`run_segment` on one segment's slices [size, ...] of the grouped arrays."""
+      grouped_states, segment, grouped_extras = xs
+      extras_j = (
+        (None,) * size
+        if grouped_extras is None
+        else segment_layers_of(grouped_extras, size)
+      )
+      return run_segment(
+        carry, (segment_layers_of(grouped_states, size), segment, extras_j)
+      )
+
     carry, full_ys = scan_or_loop(
-      run_segment,
+      run_grouped,
       carry,
-      (states[0], jnp.arange(num_full), extras_full),
+      (states[0], jnp.arange(num_full), extras[0]),
       unroll=not cfg.scan_layers,
     )
   if states[1] is not None:

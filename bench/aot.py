@@ -30,6 +30,10 @@ MODES = {
   'block4': dict(residual='block', block_size=4),
   'block8': dict(residual='block', block_size=8),
   'full': dict(residual='full'),
+  # AttnRes with bfloat16 storage of its Phase 1 outputs too (model.depth_dtype).
+  'block4_bf16': dict(residual='block', block_size=4, depth_dtype='bfloat16'),
+  'block8_bf16': dict(residual='block', block_size=8, depth_dtype='bfloat16'),
+  'full_bf16': dict(residual='full', depth_dtype='bfloat16'),
   'hc': dict(residual='hc'),
   'mhc': dict(residual='mhc'),
 }
@@ -103,7 +107,7 @@ def main(argv=None):
       parser.error(f'--{flag}: unknown {unknown}; known: {",".join(known)}')
   rows = []
   print(
-    f'{"mode":<9}{"size":<6}{"topology":<9}{"est. ms":>9}{"vs std":>7}{"MFU":>6}'
+    f'{"mode":<12}{"size":<6}{"topology":<9}{"est. ms":>9}{"vs std":>7}{"MFU":>6}'
     f'{"HBM GiB":>9}{"temp":>7}{"GB acc.":>9}{"extra":>7}{"/min":>6}'
     f'{"coll. GB":>9}{"compile s":>10}  note'
   )
@@ -144,7 +148,7 @@ def main(argv=None):
           with open(args.out, 'w', encoding='utf-8') as f:
             json.dump(rows, f, indent=1, default=str)
         if 'error' in row:
-          print(f'{mode:<9}{size:<6}{topo_label:<9}  does not fit: {row["error"][:120]}')
+          print(f'{mode:<12}{size:<6}{topo_label:<9}  does not fit: {row["error"][:120]}')
           continue
         coll = sum(v['bytes'] for v in row['collectives'].values()) / 1e9
         nan = float('nan')
@@ -156,7 +160,7 @@ def main(argv=None):
         )
         floor = row.get('extra_over_floor')
         print(
-          f'{mode:<9}{size:<6}{topo_label:<9}{row["est_step_seconds"] * 1e3:>9.1f}'
+          f'{mode:<12}{size:<6}{topo_label:<9}{row["est_step_seconds"] * 1e3:>9.1f}'
           f'{ratio("est_step_seconds"):>7.2f}{row["est_mfu"]:>6.0%}'
           f'{row["memory"]["total_bytes"] / aot.GIB:>9.1f}{temp:>7.2f}'
           f'{row["bytes_accessed"] / 1e9:>9.1f}{ratio("bytes_accessed") - 1:>+7.0%}'

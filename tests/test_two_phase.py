@@ -57,6 +57,55 @@ def test_phases_equal_the_one_shot_read(block_size, dtype):
     partial = partial + outputs[i]
 
 
+@pytest.mark.parametrize('block_size', [1, 3])
+def test_bfloat16_phase1_storage_is_within_its_rounding(block_size):
+  """Phase 1 outputs stored in bf16 (model.depth_dtype): the merged read against the
+  float32 one-shot read. The stored output o is rounded once (2^-9 relative); it
+  enters h as o * c / total with c / total <= 1/s (c = s * exp(m - m'), total >= c),
+  and |o| / s <= max |v| (o / s is a convex combination of the sources), so h moves
+  by at most 2^-9 max |v|; the final cast to bf16 adds 2^-9 |h| <= 2^-9 max |v|."""
+  keys = jax.random.split(jax.random.key(block_size), 4)
+  completed = 3
+  buffer = spread_sources(keys[0], 5, (2, 3, 16)).astype(jnp.bfloat16)
+  queries = jax.random.normal(keys[1], (block_size, 16))
+  gains = 1 + 0.3 * jax.random.normal(keys[2], (block_size, 16))
+  stats = depth.phase1(
+    buffer, queries, gains, eps=1e-6, num_valid=completed, out_dtype=jnp.bfloat16
+  )
+  assert stats[2].dtype == jnp.bfloat16 and stats[0].dtype == jnp.float32
+  local = spread_sources(keys[3], 1, (2, 3, 16), 1e-2, 1e4).astype(jnp.bfloat16)
+  for i in range(block_size):
+    mine = jax.tree.map(lambda x: x[i], stats)
+    h = depth.phase2(mine, local, jnp.array([i > 0]), queries[i], gains[i], eps=1e-6)
+    sources = buffer[:completed]
+    if i > 0:
+      sources = jnp.concatenate([sources, local])
+    h_ref, _ = depth.attn_res_read(
+      sources.astype(jnp.float32), queries[i], gains[i], eps=1e-6
+    )
+    scale = float(jnp.abs(sources.astype(jnp.float32)).max())
+    np.testing.assert_allclose(
+      np.asarray(h, np.float32), np.asarray(h_ref), rtol=0, atol=2**-8 * scale
+    )
+
+
+def test_bfloat16_depth_storage_model_matches_one_shot():
+  """A float32 model storing its depth buffer in bf16 (model.depth_dtype): the buffer
+  and its reads are bf16, the block schedule matches the one-shot read of the same
+  storage within twice the storage's own error (as for the bf16 model below)."""
+  x = jax.random.randint(jax.random.key(3), (2, 10), 0, 256)
+  stored = model(3, 'two_phase', depth_dtype='bfloat16')
+  carry = stored.residual.init(jnp.zeros((2, 10, TINY['d_model'])))
+  assert carry.buffer_KBTD.dtype == jnp.bfloat16
+  logits = stored(x)
+  logits_ref = model(3, 'one_shot', depth_dtype='bfloat16')(x)
+  exact = model(3, 'one_shot')(x)
+  assert logits.dtype == jnp.float32
+  storage_error = float(jnp.abs(logits_ref - exact).max())
+  assert storage_error > 0  # the storage is bf16 indeed
+  assert float(jnp.abs(logits - logits_ref).max()) <= 2 * storage_error
+
+
 def test_phase2_merges_several_local_sources():
   """Full's schedule: each sublayer merges the segment's earlier outputs (J local
   slots, the first `valid` of them) with phase 1 over the sources before it."""

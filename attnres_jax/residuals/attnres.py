@@ -111,6 +111,11 @@ class AttnResResidual(base.Residual):
         f'depth_read="two_phase" computes the paper\'s softmax read only; the '
         f'ablations {cfg.ablations} use the one-shot read: set depth_read="one_shot".'
       )
+    if cfg.depth_dtype not in ('', 'bfloat16', 'float32'):
+      base.invalid(
+        f"depth_dtype must be '' (the compute dtype), 'bfloat16' or 'float32', got "
+        f'{cfg.depth_dtype!r}.'
+      )
     layers = cfg.schedule_layers
     if (
       cfg.residual == 'block'
@@ -136,6 +141,20 @@ class AttnResResidual(base.Residual):
   @property
   def block_size(self) -> int:
     return block_size_of(self.cfg)
+
+  @property
+  def storage_dtype(self):
+    """The depth buffer's and the partial sums' dtype."""
+    return jnp.dtype(self.cfg.depth_dtype or self.cfg.dtype)
+
+  @property
+  def phase1_dtype(self):
+    """Phase 1 outputs' dtype: float32 unless `depth_dtype` says otherwise."""
+    return jnp.dtype(self.cfg.depth_dtype or jnp.float32)
+
+  def to_compute(self, h_BTD):
+    """A read's result in the compute dtype (the sublayer's input)."""
+    return h_BTD.astype(self.cfg.dtype)
 
   @property
   def segment_layers(self) -> int:
@@ -187,6 +206,7 @@ class AttnResResidual(base.Residual):
     return index, index + (position % self.block_size != 0)
 
   def init(self, x_BTD):
+    x_BTD = x_BTD.astype(self.storage_dtype)
     buffer_KBTD = jnp.zeros((self.num_slots,) + x_BTD.shape, x_BTD.dtype)
     buffer_KBTD = sharding.constrain(buffer_KBTD.at[0].set(x_BTD), sharding.DEPTH_BUFFER)
     inv_rms_KBT = jnp.zeros((self.num_slots,) + x_BTD.shape[:-1], jnp.float32)
@@ -231,7 +251,7 @@ class AttnResResidual(base.Residual):
     )
     if layer_in_segment == 0 and which == 0:
       h_BTD = jnp.where(first == 1, embedding_BTD, h_BTD)
-    return h_BTD
+    return self.to_compute(h_BTD)
 
   def begin_segment(self, carry, params, segment):
     num_layers = params.query.shape[0]
@@ -263,6 +283,7 @@ class AttnResResidual(base.Residual):
       eps=self.cfg.attn_res_eps,
       num_valid=first,
       inv_rms_KBT=inv_rms_KBT,
+      out_dtype=self.phase1_dtype,
     )
     return jax.tree.map(lambda x: x.reshape(num_layers, 2, *x.shape[1:]), stats)
 
@@ -293,7 +314,7 @@ class AttnResResidual(base.Residual):
         )
       )
     )
-    return attnres_reads.read_row(
+    h_BTD, weights_KBT = attnres_reads.read_row(
       self.cfg,
       view.buffer_KBTD,
       inner.first + num_local_valid,
@@ -301,6 +322,7 @@ class AttnResResidual(base.Residual):
       which,
       view.inv_rms_KBT,
     )
+    return self.to_compute(h_BTD), weights_KBT
 
   def write(
     self, inner: SegmentCarry, params, per_layer, layer_in_segment, which, out_BTD
@@ -325,9 +347,10 @@ class AttnResResidual(base.Residual):
     )
 
   def final(self, carry: DepthCarry, params):
-    return attnres_reads.read_row(
+    h_BTD, weights_KBT = attnres_reads.read_row(
       self.cfg, carry.buffer_KBTD, None, params, (), carry.inv_rms_KBT
     )
+    return self.to_compute(h_BTD), weights_KBT
 
   # -- analysis ---------------------------------------------------------------------
 
@@ -440,7 +463,7 @@ class BufferReads(AttnResResidual):
 
   def read(self, inner: LayerCarry, params, per_layer, layer_in_segment, which):
     sublayer = 2 * inner.layer + which
-    return attnres_reads.read_row(
+    h_BTD, weights_KBT = attnres_reads.read_row(
       self.cfg,
       inner.buffer_KBTD,
       depth.num_valid_sources(sublayer, self.block_size),
@@ -448,6 +471,7 @@ class BufferReads(AttnResResidual):
       which,
       inner.inv_rms_KBT,
     )
+    return self.to_compute(h_BTD), weights_KBT
 
   def write(self, inner: LayerCarry, params, per_layer, layer_in_segment, which, out_BTD):
     slot = depth.output_slot(2 * inner.layer + which, self.block_size)

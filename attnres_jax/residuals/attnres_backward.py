@@ -116,7 +116,8 @@ def make_stack(residual):
           h_BTD, read_vjp = jax.vjp(read, mine, view_JBTD, state_j, buffer_KBTD[0])
           if vjp_fn is None:
             _, vjp_fn = sublayer_vjp(which, state_j, h_BTD, positions_BT)
-          d_state_f, d_h_BTD = vjp_fn(d_local_JBTD[index])
+          # The write's cotangent, in the dtype of the sublayer's output.
+          d_state_f, d_h_BTD = vjp_fn(d_local_JBTD[index].astype(h_BTD.dtype))
           d_stats_j[which], d_view_JBTD, d_state_read, d_embedding_BTD = read_vjp(d_h_BTD)
           d_embedding_sum_BTD = (
             d_embedding_BTD
@@ -149,7 +150,7 @@ def make_stack(residual):
       layer_state, buffer_KBTD, positions_BT, (full_saved, tail_saved) = residuals
       size = residual.segment_layers
       num_full = cfg.num_layers // size
-      full_states, tail_states = stack_lib.split_segments(
+      full_states, tail_states = stack_lib.group_segments(
         layer_state, cfg.num_layers, size
       )
       d_full = d_tail = None
@@ -160,10 +161,18 @@ def make_stack(residual):
       if full_states is not None:
 
         def body(d_buffer_KBTD, xs):
-          layer_states, segment, saved = xs
-          return segment_backward(
-            buffer_KBTD, d_buffer_KBTD, layer_states, segment, saved, positions_BT
+          grouped_states, segment, saved = xs
+          d_buffer_KBTD, d_states = segment_backward(
+            buffer_KBTD,
+            d_buffer_KBTD,
+            stack_lib.segment_layers_of(grouped_states, size),
+            segment,
+            saved,
+            positions_BT,
           )
+          # Stacked over the segment's layers: the scan writes them in the grouped
+          # layout, which is the stacked one [L, ...] reshaped (no copy to regroup).
+          return d_buffer_KBTD, jax.tree.map(lambda *d: jnp.stack(d), *d_states)
 
         d_buffer_KBTD, d_full = jax.lax.scan(
           body,
@@ -171,11 +180,12 @@ def make_stack(residual):
           (full_states, jnp.arange(num_full), full_saved),
           reverse=True,
         )
-      d_layer_state = stack_lib.join_layers((d_full, d_tail))
+      d_layer_state = stack_lib.ungroup_layers((d_full, d_tail))
       d_layer_state = jax.tree.map(
         lambda d, x: d.astype(x.dtype), d_layer_state, layer_state
       )
-      return d_layer_state, d_buffer_KBTD[0], None
+      # The embedding's cotangent in its own dtype (the buffer may store another).
+      return d_layer_state, d_buffer_KBTD[0].astype(x_BTD.dtype), None
 
     @jax.custom_vjp
     def buffer_after_layers(layer_state, x_BTD, positions_BT):
