@@ -306,6 +306,19 @@ def _summarize(compiled, seconds: float, topo: Topology, model_flops: float) -> 
   }
 
 
+def _compile_uncached(lowered):
+  """Compiles without JAX's persistent compilation cache: an executable for abstract
+  TPU devices cannot be loaded back on this host (JAX warns, then compiles again), so
+  a cache set for the CPU work (JAX_COMPILATION_CACHE_DIR) would only gather unusable
+  entries and warnings."""
+  previous = jax.config.jax_enable_compilation_cache
+  jax.config.update('jax_enable_compilation_cache', False)
+  try:
+    return lowered.compile()
+  finally:
+    jax.config.update('jax_enable_compilation_cache', previous)
+
+
 def compile_report(
   config: ml_collections.ConfigDict,
   topology: str,
@@ -364,7 +377,7 @@ def compile_report(
   for step in steps:
     start = time.perf_counter()
     try:
-      compiled = lowering[step]().compile()
+      compiled = _compile_uncached(lowering[step]())
     except jax.errors.JaxRuntimeError as e:
       if 'RESOURCE_EXHAUSTED' not in str(e):
         raise

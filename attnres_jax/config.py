@@ -39,6 +39,7 @@ EXECUTION_FIELDS = (
   'linear_memory_backward',
   'depth_read',
   'schedule_layers',
+  'depth_dtype',
 )
 # The read ablations (paper Section 5); off = the paper's read.
 ABLATION_FIELDS = (

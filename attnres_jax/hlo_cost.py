@@ -185,6 +185,10 @@ def _fusion_operand_bytes(
 def _value_read_bytes(
   computation: hlo_text.Computation, name: str, full: float, computations
 ) -> float:
+  if computation.root is not None and computation.root.name == name:
+    # The value leaves the computation (a nested fusion that only bitcasts an operand
+    # hands it to its caller, e.g. a bf16 weight on its way to a dot): read whole.
+    return full
   total = 0.0
   for user in computation.instructions:
     if name not in user.operands:

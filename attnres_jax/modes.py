@@ -1,11 +1,16 @@
 """Residual modes as short strings: the one vocabulary of every command-line tool.
 
-    standard | full | block:S | hc[:m] | mhc[:m]      optionally followed by @G
+    standard | full | block:S | hc[:m] | mhc[:m]      then optionally @G and /options
 
 `block:4` is Block AttnRes with blocks of S = 4 sublayers, `hc:4`/`mhc:4` the
-(manifold-constrained) Hyper-Connections with m = 4 streams (the default), and `@G`
-runs the AttnRes block schedule in segments of G layers (`schedule_layers`). A mode
-string names model fields only; every other field keeps its value.
+(manifold-constrained) Hyper-Connections with m = 4 streams (the default), `@G`
+runs the AttnRes block schedule in segments of G layers (`schedule_layers`), and
+AttnRes options follow, each after a '/': `one_shot` or `two_phase` picks the read
+(`depth_read`), `bf16` or `f32` the depth state's storage (`depth_dtype`), e.g.
+`block:4/bf16` or `full/one_shot`. A tool whose block
+size follows the depth (bench/decode.py: about 8 blocks at every depth) accepts a
+bare `block` and supplies S. A mode string names model fields only; every other field
+keeps its value.
 
 Directory and run names cannot hold ':' everywhere, so runs are named by `run_name`
 (`block:4` -> `block_s4`, `mhc:4` -> `mhc`), the names the study's configs use.
@@ -13,7 +18,16 @@ Directory and run names cannot hold ':' everywhere, so runs are named by `run_na
 
 from __future__ import annotations
 
-SYNTAX = 'standard | full | block:S | hc[:m] | mhc[:m], optionally @G (segment layers)'
+SYNTAX = (
+  'standard | full | block:S | hc[:m] | mhc[:m], then optionally @G (segment layers) '
+  'and AttnRes options /one_shot or /two_phase (the read), /bf16 or /f32 (storage)'
+)
+OPTIONS = {  # AttnRes option -> (model field, value)
+  'one_shot': ('depth_read', 'one_shot'),
+  'two_phase': ('depth_read', 'two_phase'),
+  'bf16': ('depth_dtype', 'bfloat16'),
+  'f32': ('depth_dtype', 'float32'),
+}
 DEFAULT_STREAMS = 4
 
 
@@ -27,19 +41,24 @@ def _positive_int(mode: str, text: str, what: str) -> int:
   return int(text)
 
 
-def fields(mode: str) -> dict[str, object]:
+def fields(mode: str, *, block_size: int | None = None) -> dict[str, object]:
   """The model-config fields a mode string sets, e.g. 'block:4@2' ->
-  dict(residual='block', block_size=4, schedule_layers=2)."""
-  body, has_segment, segment = mode.partition('@')
+  dict(residual='block', block_size=4, schedule_layers=2). `block_size` is what a bare
+  `block` gets (none: a bare `block` is an error)."""
+  rest, *options = mode.split('/')
+  body, has_segment, segment = rest.partition('@')
   residual, has_size, size = body.partition(':')
   out: dict[str, object] = dict(residual=residual)
   if residual in ('standard', 'full'):
     if has_size:
       raise _error(mode, f'{residual} takes no size')
   elif residual == 'block':
-    if not has_size:
+    if has_size:
+      out['block_size'] = _positive_int(mode, size, 'the block size')
+    elif block_size is not None:
+      out['block_size'] = block_size
+    else:
       raise _error(mode, 'block needs its block size, e.g. block:4')
-    out['block_size'] = _positive_int(mode, size, 'the block size')
   elif residual in ('hc', 'mhc'):
     out['hc_streams'] = (
       _positive_int(mode, size, 'the stream count') if has_size else DEFAULT_STREAMS
@@ -50,14 +69,23 @@ def fields(mode: str) -> dict[str, object]:
     if residual not in ('full', 'block'):
       raise _error(mode, '@G (segment layers) applies to full and block only')
     out['schedule_layers'] = _positive_int(mode, segment, 'the segment length G')
+  for option in options:
+    if residual not in ('full', 'block'):
+      raise _error(mode, '/options apply to full and block only')
+    if option not in OPTIONS:
+      raise _error(mode, f'options are {tuple(OPTIONS)}, got {option!r}')
+    field, value = OPTIONS[option]
+    if field in out:
+      raise _error(mode, f'{field} given twice')
+    out[field] = value
   return out
 
 
-def parse_list(text: str) -> list[str]:
+def parse_list(text: str, *, block_size: int | None = None) -> list[str]:
   """A comma-separated list of modes, each checked (a typo fails before any work)."""
   modes = [m.strip() for m in text.split(',') if m.strip()]
   for mode in modes:
-    fields(mode)
+    fields(mode, block_size=block_size)
   if not modes:
     raise ValueError(f'No residual mode given. Modes are {SYNTAX}.')
   return modes
@@ -65,7 +93,8 @@ def parse_list(text: str) -> list[str]:
 
 def run_name(mode: str) -> str:
   """A file-system friendly name for a mode: 'block:4' -> 'block_s4', 'hc:4' -> 'hc',
-  'hc:2' -> 'hc_m2', 'full@2' -> 'full_g2'."""
+  'hc:2' -> 'hc_m2', 'full@2' -> 'full_g2', 'full/one_shot/bf16' ->
+  'full_one_shot_bf16'."""
   f = fields(mode)
   name = str(f['residual'])
   if 'block_size' in f:
@@ -74,4 +103,6 @@ def run_name(mode: str) -> str:
     name += f'_m{f["hc_streams"]}'
   if 'schedule_layers' in f:
     name += f'_g{f["schedule_layers"]}'
+  for option in mode.split('/')[1:]:
+    name += f'_{option}'
   return name

@@ -7,7 +7,7 @@ docs/method.md) and collective bytes.
 
   JAX_PLATFORMS=cpu python bench/aot.py --modes=standard,full --sizes=125m \\
       --topologies=v5p-8 --out=bench/results/aot.json
-  JAX_PLATFORMS=cpu python bench/aot.py --modes=standard,block4,block8,full \\
+  JAX_PLATFORMS=cpu python bench/aot.py --modes=standard,block:4,block:8,full \\
       --sizes=d1024 --mesh=data --out=bench/results/aot_depth_core.json
 
 A row that does not fit says so (the compiler's HBM figures). Each compile runs in
@@ -20,23 +20,12 @@ import os
 import time
 
 from attnres_jax import aot
+from attnres_jax import modes
 
 from configs import default as default_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-MODES = {
-  'standard': dict(residual='standard'),
-  'block4': dict(residual='block', block_size=4),
-  'block8': dict(residual='block', block_size=8),
-  'full': dict(residual='full'),
-  # AttnRes with bfloat16 storage of its Phase 1 outputs too (model.depth_dtype).
-  'block4_bf16': dict(residual='block', block_size=4, depth_dtype='bfloat16'),
-  'block8_bf16': dict(residual='block', block_size=8, depth_dtype='bfloat16'),
-  'full_bf16': dict(residual='full', depth_dtype='bfloat16'),
-  'hc': dict(residual='hc'),
-  'mhc': dict(residual='mhc'),
-}
 # (model fields, seq_len, sequences per chip); FSDP over all chips. 1B and 8B keep only
 # each layer's input (remat='layer'): without, 1B needs 152 GB a v5p chip
 # (bench/results/aot_1b_v5p64_remat_none.json).
@@ -51,7 +40,7 @@ SIZES = {
     4096,
     4,
   ),
-  # The depth-core shape of issue 26 (docs/results.md, "Depth core v3").
+  # The depth-core shape (docs/results.md, "Depth core v3").
   'd1024': (
     dict(d_model=1024, num_layers=8, num_heads=8, mlp_dim=4096, remat='none'),
     1024,
@@ -78,7 +67,7 @@ MESHES = {'fsdp': (1, -1, 1), 'data': (-1, 1, 1)}  # mesh.shape (data, fsdp, ten
 def row_config(mode: str, size: str, chips: int, mesh: str = 'fsdp'):
   fields, seq_len, per_chip = SIZES[size]
   config = default_config.get_config()
-  config.model.update(vocab_size=32768, dtype='bfloat16', **fields, **MODES[mode])
+  config.model.update(vocab_size=32768, dtype='bfloat16', **fields, **modes.fields(mode))
   config.train.update(seq_len=seq_len, batch_size=per_chip * chips)
   config.mesh.shape = MESHES[mesh]  # over every chip
   return config
@@ -86,7 +75,7 @@ def row_config(mode: str, size: str, chips: int, mesh: str = 'fsdp'):
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-  parser.add_argument('--modes', default='standard', help=f'of {",".join(MODES)}')
+  parser.add_argument('--modes', default='standard', help=modes.SYNTAX)
   parser.add_argument('--sizes', default='125m', help=f'of {",".join(SIZES)}')
   parser.add_argument('--topologies', default='v5p-8', help=f'of {",".join(TOPOLOGIES)}')
   parser.add_argument('--mesh', default='fsdp', choices=sorted(MESHES))
@@ -97,8 +86,11 @@ def main(argv=None):
     help="Also write each row's optimized HLO to <dir>/<mode>_<size>_<topology>/.",
   )
   args = parser.parse_args(argv)
+  try:
+    modes.parse_list(args.modes)
+  except ValueError as e:
+    parser.error(f'--modes: {e}')
   for flag, value, known in (
-    ('modes', args.modes, MODES),
     ('sizes', args.sizes, SIZES),
     ('topologies', args.topologies, TOPOLOGIES),
   ):

@@ -1,7 +1,8 @@
 """Cached decoding: per-token latency and prefill throughput of Standard, Full and
 Block AttnRes (one-shot and two-phase reads).
 
-For every (size, batch) it builds the four variants with the same shared weights
+For every (size, batch) it builds the residual modes (`--modes`, as every benchmark
+spells them: attnres_jax/modes.py) with the same shared weights
 (random non-zero AttnRes queries and gains, so the depth reads are not uniform),
 jits a prefill and a one-token step per variant (the step is compiled ONCE: a fixed
 max-length KV cache and a traced position; the benchmark asserts that neither
@@ -19,9 +20,10 @@ standard time, then the median over rounds (> 1 means slower than standard);
 `per_token_ratio_min` is the ratio of the fastest steps, the estimate with the least
 background load in it.
 
-Block AttnRes uses the paper's setting of about `--num_blocks` (8) blocks: the block
-size is S = round(L / 8) sublayers (L = 2 * layers), so S = 2 at 8 layers and S = 4
-at 16 layers.
+A bare `block` uses the paper's setting of about `--num_blocks` (8) blocks at every
+depth: S = round(L / 8) sublayers (L = 2 * layers), so S = 2 at 8 layers and S = 4
+at 16 layers; `block:S` fixes S. `block/one_shot` reads in one shot, the reference
+the two-phase read (the default) is checked against: greedy tokens must agree.
 
   python bench/decode.py                 # the full grid, about 5-10 min on 2 cores
   python bench/decode.py --quick         # a smoke run (seconds)
@@ -44,6 +46,7 @@ import numpy as np
 from flax import nnx
 
 import attnres_jax as ar
+from attnres_jax import modes as modes_lib
 from attnres_jax import metrics as metrics_lib
 
 # Flag names differ from bench/memory.py's, so both modules can load in one process.
@@ -51,11 +54,11 @@ FLAGS = flags.FLAGS
 flags.DEFINE_list('sizes', ['256x8', '512x16'], 'Model sizes as d_model x layers.')
 flags.DEFINE_list('batches', ['1', '8'], 'Batch sizes.')
 flags.DEFINE_list(
-  'variants',
-  ['standard', 'full', 'block_one_shot', 'block_two_phase'],
-  'standard | full | block_one_shot | block_two_phase.',
+  'modes',
+  ['standard', 'full', 'block/one_shot', 'block'],
+  f'Residual modes ({modes_lib.SYNTAX}); a bare block has about --num_blocks blocks.',
 )
-flags.DEFINE_integer('num_blocks', 8, 'Block AttnRes: S = round(L / num_blocks).')
+flags.DEFINE_integer('num_blocks', 8, 'A bare block: S = round(L / num_blocks).')
 flags.DEFINE_integer('prompt_len', 128, 'Prompt tokens (prefill).')
 flags.DEFINE_integer('new_tokens', 64, 'Generated tokens (new_tokens - 1 timed steps).')
 flags.DEFINE_integer('repeats', 3, 'Round-robin repetitions over the variants.')
@@ -93,28 +96,20 @@ flags.DEFINE_string(
 
 QUICK = dict(sizes=['64x2'], batches=['1'], prompt_len=16, new_tokens=8, repeats=2)
 QUERY_SCALE = 0.1  # std of the random AttnRes pseudo-queries (see `build`)
-VARIANTS = {  # name -> (residual, depth_read)
-  'standard': ('standard', 'one_shot'),
-  'full': ('full', 'two_phase'),
-  'block_one_shot': ('block', 'one_shot'),
-  'block_two_phase': ('block', 'two_phase'),
-}
 
 
 def block_size_for(num_layers: int, num_blocks: int) -> int:
   return max(1, round(2 * num_layers / num_blocks))
 
 
-def build(variant: str, d_model: int, num_layers: int, block_size: int):
-  residual, depth_read = VARIANTS[variant]
+def build(mode: str, d_model: int, num_layers: int, block_size: int):
+  """The model of a residual mode; a bare `block` gets `block_size`."""
   cfg = ar.model_config(
     d_model=d_model,
     num_heads=max(1, d_model // 64),
     mlp_dim=4 * d_model,
     num_layers=num_layers,
-    residual=residual,
-    block_size=block_size,
-    depth_read=depth_read,
+    **modes_lib.fields(mode, block_size=block_size),
   )
   model = ar.Transformer(cfg, rngs=nnx.Rngs(0))  # same shared weights in every variant
   # Non-zero queries, but small: with unit-normal queries (|w| ~ sqrt(d)) the depth
@@ -255,7 +250,7 @@ def measure(d_model, num_layers, batch, settings, meta):
   )
   runners = {}
   compile_s = {}
-  for variant in FLAGS.variants:
+  for variant in FLAGS.modes:
     start = time.perf_counter()
     runner = Runner(
       variant, build(variant, d_model, num_layers, block_size), batch, cache_len
@@ -293,19 +288,20 @@ def measure(d_model, num_layers, batch, settings, meta):
     assert compiled == (1, 1), (
       f'{variant}: prefill/step compiled {compiled} times, expected once each'
     )
+    cfg = runner.model.config
     row = dict(
       mode=variant,
-      residual=VARIANTS[variant][0],
-      depth_read=VARIANTS[variant][1],
+      residual=cfg.residual,
+      depth_read=cfg.depth_read if cfg.residual in ('full', 'block') else None,
       size=f'{d_model}x{num_layers}',
       d_model=d_model,
       num_layers=num_layers,
       num_sublayers=2 * num_layers,
       block_size=(
-        block_size
-        if VARIANTS[variant][0] == 'block'
+        cfg.block_size
+        if cfg.residual == 'block'
         else 1
-        if variant == 'full'
+        if cfg.residual == 'full'
         else None
       ),
       batch=batch,
@@ -334,10 +330,10 @@ def measure(d_model, num_layers, batch, settings, meta):
       row['prefill_time_ratio'] = statistics.median(
         a / b for a, b in zip(prefill_s[variant], prefill_s['standard'])
       )
-    if variant == 'block_two_phase' and 'block_one_shot' in tokens:
+    if variant == 'block' and 'block/one_shot' in tokens:
       # Same weights, same math: greedy tokens must agree (a sanity check).
       row['tokens_match_one_shot'] = bool(
-        np.array_equal(tokens[variant], tokens['block_one_shot'])
+        np.array_equal(tokens[variant], tokens['block/one_shot'])
       )
     rows.append(row)
   return rows
@@ -451,7 +447,7 @@ def prefill_memory() -> list[dict]:
     block_size = block_size_for(num_layers, FLAGS.num_blocks)
     for length in lengths:
       temps = {}
-      for variant in ('standard', 'block_two_phase'):
+      for variant in ('standard', 'block'):
         model = build(variant, d_model, num_layers, block_size)
         graphdef, state = nnx.split(model)
         layers = model.decoding_layers()
@@ -469,7 +465,7 @@ def prefill_memory() -> list[dict]:
             .memory_analysis()
           )
           temps[variant, name] = analysis.temp_size_in_bytes
-      for variant in ('standard', 'block_two_phase'):
+      for variant in ('standard', 'block'):
         row = dict(
           size=size,
           mode=variant,

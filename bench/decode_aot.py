@@ -1,11 +1,11 @@
 """Decode traffic on the TPU compiler: the one-token step of Standard, Full and Block
 AttnRes compiled ahead-of-time for a TPU topology on this host (libtpu), per token.
 
-  JAX_PLATFORMS=cpu python bench/decode_aot.py                      # the issue's grid
+  JAX_PLATFORMS=cpu python bench/decode_aot.py                      # the grid of docs/inference.md
   JAX_PLATFORMS=cpu python bench/decode_aot.py --batches=8 --contexts=1024 \\
       --weights_dtypes=bfloat16 --out=/tmp/decode_aot.json
 
-The model is the issue's (d_model 1024, 8 layers, 8 heads of 128, MLP 4096, vocab
+The model is the depth-core shape (d_model 1024, 8 layers, 8 heads of 128, MLP 4096, vocab
 32768, bf16 compute), data parallel over the topology's chips; the step is
 `sampling`'s, with a cache of `--contexts` slots and the weights served as they are
 (float32) or cast for serving (`sampling.serving_state`). Per row:
@@ -40,19 +40,12 @@ from attnres_jax import config as config_lib
 from attnres_jax import hlo_cost
 from attnres_jax import hlo_text
 from attnres_jax import model as model_lib
+from attnres_jax import modes as modes_lib
 from attnres_jax import sampling
 from attnres_jax import sharding
 
 from configs import default as default_config
 
-MODES = {
-  'standard': dict(residual='standard'),
-  'full': dict(residual='full'),
-  'block4': dict(residual='block', block_size=4),
-  'block8': dict(residual='block', block_size=8),
-  'hc': dict(residual='hc'),
-  'mhc': dict(residual='mhc'),
-}
 MODEL = dict(
   vocab_size=32768,
   dtype='bfloat16',
@@ -67,7 +60,7 @@ ON_CHIP = 'S(1)'  # the memory-space mark of an on-chip (VMEM) buffer in a TPU l
 
 def row_config(mode: str, batch: int, context: int):
   config = default_config.get_config()
-  config.model.update(**MODEL, **MODES[mode])
+  config.model.update(**MODEL, **modes_lib.fields(mode))
   config.train.update(seq_len=context, batch_size=batch)
   config.mesh.shape = (-1, 1, 1)  # data parallel over every chip
   return config
@@ -273,7 +266,7 @@ def measure(mode, batch, context, weights_dtype, topo, dump_dir=None):
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
   parser.add_argument('--topology', default='v5p:2x2x1', help=aot.TOPOLOGY_FORM)
-  parser.add_argument('--modes', default='standard,full,block4', help=','.join(MODES))
+  parser.add_argument('--modes', default='standard,full,block:4', help=modes_lib.SYNTAX)
   parser.add_argument('--batches', default='8,64', help='Sequences (all chips).')
   parser.add_argument('--contexts', default='1024,2048', help='KV cache slots.')
   parser.add_argument(
@@ -284,10 +277,10 @@ def main(argv=None):
   parser.add_argument('--out', default='bench/results/decode_aot.json', help='JSON.')
   parser.add_argument('--dump_hlo', default=None, help='Folder for the optimized HLO.')
   args = parser.parse_args(argv)
-  modes = args.modes.split(',')
-  unknown = sorted(set(modes) - set(MODES))
-  if unknown:
-    parser.error(f'unknown modes {unknown}; known: {",".join(MODES)}')
+  try:
+    modes = modes_lib.parse_list(args.modes)
+  except ValueError as e:
+    parser.error(f'--modes: {e}')
   dtypes = [None if d == 'float32' else d for d in args.weights_dtypes.split(',')]
   for d in dtypes:
     sampling._serving_dtype(d)  # pylint: disable=protected-access

@@ -35,6 +35,7 @@ from flax import nnx
 import attnres_jax as ar
 from attnres_jax import flops
 from attnres_jax import metrics as metrics_lib
+from attnres_jax import modes
 from attnres_jax import optim
 from attnres_jax import train
 from configs import default as default_config
@@ -44,9 +45,7 @@ flags.DEFINE_list('layers', ['4', '8', '16', '32'], 'Transformer layers to measu
 flags.DEFINE_list(
   'modes',
   ['standard', 'full', 'block:2', 'block:4', 'block:8'],
-  'Residual modes; block:S is Block AttnRes with S sublayers per block, '
-  'and a suffix @G sets the schedule segment to G layers (default: '
-  'automatic).',
+  f'Residual modes ({modes.SYNTAX}); without @G the schedule segment is automatic.',
 )
 flags.DEFINE_integer('d_model', 256, 'Model width.')
 flags.DEFINE_integer('seq_len', 256, 'Sequence length.')
@@ -73,21 +72,16 @@ flags.DEFINE_string('io_out', 'bench/results/residual_io.json', 'JSON output of 
 
 
 def model_config(mode: str, num_layers: int):
-  """'standard', 'full', 'block:S'; '@G' appends a schedule segment of G layers."""
-  mode, _, segment = mode.partition('@')
-  residual, _, size = mode.partition(':')
-  streams = dict(hc_streams=int(size or 4)) if residual in ('hc', 'mhc') else {}
+  """A residual mode (attnres_jax/modes.py: 'standard', 'full', 'block:4@2', 'mhc',
+  ...) at `num_layers` layers of the benchmark's width."""
   return ar.model_config(
     d_model=FLAGS.d_model,
     num_heads=max(1, FLAGS.d_model // 64),
     mlp_dim=4 * FLAGS.d_model,
     num_layers=num_layers,
-    residual=residual,
-    block_size=int(size or 1) if not streams else 2,
-    schedule_layers=int(segment or 0),
     remat=FLAGS.remat,
     linear_memory_backward=FLAGS.linear_memory_backward,
-    **streams,
+    **modes.fields(mode),
   )
 
 
@@ -162,10 +156,10 @@ PAPER_TABLE_1 = {'mhc:4': '34d', 'block': '5.5d'}
 
 
 def _paper_entry(mode: str) -> str:
-  residual, _, size = mode.partition('@')[0].partition(':')
-  if residual in ('hc', 'mhc'):
-    return PAPER_TABLE_1.get(f'{residual}:{size or 4}', '')
-  return PAPER_TABLE_1.get(residual, '')
+  fields = modes.fields(mode)
+  if 'hc_streams' in fields:
+    return PAPER_TABLE_1.get(f'{fields["residual"]}:{fields["hc_streams"]}', '')
+  return PAPER_TABLE_1.get(fields['residual'], '')
 
 
 def forward_bytes_accessed(mode: str, num_layers: int) -> float:

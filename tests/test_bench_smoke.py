@@ -43,13 +43,13 @@ def test_decode_benchmark_smoke(tmp_path):
     new_tokens=4,
     repeats=2,
     num_blocks=2,
-    variants=['standard', 'block_two_phase'],
+    modes=['standard', 'block'],
     jsonl_out=str(out),
     table_out=str(table),
   ):
     decode_bench.main([])
   rows = _read_jsonl(out)
-  assert [r['mode'] for r in rows] == ['standard', 'block_two_phase']
+  assert [r['mode'] for r in rows] == ['standard', 'block']
   for row in rows:
     assert row['batch'] == 2 and row['prefill_len'] == 8 and row['size'] == '64x2'
     assert row['step_compilations'] == 1
@@ -67,7 +67,8 @@ def test_decode_benchmark_smoke(tmp_path):
       assert row[key], key
   assert rows[0]['per_token_ratio'] == 1.0
   assert rows[1]['block_size'] == 2
-  assert 'block_two_phase' in table.read_text()
+  assert rows[1]['depth_read'] == 'two_phase'
+  assert '| block |' in table.read_text()
 
 
 def test_prefill_memory_benchmark_smoke(tmp_path):
@@ -79,9 +80,9 @@ def test_prefill_memory_benchmark_smoke(tmp_path):
   rows = _read_jsonl(out)
   assert [(r['mode'], r['prompt_len']) for r in rows] == [
     ('standard', 32),
-    ('block_two_phase', 32),
+    ('block', 32),
     ('standard', 64),
-    ('block_two_phase', 64),
+    ('block', 64),
   ]
   for row in rows:
     assert row['temp_mib_chunked'] > 0 and row['temp_mib_one_shot'] > 0

@@ -18,6 +18,17 @@ from configs import default as default_config
     ('hc', dict(residual='hc', hc_streams=4), 'hc'),
     ('mhc:4', dict(residual='mhc', hc_streams=4), 'mhc'),
     ('hc:2', dict(residual='hc', hc_streams=2), 'hc_m2'),
+    ('full/one_shot', dict(residual='full', depth_read='one_shot'), 'full_one_shot'),
+    (
+      'block:4/bf16',
+      dict(residual='block', block_size=4, depth_dtype='bfloat16'),
+      'block_s4_bf16',
+    ),
+    (
+      'block:4@2/two_phase',
+      dict(residual='block', block_size=4, schedule_layers=2, depth_read='two_phase'),
+      'block_s4_g2_two_phase',
+    ),
   ],
 )
 def test_mode_fields_and_run_names(mode, fields, run_name):
@@ -37,12 +48,23 @@ def test_mode_fields_and_run_names(mode, fields, run_name):
     ('standard:2', 'takes no size'),
     ('hc@2', 'full and block only'),
     ('full@', 'positive integer'),
+    ('hc/one_shot', 'apply to full and block only'),
+    ('full/fast', "got 'fast'"),
+    ('full/one_shot/two_phase', 'depth_read given twice'),
   ],
 )
 def test_bad_modes_are_refused_with_the_syntax(mode, why):
   with pytest.raises(ValueError, match=why) as error:
     modes.fields(mode)
   assert modes.SYNTAX in str(error.value)
+
+
+def test_a_bare_block_takes_the_size_the_tool_supplies():
+  assert modes.fields('block/one_shot', block_size=2) == dict(
+    residual='block', block_size=2, depth_read='one_shot'
+  )
+  assert modes.fields('block:4', block_size=2)['block_size'] == 4  # given wins
+  assert modes.parse_list('standard,block', block_size=3) == ['standard', 'block']
 
 
 def test_parse_list_checks_every_mode():
