@@ -36,10 +36,12 @@ import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from attnres_jax import checksum
 from attnres_jax import config as config_lib
 from attnres_jax import metrics
+from attnres_jax import model as model_lib
 from attnres_jax import quiet
 
 CONFIG_JSON = 'config.json'
@@ -181,8 +183,6 @@ class Checkpointer:
       os.makedirs(target_dir, exist_ok=True)
       os.rename(os.path.join(self.directory, str(step)), target)
     if jax.process_count() > 1:
-      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-
       multihost_utils.sync_global_devices(f'checkpoint {step} moved aside')
     self.manager.reload()
     return target
@@ -256,8 +256,6 @@ class Checkpointer:
 
 def abstract_model(config: ml_collections.ConfigDict):
   """(graphdef, abstract pure-dict params) of the model, without allocating it."""
-  from attnres_jax import model as model_lib  # pylint: disable=g-import-not-at-top
-
   abstract = nnx.eval_shape(lambda: model_lib.Transformer(config, rngs=nnx.Rngs(0)))
   graphdef, state = nnx.split(abstract)
   return graphdef, nnx.to_pure_dict(state)
@@ -329,8 +327,6 @@ def _on_all_processes(ok: bool) -> bool:
   """True if `ok` holds on every process."""
   if jax.process_count() == 1:
     return ok
-  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-
   return bool(np.all(multihost_utils.process_allgather(np.int32(ok))))
 
 

@@ -37,6 +37,7 @@ from typing import Any
 import jax
 import numpy as np
 from absl import logging
+from jax.experimental import multihost_utils
 
 from attnres_jax import metrics
 
@@ -232,8 +233,6 @@ def lock_workdir(workdir: str, purpose: str) -> WorkdirLock | None:
     except WorkdirLockedError as e:
       error = e
   if jax.process_count() > 1:
-    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-
     locked = multihost_utils.broadcast_one_to_all(np.int32(error is None))
     if not locked and error is None:
       error = WorkdirLockedError(

@@ -141,51 +141,8 @@ def _off_chip_share(type_str: str) -> float:
 
 
 # hlo_cost's per-kernel byte rules (its private helpers), less what lies in on-chip
-# memory, and with one correction (`_read_bytes`).
+# memory.
 # pylint: disable=protected-access
-def _read_bytes(computation, name: str, full: float, computations) -> float:
-  """Bytes a fusion reads of value `name` of (nested) `computation`: hlo_cost's rule
-  (the slices, when the value only feeds slices; else all of it), except that a value
-  that reaches the root is read whole. A nested fusion that only bitcasts a weight
-  (XLA's `bitcast_fusion`, on TPU in front of a dot) has its parameter as the root:
-  hlo_cost counts that read 0 bytes, which drops the weight reads of the dots that
-  read a weight straight from HBM (and not those of prefetched weights)."""
-  if computation.root is not None and computation.root.name == name:
-    return full
-  total = 0.0
-  for user in computation.instructions:
-    if name not in user.operands:
-      continue
-    if user.opcode in ('dynamic-slice', 'slice') and user.operands[0] == name:
-      total += hlo_text.type_bytes(user.type_str)
-    elif user.opcode == 'dynamic-update-slice' and user.operands[0] == name:
-      continue
-    elif user.opcode == 'bitcast':
-      total += _read_bytes(computation, user.name, full, computations)
-    elif user.opcode == 'fusion':
-      nested = hlo_text.Computation(computations[user.called('calls')[0]])
-      for k, operand in enumerate(user.operands):
-        if operand == name:
-          total += _operand_read_bytes(nested, k, full, computations)
-    else:
-      return full
-  return min(total, full)
-
-
-def _operand_read_bytes(fused, index: int, full: float, computations) -> float:
-  parameter = next(
-    (
-      i
-      for i in fused.instructions
-      if i.opcode == 'parameter' and i.operands == [str(index)]
-    ),
-    None,
-  )
-  return (
-    full if parameter is None else _read_bytes(fused, parameter.name, full, computations)
-  )
-
-
 def _hbm_bytes(instruction, computation, computations) -> float:
   """Bytes of one kernel that cross HBM (see the module docstring)."""
   op = instruction.opcode
@@ -200,7 +157,10 @@ def _hbm_bytes(instruction, computation, computations) -> float:
   written = hlo_text.type_bytes(instruction.type_str)
   if op == 'fusion':
     fused = hlo_text.Computation(computations[instruction.called('calls')[0]])
-    reads = [_operand_read_bytes(fused, k, b, computations) for k, b in enumerate(reads)]
+    reads = [
+      hlo_cost._fusion_operand_bytes(fused, k, b, computations)
+      for k, b in enumerate(reads)
+    ]
     written = hlo_cost._fusion_output_bytes(fused)
   elif op in ('dynamic-slice', 'slice'):
     reads[0] = written
