@@ -288,7 +288,7 @@ def measure(d_model, num_layers, batch, settings, meta):
     assert compiled == (1, 1), (
       f'{variant}: prefill/step compiled {compiled} times, expected once each'
     )
-    cfg = runner.model.config
+    cfg = runner.model.cfg
     row = dict(
       mode=variant,
       residual=cfg.residual,
