@@ -63,6 +63,18 @@ def test_linear_memory_backward_equals_plain_autodiff(
   assert_grads_close(linear, plain)
 
 
+def assert_within_twice_the_rounding(linear, plain, exact):
+  """Per parameter, |linear - plain| <= 2 |plain - exact| (max over entries): two
+  passes each within a rounding error of the exact gradient (see the callers)."""
+  for (path, a), b, c in zip(
+    jax.tree_util.tree_leaves_with_path(linear),
+    jax.tree.leaves(plain),
+    jax.tree.leaves(exact),
+  ):
+    rounding = float(jnp.abs(b - c).max())
+    assert float(jnp.abs(a - b).max()) <= 2 * rounding, (path, rounding)
+
+
 def test_bfloat16_linear_memory_backward_is_close_to_plain():
   model = random_model('block', 2, dtype='bfloat16')
   plain = gradients(model, linear_memory_backward=False)
@@ -73,13 +85,7 @@ def test_bfloat16_linear_memory_backward_is_close_to_plain():
   # float32 gradient, so the two lie within twice that of each other (the triangle
   # inequality), per parameter relative to its largest entry; a wrong backward pass
   # is off by the gradient's own scale.
-  for (path, a), b, c in zip(
-    jax.tree_util.tree_leaves_with_path(linear),
-    jax.tree.leaves(plain),
-    jax.tree.leaves(exact),
-  ):
-    bf16_error = float(jnp.abs(b - c).max())
-    assert float(jnp.abs(a - b).max()) <= 2 * bf16_error, (path, bf16_error)
+  assert_within_twice_the_rounding(linear, plain, exact)
 
 
 @pytest.mark.parametrize('residual,block_size', [('block', 3), ('full', 1)])
@@ -94,13 +100,7 @@ def test_bfloat16_depth_storage_backward_is_close_to_plain(residual, block_size)
   # The same triangle as above: both passes round the stored values and the buffer's
   # cotangents (bf16, 2^-9 relative per rounding) at different points, each within
   # bf16 storage's own error of float32 storage.
-  for (path, a), b, c in zip(
-    jax.tree_util.tree_leaves_with_path(linear),
-    jax.tree.leaves(plain),
-    jax.tree.leaves(exact),
-  ):
-    bf16_error = float(jnp.abs(b - c).max())
-    assert float(jnp.abs(a - b).max()) <= 2 * bf16_error, (path, bf16_error)
+  assert_within_twice_the_rounding(linear, plain, exact)
 
 
 def compiled_temp_bytes(residual, block_size, num_layers, linear):
