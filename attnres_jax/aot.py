@@ -10,19 +10,14 @@ estimate, the estimated MFU and the collectives, loops counted (`hlo_cost.py`: X
 own totals count a loop body once). Memory is that of the program as configured
 (scanned layers: the memory a real run allocates).
 
-libtpu's compile-only client is loaded by `get_topology` alone (with the environment
-that keeps it quiet off Cloud TPU); the host's own backend stays what it was.
+The topologies and their chips' figures are `tpu_topology`'s.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import importlib.util
 import json
-import math
 import os
-import re
 import sys
 import time
 from typing import Any
@@ -46,105 +41,10 @@ from attnres_jax import residuals
 from attnres_jax import sampling
 from attnres_jax import sharding
 from attnres_jax import train as train_lib
+from attnres_jax.tpu_topology import GIB, TOPOLOGY_FORM, AotError, Topology, get_topology
 
 REPORT_JSON = 'compile_report.json'
 STEPS = ('train', 'eval', 'decode')
-TOPOLOGY_FORM = (
-  "'<generation>:<chips along each axis>', generation one of v4, v5e, "
-  'v5p, v6e: e.g. v5e:2x2, v5e:4x4, v5p:2x2x1, v5p:4x4x4, v6e:8x8'
-)
-_TOPOLOGY_NAME = re.compile(r'^(v4|v5e|v5p|v6e|v5litepod)[:=_]([0-9]+(x[0-9]+){1,2})$')
-GIB = 2**30
-
-
-class AotError(ValueError):
-  """A compile-only request that cannot be served; the message says the fix."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Chip:
-  """Public per-chip figures: dense bf16 peak FLOP/s, HBM and its bandwidth."""
-
-  generation: str
-  peak_flops: float
-  hbm_bytes: int
-  hbm_bandwidth: float  # bytes/s
-
-
-CHIPS = {  # by the compile-only devices' device_kind
-  'TPU v4': Chip('v4', 275e12, 32 * GIB, 1.2e12),
-  'TPU v5 lite': Chip('v5e', 197e12, 16 * GIB, 8.19e11),
-  'TPU v5': Chip('v5p', 459e12, 95 * GIB, 2.765e12),
-  'TPU v6 lite': Chip('v6e', 918e12, 32 * GIB, 1.64e12),
-}
-
-
-@dataclasses.dataclass(frozen=True)
-class Topology:
-  name: str
-  num_slices: int
-  devices: list[Any]
-  chip: Chip
-  num_chips: int
-
-  @property
-  def devices_per_chip(self) -> int:
-    return len(self.devices) // self.num_chips
-
-  @property
-  def device_hbm_bytes(self) -> int:
-    return self.chip.hbm_bytes // self.devices_per_chip
-
-  @property
-  def device_peak_flops(self) -> float:
-    return self.chip.peak_flops / self.devices_per_chip
-
-
-def require_libtpu() -> None:
-  if importlib.util.find_spec('libtpu') is None:
-    raise AotError(
-      '--compile_only needs the TPU compiler, which the libtpu wheel holds, '
-      'and it is not installed: pip install -r requirements.txt (it pins '
-      "libtpu), or pip install -e '.[tpu]'."
-    )
-
-
-def get_topology(name: str, num_slices: int = 1) -> Topology:
-  """The compile-only devices of a TPU topology name (see TOPOLOGY_FORM)."""
-  match = _TOPOLOGY_NAME.match(name or '')
-  if match is None:
-    raise AotError(f'Unknown TPU topology {name!r}: the form is {TOPOLOGY_FORM}.')
-  if not isinstance(num_slices, int) or num_slices < 1:
-    raise AotError(f'--num_slices must be a positive integer, got {num_slices!r}.')
-  require_libtpu()
-  # libtpu otherwise asks a metadata server (absent off Cloud) and warns at start-up
-  # about the local host it will never run on; these describe no hardware.
-  os.environ.setdefault('TPU_SKIP_MDS_QUERY', '1')
-  os.environ.setdefault('TPU_WORKER_HOSTNAMES', 'localhost')
-  os.environ.setdefault('TPU_ACCELERATOR_TYPE', 'v5litepod-1')
-  # Compile-only: no chip is opened, so several processes (tests, a benchmark) may
-  # load libtpu at once; its lockfile would refuse all but the first.
-  os.environ.setdefault('ALLOW_MULTIPLE_LIBTPU_LOAD', '1')
-  # Imported here: it loads libtpu's plugin, which a CPU run never needs.
-  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
-
-  try:
-    desc = topologies.get_topology_desc(
-      platform='tpu', topology_name=name, num_slices=num_slices
-    )
-  except jax.errors.JaxRuntimeError as e:
-    reason = str(e).split('\n')[0]
-    raise AotError(
-      f'libtpu refused the TPU topology {name!r} ({reason}); the form is {TOPOLOGY_FORM}.'
-    ) from None
-  devices = list(desc.devices)
-  kind = devices[0].device_kind
-  if kind not in CHIPS:
-    raise AotError(
-      f'No chip figures for {kind!r} (topology {name!r}); known: {sorted(CHIPS)}.'
-    )
-  chips = math.prod(int(x) for x in match.group(2).split('x')) * num_slices
-  return Topology(name, num_slices, devices, CHIPS[kind], chips)
 
 
 def _structs(tree, shardings):
@@ -159,64 +59,61 @@ def _batch_structs(layout, rows: int, seq_len: int):
   return {'inputs': token, 'targets': token, 'weights': weight}
 
 
-def _decode_lowered(config, layout, mesh, rules):
-  """`sampling`'s one-token step lowered for a batch of `train.batch_size` rows and a
-  cache of `train.seq_len` slots."""
+def decode_lowered(config, mesh, rules, weights_dtype=None):
+  """`sampling`'s one-token step lowered on abstract inputs for a batch of
+  `train.batch_size` rows and a cache of `train.seq_len` slots: the parameters sharded
+  as training shards them, each layer's as its slice of the stack, the weight matrices
+  cast to `weights_dtype` when given (`sampling.serving_state`)."""
   cfg, rows, slots = config.model, config.train.batch_size, config.train.seq_len
-  abstract_model = nnx.eval_shape(lambda: model_lib.Transformer(cfg, rngs=nnx.Rngs(0)))
-  graphdef, abstract_state = nnx.split(abstract_model)
-  params = _structs(nnx.to_pure_dict(abstract_state), layout.state.params)
-  nnx.replace_by_pure_dict(abstract_state, params)
-  _, layer_state = nnx.split(abstract_model.layers)
-  stacked = params['layers']
-  unstacked = jax.tree.map(
-    lambda x: jax.ShapeDtypeStruct(
-      x.shape[1:], x.dtype, sharding=NamedSharding(mesh, P(*x.sharding.spec[1:]))
-    ),
-    stacked,
-  )
-  layers = []
-  for _ in range(cfg.num_layers):
-    one = jax.tree.map(lambda x: x, layer_state)
-    nnx.replace_by_pure_dict(one, unstacked)
-    layers.append(one)
-  cache = jax.eval_shape(
-    functools.partial(model_lib.Transformer.init_cache, abstract_model, rows, slots)
-  )
+  abstract = nnx.eval_shape(lambda: model_lib.Transformer(cfg, rngs=nnx.Rngs(0)))
+  graphdef, abstract_state = nnx.split(abstract)
+  specs = sharding.param_shardings(abstract_state, mesh, rules)  # a pure dict
 
-  def place(x, axes):
-    spec = sharding.logical_to_spec(axes, rules, mesh=mesh, shape=x.shape)
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
+  def served(state):
+    _, state, layers = sampling.serving_state(nnx.merge(graphdef, state), weights_dtype)
+    return nnx.to_pure_dict(state), tuple(nnx.to_pure_dict(x) for x in layers)
+
+  state_dict, layer_dicts = jax.eval_shape(served, abstract_state)
+  layer_specs = jax.tree.map(
+    lambda s: NamedSharding(mesh, P(*s.spec[1:])), specs['layers']
+  )
+  state = jax.tree.map(lambda x: x, abstract_state)
+  nnx.replace_by_pure_dict(state, _structs(state_dict, specs))
+  layers = []
+  for layer_dict in layer_dicts:
+    layer = jax.tree.map(lambda x: x, nnx.split(abstract.layers)[1])
+    nnx.replace_by_pure_dict(layer, _structs(layer_dict, layer_specs))
+    layers.append(layer)
+
+  def placed(shape, dtype, axes):
+    spec = sharding.logical_to_spec(axes, rules, mesh=mesh, shape=shape)
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
 
   cache = tuple(
     model_lib.KVCache(
-      place(c.keys_BNHS, model_lib.KEYS_AXES), place(c.values_BNSH, model_lib.VALUES_AXES)
+      placed(c.keys_BNHS.shape, c.keys_BNHS.dtype, model_lib.KEYS_AXES),
+      placed(c.values_BNSH.shape, c.values_BNSH.dtype, model_lib.VALUES_AXES),
     )
-    for c in cache
+    for c in jax.eval_shape(lambda: abstract.init_cache(rows, slots))
   )
-  row = jax.ShapeDtypeStruct(
-    (rows,),
-    jnp.int32,
-    sharding=NamedSharding(
-      mesh, sharding.logical_to_spec(('batch',), rules, mesh=mesh, shape=(rows,))
-    ),
-  )
-  scalar = lambda dtype: jax.ShapeDtypeStruct((), dtype, sharding=layout.replicated)
+  row = placed((rows,), jnp.int32, ('batch',))
+  replicated = NamedSharding(mesh, P())
+  scalar = lambda dtype: jax.ShapeDtypeStruct((), dtype, sharding=replicated)
   key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
   args = (
-    abstract_state,
+    state,
     tuple(layers),
     row,
     cache,
     scalar(jnp.int32),
     row,
-    jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=layout.replicated),
+    jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=replicated),
     scalar(jnp.float32),
     scalar(jnp.int32),
-    jax.ShapeDtypeStruct((1,), jnp.int32, sharding=layout.replicated),
-    jax.ShapeDtypeStruct((rows,), jnp.bool_, sharding=row.sharding),
+    jax.ShapeDtypeStruct((1,), jnp.int32, sharding=replicated),
+    placed((rows,), jnp.bool_, ('batch',)),
   )
-  with sharding.logical_rules(mesh, rules):  # traced here: constrain as in training
+  with sharding.logical_rules(mesh, rules):  # traced here: constrain as in serving
     return sampling._step.lower(graphdef, *args)  # pylint: disable=protected-access
 
 
@@ -362,7 +259,7 @@ def compile_report(
     'eval': lambda: train_lib.jit_eval_step(layout, graphdef=graphdef).lower(
       layout.abstract_state.params, batch
     ),
-    'decode': lambda: _decode_lowered(config, layout, mesh, rules),
+    'decode': lambda: decode_lowered(config, mesh, rules),
   }
   report = {
     'topology': topology,

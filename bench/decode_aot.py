@@ -29,17 +29,11 @@ import json
 import os
 import time
 
-import jax
-import jax.numpy as jnp
-from flax import nnx
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from attnres_jax import aot
 from attnres_jax import config as config_lib
 from attnres_jax import hlo_cost
 from attnres_jax import hlo_text
-from attnres_jax import model as model_lib
 from attnres_jax import modes as modes_lib
 from attnres_jax import sampling
 from attnres_jax import sharding
@@ -64,68 +58,6 @@ def row_config(mode: str, batch: int, context: int):
   config.train.update(seq_len=context, batch_size=batch)
   config.mesh.shape = (-1, 1, 1)  # data parallel over every chip
   return config
-
-
-def lowered_step(config, devices, weights_dtype):
-  """`sampling._step` lowered on abstract inputs placed on a mesh of `devices`: the
-  parameters sharded as training shards them, each layer's as its stacked slice, the
-  weight matrices cast to `weights_dtype` (`sampling.serving_state`)."""
-  cfg, rows, slots = config.model, config.train.batch_size, config.train.seq_len
-  mesh = sharding.make_mesh(config.mesh, devices=devices)
-  rules = sharding.rules_from_config(config.mesh)
-  abstract = nnx.eval_shape(lambda: model_lib.Transformer(cfg, rngs=nnx.Rngs(0)))
-  graphdef, abstract_state = nnx.split(abstract)
-  specs = sharding.param_shardings(abstract_state, mesh, rules)  # a pure dict
-
-  def served(state):
-    _, state, layers = sampling.serving_state(nnx.merge(graphdef, state), weights_dtype)
-    return nnx.to_pure_dict(state), tuple(nnx.to_pure_dict(x) for x in layers)
-
-  state_dict, layer_dicts = jax.eval_shape(served, abstract_state)
-  place = lambda tree, shardings: jax.tree.map(
-    lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
-  )
-  layer_specs = jax.tree.map(
-    lambda s: NamedSharding(mesh, P(*s.spec[1:])), specs['layers']
-  )
-  state = jax.tree.map(lambda x: x, abstract_state)
-  nnx.replace_by_pure_dict(state, place(state_dict, specs))
-  layers = []
-  for layer_dict in layer_dicts:
-    layer = jax.tree.map(lambda x: x, nnx.split(abstract.layers)[1])
-    nnx.replace_by_pure_dict(layer, place(layer_dict, layer_specs))
-    layers.append(layer)
-
-  def placed(shape, dtype, axes):
-    spec = sharding.logical_to_spec(axes, rules, mesh=mesh, shape=shape)
-    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
-
-  cache = tuple(
-    model_lib.KVCache(
-      placed(c.keys_BNHS.shape, c.keys_BNHS.dtype, model_lib.KEYS_AXES),
-      placed(c.values_BNSH.shape, c.values_BNSH.dtype, model_lib.VALUES_AXES),
-    )
-    for c in jax.eval_shape(lambda: abstract.init_cache(rows, slots))
-  )
-  row = placed((rows,), jnp.int32, ('batch',))
-  replicated = NamedSharding(mesh, P())
-  scalar = lambda dtype: jax.ShapeDtypeStruct((), dtype, sharding=replicated)
-  key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
-  args = (
-    state,
-    tuple(layers),
-    row,
-    cache,
-    scalar(jnp.int32),
-    row,
-    jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=replicated),
-    scalar(jnp.float32),
-    scalar(jnp.int32),
-    jax.ShapeDtypeStruct((1,), jnp.int32, sharding=replicated),
-    placed((rows,), jnp.bool_, ('batch',)),
-  )
-  with sharding.logical_rules(mesh, rules):  # traced here: constrain as in serving
-    return sampling._step.lower(graphdef, *args)  # pylint: disable=protected-access
 
 
 def _on_chip(type_str: str) -> bool:
@@ -194,7 +126,9 @@ def measure(mode, batch, context, weights_dtype, topo, dump_dir=None):
   config = row_config(mode, batch, context)
   config_lib.validate(config, num_devices=len(topo.devices))
   start = time.perf_counter()
-  compiled = lowered_step(config, topo.devices, weights_dtype).compile()
+  mesh = sharding.make_mesh(config.mesh, devices=topo.devices)
+  rules = sharding.rules_from_config(config.mesh)
+  compiled = aot.decode_lowered(config, mesh, rules, weights_dtype).compile()
   seconds = time.perf_counter() - start
   text = compiled.as_text()
   if dump_dir:  # the optimized HLO, to diff two modes
