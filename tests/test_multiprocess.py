@@ -39,14 +39,8 @@ MODEL = dict(
   residual='block',
   block_size=2,
 )
-TRAIN = dict(
-  learning_rate=1e-2,
-  warmup_steps=0,
-  schedule='constant',
-  eps=1e-3,
-  batch_size=8,
-  seq_len=24,
-)
+# The batch shape; the optimizer is the equality tests' (`conftest.equality_train_config`).
+TRAIN = dict(batch_size=8, seq_len=24)
 STEPS, SAVE_STEP = 3, 2
 TIMEOUT_S = 300
 
@@ -105,10 +99,10 @@ def _setup(mesh_shape, devices=None):
   """(model config, tx, graphdef, layout) of the equality runs."""
   from attnres_jax import checkpointing, optim, sharding, train  # pylint: disable=g-import-not-at-top
   from attnres_jax import config as config_lib  # pylint: disable=g-import-not-at-top
-  from conftest import train_config  # pylint: disable=g-import-not-at-top
+  from conftest import equality_train_config  # pylint: disable=g-import-not-at-top
 
   model_config = config_lib.model_config(**MODEL)
-  tx, _ = optim.make_optimizer(train_config(**TRAIN))
+  tx, _ = optim.make_optimizer(equality_train_config(**TRAIN))
   graphdef, _ = checkpointing.abstract_model(model_config)
   mesh = sharding.make_mesh(sharding.default_mesh_config(shape=mesh_shape), devices)
   layout = train.make_layout(model_config, tx, mesh, sharding.DEFAULT_RULES)
