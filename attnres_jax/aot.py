@@ -6,9 +6,9 @@ builds the config's mesh over the topology's devices, compiles the exact train s
 eval step and decode step (`train.jit_train_step`, `train.jit_eval_step`,
 `sampling`'s one-token step) on abstract inputs, and reports per step: memory per
 device against the chip's HBM, FLOPs, bytes accessed, the compiler's step-time
-estimate, the estimated MFU and the collectives, loops counted (`hlo_cost.py`: XLA's
-own totals count a loop body once). Memory is that of the program as configured
-(scanned layers: the memory a real run allocates).
+estimate, the estimated MFU and the collectives, loops counted (`hlo_cost.py` and
+`hlo_loops.py`: XLA's own totals count a loop body once). Memory is that of the
+program as configured (scanned layers: the memory a real run allocates).
 
 The topologies and their chips' figures are `tpu_topology`'s.
 """

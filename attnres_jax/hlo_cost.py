@@ -31,6 +31,7 @@ import math
 import re
 from typing import Any
 
+from attnres_jax import hlo_loops
 from attnres_jax import hlo_text
 
 COLLECTIVES = (
@@ -41,126 +42,21 @@ COLLECTIVES = (
   'all-to-all',
 )
 # No data of their own moves: structure, aliases, control.
-_FREE = {
-  'parameter',
-  'constant',
-  'get-tuple-element',
-  'tuple',
-  'bitcast',
-  'while',
-  'call',
-  'conditional',
-  'after-all',
-  'partition-id',
-  'replica-id',
-  'iota',
-  'opt-barrier',
-  'add-dependency',
-  'domain',
-  'copy-done',
-  'all-gather-done',
-  'all-reduce-done',
-  'collective-permute-done',
-  'async-done',
-  'async-update',
-  'send-done',
-  'recv-done',
-}
-_TRANSCENDENTAL = {
-  'exponential',
-  'exponential-minus-one',
-  'log',
-  'log-plus-one',
-  'rsqrt',
-  'sqrt',
-  'cbrt',
-  'tanh',
-  'logistic',
-  'sine',
-  'cosine',
-  'tan',
-  'power',
-  'atan2',
-  'erf',
-}
-_ARITHMETIC = {
-  'add',
-  'subtract',
-  'multiply',
-  'divide',
-  'maximum',
-  'minimum',
-  'negate',
-  'abs',
-  'compare',
-  'select',
-  'and',
-  'or',
-  'xor',
-  'not',
-  'sign',
-  'floor',
-  'ceil',
-  'round-nearest-afz',
-  'round-nearest-even',
-  'remainder',
-  'clamp',
-  'shift-left',
-  'shift-right-logical',
-  'shift-right-arithmetic',
-  'is-finite',
-}
-
-
-def trip_count(
-  computations, while_instr: hlo_text.Instruction, caller: hlo_text.Computation
-) -> int | None:
-  """A while loop's trip count: the compiler's `known_trip_count`, else from a
-  condition `counter < N` (or <=) with the counter's start a constant."""
-  known = re.search(r'"known_trip_count":\{"n":"(\d+)"', while_instr.attrs)
-  if known:
-    return int(known.group(1))
-  condition = hlo_text.Computation(computations[while_instr.called('condition')[0]])
-  root = condition.root
-  if root is None or root.opcode != 'compare':
-    return None
-  direction = re.search(r'direction=(\w+)', root.attrs)
-  lhs, rhs = (condition.by_name.get(o) for o in root.operands)
-  if lhs is None or rhs is None:
-    return None
-  if lhs.opcode == 'constant':
-    lhs, rhs = rhs, lhs
-    flipped = {'GT': 'LT', 'GE': 'LE'}.get(direction.group(1)) if direction else None
-  else:
-    flipped = direction.group(1) if direction else None
-  if lhs.opcode != 'get-tuple-element' or rhs.opcode != 'constant':
-    return None
-  limit = _constant_value(rhs)
-  index = int(re.search(r'index=(\d+)', lhs.attrs).group(1))
-  start = _start_value(caller, while_instr.operands[0], index)
-  if limit is None or start is None or flipped not in ('LT', 'LE'):
-    return None
-  return max(0, limit - start + (flipped == 'LE'))
-
-
-def _constant_value(instruction: hlo_text.Instruction) -> int | None:
-  try:
-    return int(instruction.operands[0])
-  except (ValueError, IndexError):
-    return None
-
-
-def _start_value(caller: hlo_text.Computation, tuple_name: str, index: int) -> int | None:
-  """The constant a while loop's tuple element starts from (through copies)."""
-  tuple_instr = caller.by_name.get(tuple_name)
-  if tuple_instr is None or tuple_instr.opcode != 'tuple':
-    return None
-  value = caller.by_name.get(tuple_instr.operands[index])
-  while value is not None and value.opcode in ('copy', 'bitcast'):
-    value = caller.by_name.get(value.operands[0])
-  return (
-    _constant_value(value) if value is not None and value.opcode == 'constant' else None
-  )
+_FREE = frozenset(
+  'parameter constant get-tuple-element tuple bitcast while call conditional after-all '
+  'partition-id replica-id iota opt-barrier add-dependency domain copy-done '
+  'all-gather-done all-reduce-done collective-permute-done async-done async-update '
+  'send-done recv-done'.split()
+)
+_TRANSCENDENTAL = frozenset(
+  'exponential exponential-minus-one log log-plus-one rsqrt sqrt cbrt tanh logistic '
+  'sine cosine tan power atan2 erf'.split()
+)
+_ARITHMETIC = frozenset(
+  'add subtract multiply divide maximum minimum negate abs compare select and or '
+  'xor not sign floor ceil round-nearest-afz round-nearest-even remainder clamp '
+  'shift-left shift-right-logical shift-right-arithmetic is-finite'.split()
+)
 
 
 def _fusion_operand_bytes(
@@ -424,54 +320,6 @@ def _kind(instruction: hlo_text.Instruction, computations) -> str:
   return 'matmul' if _contains_dot(instruction, computations) else 'other'
 
 
-def multiplicities(computations, entry: str) -> tuple[dict[str, float], list[str]]:
-  """How often each non-fused computation runs per call of the entry, and the while
-  loops whose trip count could not be read (counted once)."""
-  counts: dict[str, float] = collections.defaultdict(float)
-  counts[entry] = 1.0
-  unknown, order, seen = [], [], set()
-
-  def visit(name):  # callers before callees
-    if name in seen:
-      return
-    seen.add(name)
-    for instruction in computations[name]:
-      for key in (
-        'body',
-        'condition',
-        'to_apply',
-        'branch_computations',
-        'true_computation',
-        'false_computation',
-      ):
-        if instruction.opcode in ('while', 'call', 'conditional'):
-          for callee in instruction.called(key):
-            visit(callee)
-    order.append(name)
-
-  visit(entry)
-  for name in reversed(order):
-    computation = hlo_text.Computation(computations[name])
-    for instruction in computation.instructions:
-      if instruction.opcode == 'while':
-        n = trip_count(computations, instruction, computation)
-        if n is None:
-          unknown.append(instruction.name)
-          n = 1
-        counts[instruction.called('body')[0]] += counts[name] * n
-        counts[instruction.called('condition')[0]] += counts[name] * (n + 1)
-      elif instruction.opcode in ('call', 'conditional'):
-        for key in (
-          'to_apply',
-          'branch_computations',
-          'true_computation',
-          'false_computation',
-        ):
-          for callee in instruction.called(key):
-            counts[callee] += counts[name]
-  return dict(counts), unknown
-
-
 def analyze(
   text: str, peak_flops: float = 1.0, hbm_bandwidth: float = 1.0
 ) -> dict[str, Any]:
@@ -483,7 +331,7 @@ def analyze(
   `<name>_once` (every computation once, as XLA's totals count), collectives by kind,
   and the trip counts found."""
   computations, entry = hlo_text.parse_module(text)
-  counts, unknown = multiplicities(computations, entry)
+  counts, unknown = hlo_loops.multiplicities(computations, entry)
   totals = collections.defaultdict(float)
   collectives = {kind: {'count': 0.0, 'bytes': 0.0} for kind in COLLECTIVES}
   trips = []
@@ -515,7 +363,7 @@ def analyze(
         collectives[kind]['count'] += times
         collectives[kind]['bytes'] += times * _collective_bytes(instruction, computation)
       if instruction.opcode == 'while':
-        trips.append(trip_count(computations, instruction, computation))
+        trips.append(hlo_loops.trip_count(computations, instruction, computation))
   return dict(
     totals, collectives=collectives, while_trip_counts=trips, unknown_trip_counts=unknown
   )

@@ -33,6 +33,7 @@ import time
 from attnres_jax import aot
 from attnres_jax import config as config_lib
 from attnres_jax import hlo_cost
+from attnres_jax import hlo_loops
 from attnres_jax import hlo_text
 from attnres_jax import modes as modes_lib
 from attnres_jax import sampling
@@ -107,7 +108,7 @@ def _hbm_bytes(instruction, computation, computations) -> float:
 def hbm_costs(text: str, peak_flops: float, bandwidth: float) -> dict:
   """HBM bytes and their roofline seconds of an optimized TPU module, loops counted."""
   computations, entry = hlo_text.parse_module(text)
-  counts, _ = hlo_cost.multiplicities(computations, entry)
+  counts, _ = hlo_loops.multiplicities(computations, entry)
   totals = collections.Counter()
   for name, times in counts.items():
     computation = hlo_text.Computation(computations[name])
