@@ -33,6 +33,7 @@ from attnres_jax import checkpointing
 from attnres_jax import config as config_lib
 from attnres_jax import flops as flops_lib
 from attnres_jax import hlo_cost
+from attnres_jax import kv_cache
 from attnres_jax import model as model_lib
 from attnres_jax import optim
 from attnres_jax import pipeline
@@ -90,9 +91,9 @@ def decode_lowered(config, mesh, rules, weights_dtype=None):
     return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
 
   cache = tuple(
-    model_lib.KVCache(
-      placed(c.keys_BNHS.shape, c.keys_BNHS.dtype, model_lib.KEYS_AXES),
-      placed(c.values_BNSH.shape, c.values_BNSH.dtype, model_lib.VALUES_AXES),
+    kv_cache.KVCache(
+      placed(c.keys_BNHS.shape, c.keys_BNHS.dtype, kv_cache.KEYS_AXES),
+      placed(c.values_BNSH.shape, c.values_BNSH.dtype, kv_cache.VALUES_AXES),
     )
     for c in jax.eval_shape(lambda: abstract.init_cache(rows, slots))
   )

@@ -9,7 +9,6 @@ streams), how each sublayer's input is read from it and its output written to it
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -18,6 +17,7 @@ from flax import nnx
 
 from attnres_jax import config as config_lib
 from attnres_jax import depth
+from attnres_jax import kv_cache
 from attnres_jax import residuals
 from attnres_jax import sharding
 from attnres_jax import stack as stack_lib
@@ -61,77 +61,6 @@ def rotary_embedding(x_BTNH: Array, positions_BT: Array, theta: float) -> Array:
   return rotated.astype(x_BTNH.dtype)
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class KVCache:
-  """One layer's key/value cache for decoding, in the layouts the attention dots read
-  without a transpose: keys [B, N, H, S] (S: cache slots), values [B, N, S, H]."""
-
-  keys_BNHS: Array
-  values_BNSH: Array
-
-
-KEYS_AXES = ('batch', 'heads', 'head_dim', 'length')  # sharded like activations
-VALUES_AXES = ('batch', 'heads', 'length', 'head_dim')
-
-
-def shard_cache(cache: tuple[KVCache, ...], mesh, rules) -> tuple[KVCache, ...]:
-  """The cache placed on `mesh` like the activations (batch over data/fsdp, heads over
-  tensor under the default rules); a step under `sharding.logical_rules` keeps it so."""
-
-  def place(x, axes):
-    spec = sharding.logical_to_spec(axes, rules, mesh=mesh, shape=x.shape)
-    return jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))
-
-  return tuple(
-    KVCache(place(c.keys_BNHS, KEYS_AXES), place(c.values_BNSH, VALUES_AXES))
-    for c in cache
-  )
-
-
-def cached_attention(q_BTNH, k_BTNH, v_BTNH, cache: KVCache, cache_index, start_B):
-  """Attention of T new tokens (cache slots cache_index .. cache_index + T - 1) over the
-  cache after writing their keys and values into it, in place.
-
-  Slot s is visible to the query in slot t when start_B[b] <= s <= t: a row's slots
-  before `start_B` hold left padding. Returns (output [B, T, N, H], the new cache).
-  """
-  dtype = q_BTNH.dtype
-  keys_BNHS = jax.lax.dynamic_update_slice_in_dim(
-    cache.keys_BNHS,
-    k_BTNH.transpose(0, 2, 3, 1).astype(cache.keys_BNHS.dtype),
-    cache_index,
-    axis=3,
-  )
-  values_BNSH = jax.lax.dynamic_update_slice_in_dim(
-    cache.values_BNSH,
-    v_BTNH.transpose(0, 2, 1, 3).astype(cache.values_BNSH.dtype),
-    cache_index,
-    axis=2,
-  )
-  keys_BNHS = sharding.constrain(keys_BNHS, KEYS_AXES)
-  values_BNSH = sharding.constrain(values_BNSH, VALUES_AXES)
-  num_new, num_slots = q_BTNH.shape[1], keys_BNHS.shape[-1]
-  logits_BNTS = jnp.einsum(
-    'bnth,bnhs->bnts',
-    q_BTNH.transpose(0, 2, 1, 3),
-    keys_BNHS.astype(dtype),
-    preferred_element_type=jnp.float32,
-  )
-  logits_BNTS = logits_BNTS * q_BTNH.shape[-1] ** -0.5
-  slot_S = jnp.arange(num_slots)
-  query_slot_T = cache_index + jnp.arange(num_new)
-  visible_BTS = (slot_S[None, None, :] <= query_slot_T[None, :, None]) & (
-    slot_S[None, None, :] >= start_B[:, None, None]
-  )
-  # A finite floor, not -inf: a padding query sees no slot and gets uniform weights
-  # over masked (finite) values instead of NaN.
-  logits_BNTS = jnp.where(visible_BTS[:, None], logits_BNTS, jnp.finfo(jnp.float32).min)
-  probs_BNTS = jax.nn.softmax(logits_BNTS, axis=-1).astype(dtype)
-  out_BNTH = jnp.einsum('bnts,bnsh->bnth', probs_BNTS, values_BNSH.astype(dtype))
-  return out_BNTH.transpose(0, 2, 1, 3), KVCache(keys_BNHS, values_BNSH)
-
-
 class Attention(nnx.Module):
   """Causal multi-head self-attention with RoPE."""
 
@@ -156,12 +85,12 @@ class Attention(nnx.Module):
     self,
     x_BTD: Array,
     positions_BT: Array,
-    cache: KVCache | None = None,
+    cache: kv_cache.KVCache | None = None,
     cache_index=None,
     start_B=None,
   ):
     """Self-attention; with a cache (decoding), writes this call's keys and values at
-    `cache_index` and attends over the cache (`cached_attention`).
+    `cache_index` and attends over the cache (`kv_cache.cached_attention`).
 
     Returns the output, and the updated cache when one is given.
     """
@@ -177,7 +106,7 @@ class Attention(nnx.Module):
       out_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BTNH, v_BTNH, is_causal=True)
       out_BTD = jnp.einsum('btnh,nhd->btd', out_BTNH, self.out[...].astype(self.dtype))
     else:
-      out_BTNH, cache = cached_attention(
+      out_BTNH, cache = kv_cache.cached_attention(
         q_BTNH, k_BTNH, v_BTNH, cache, cache_index, start_B
       )
       # One [B T, N H] x [N H, D] dot: as an einsum over (n, h), XLA transposed the
@@ -231,7 +160,7 @@ class TransformerLayer(nnx.Module):
     which: int,
     h_BTD: Array,
     positions_BT: Array,
-    cache: KVCache | None = None,
+    cache: kv_cache.KVCache | None = None,
     cache_index=None,
     start_B=None,
   ):
@@ -303,13 +232,13 @@ class Transformer(nnx.Module):
     )
     return sharding.constrain(logits_BTV, ('batch', 'length', 'vocab'))
 
-  def init_cache(self, batch_size: int, max_length: int) -> tuple[KVCache, ...]:
+  def init_cache(self, batch_size: int, max_length: int) -> tuple[kv_cache.KVCache, ...]:
     """An empty KV cache: one `KVCache` per layer, `max_length` slots each."""
     cfg = self.cfg
     n, h = cfg.num_heads, cfg.d_model // cfg.num_heads
     dtype = _dtype(cfg.dtype)
     return tuple(
-      KVCache(
+      kv_cache.KVCache(
         jnp.zeros((batch_size, n, h, max_length), dtype),
         jnp.zeros((batch_size, n, max_length, h), dtype),
       )
@@ -328,11 +257,11 @@ class Transformer(nnx.Module):
   def decode(
     self,
     tokens_BT: Array,
-    cache: tuple[KVCache, ...],
+    cache: tuple[kv_cache.KVCache, ...],
     cache_index,
     start_B: Array | None = None,
     layers: tuple[nnx.State, ...] | None = None,
-  ) -> tuple[Array, tuple[KVCache, ...]]:
+  ) -> tuple[Array, tuple[kv_cache.KVCache, ...]]:
     """Logits for the tokens in cache slots cache_index .. cache_index + T - 1, using
     and extending the KV cache: a prompt prefill or a chunk of it (T > 1) or one
     generation step (T = 1).
@@ -365,27 +294,10 @@ class Transformer(nnx.Module):
     h_BTD, _ = self.final_read(carry)
     return self.head(h_BTD), cache
 
-  def __call__(
-    self,
-    tokens_BT: Array,
-    positions_BT: Array | None = None,
-    *,
-    collect_stats: bool = False,
-    stats_weights_BT: Array | None = None,
-  ):
-    """Logits [B, T, V] in float32; with `collect_stats`, also per-sublayer statistics.
-
-    Statistics (for analysis) are means over tokens, weighted by `stats_weights_BT`
-    (default: every token alike), returned stacked as [num_layers, 2, ...] (sublayer
-    order: attention, MLP; input and output RMS, and the residual's own, e.g. AttnRes
-    depth weights) plus the final read's (`Residual.final_statistics`) and input RMS.
-    """
-    return self.forward_embeddings(
-      self.embed(tokens_BT),
-      positions_BT,
-      collect_stats=collect_stats,
-      stats_weights_BT=stats_weights_BT,
-    )
+  def __call__(self, tokens_BT: Array, positions_BT: Array | None = None, **stats):
+    """Logits [B, T, V] in float32; with `collect_stats=True`, also per-sublayer
+    statistics (`forward_embeddings`, whose keyword arguments `stats` are)."""
+    return self.forward_embeddings(self.embed(tokens_BT), positions_BT, **stats)
 
   def forward_embeddings(
     self,
@@ -395,7 +307,14 @@ class Transformer(nnx.Module):
     collect_stats: bool = False,
     stats_weights_BT: Array | None = None,
   ):
-    """The model from token embeddings on (e.g. to differentiate wrt the inputs)."""
+    """The model from token embeddings on (e.g. to differentiate wrt the inputs).
+
+    With `collect_stats`, also per-sublayer statistics (for analysis): means over
+    tokens, weighted by `stats_weights_BT` (default: every token alike), returned
+    stacked as [num_layers, 2, ...] (sublayer order: attention, MLP; input and output
+    RMS, and the residual's own, e.g. AttnRes depth weights) plus the final read's
+    (`Residual.final_statistics`) and input RMS.
+    """
     if positions_BT is None:
       positions_BT = jnp.broadcast_to(jnp.arange(x_BTD.shape[1]), x_BTD.shape[:2])
     if collect_stats and stats_weights_BT is None:

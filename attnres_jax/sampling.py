@@ -2,7 +2,7 @@
 one-token step.
 
 Prompts of different lengths go in one batch, left-padded: each row's positions count
-from its first token and its padding slots are masked (`model.cached_attention`). The
+from its first token and its padding slots are masked (`kv_cache.cached_attention`). The
 cache has a fixed length (prompt + new tokens, rounded up to CACHE_ROUNDING) and is
 donated, so every step updates it in place; the layers' weights are passed one buffer
 per layer (`Transformer.decoding_layers`). The position, temperature and top_k are
@@ -307,19 +307,17 @@ def generate_text(
   prompt,
   max_new_tokens: int,
   *,
-  temperature: float = 1.0,
-  top_k: int | None = None,
-  seed: int = 0,
   add_separator: bool = False,
   tokenizer: tokenizer_lib.Tokenizer | None = None,
-  stop_tokens=(),
-  prefill_chunk: int | None = None,
-  weights_dtype=None,
+  **sampling_options,
 ):
   """The prompt's continuation as text, `max_new_tokens` tokens long (default
   tokenizer: bytes; a run's own is `data.make_tokenizer(config.data, workdir=...)`).
   An empty prompt starts a document. A list of prompts is generated as one batch and
-  gives a list of texts. `weights_dtype`: as in `generate`."""
+  gives a list of texts. `sampling_options`: `generate`'s keyword arguments
+  (temperature, top_k, seed, stop_tokens, prefill_chunk, weights_dtype)."""
+  if 'return_logits' in sampling_options:
+    raise TypeError('generate_text returns text only; use generate for the logits.')
   many = isinstance(prompt, (list, tuple))
   prompts = list(prompt) if many else [prompt]
   tokens = [
@@ -327,15 +325,7 @@ def generate_text(
     for p in prompts
   ]
   new_tokens = generate(
-    model,
-    tokens if many else tokens[0],
-    max_new_tokens,
-    temperature=temperature,
-    top_k=top_k,
-    seed=seed,
-    stop_tokens=stop_tokens,
-    prefill_chunk=prefill_chunk,
-    weights_dtype=weights_dtype,
+    model, tokens if many else tokens[0], max_new_tokens, **sampling_options
   )
   if not many:
     return decode_tokens(new_tokens, tokenizer)

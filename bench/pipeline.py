@@ -133,6 +133,21 @@ def tokens(batch_size: int) -> dict[str, np.ndarray]:
   }
 
 
+def plan_counts(plan, embedding: bool = False) -> dict:
+  """A transfer plan's counts: blocks sent (logical, eqs. 7-8), slots on the wire
+  (naive: the whole preallocated buffer, cached: the window) and the paper's naive
+  (the accumulated slots only); with `embedding`, the block counts with it too."""
+  counts = {}
+  counts['blocks_naive'], counts['blocks_cached'] = plan.block_transmissions()
+  if embedding:
+    counts['blocks_naive_with_embedding'], counts['blocks_cached_with_embedding'] = (
+      plan.block_transmissions(embedding=True)
+    )
+  counts['wire_slots_naive'], counts['wire_slots_cached'] = plan.wire_slots()
+  counts['accumulated_slots'] = plan.accumulated_slots()
+  return counts
+
+
 def communication() -> list[dict]:
   rows = []
   print(
@@ -184,9 +199,7 @@ def communication() -> list[dict]:
           row[f'{transfer}_shapes'] = [s for c in loop for s in c['shapes']]
         plan = pipeline_plan.transfer_plan(cfg, pipe)
         row['num_slots'], row['cached_slots'] = plan.num_slots, plan.width
-        row['blocks_naive'], row['blocks_cached'] = plan.block_transmissions()
-        row['wire_slots_naive'], row['wire_slots_cached'] = plan.wire_slots()
-        row['accumulated_slots'] = plan.accumulated_slots()
+        row.update(plan_counts(plan))
         # The paper's naive: the accumulated slots only, at the measured bytes a slot.
         row['paper_naive_bytes'] = (
           row['naive_bytes']
@@ -212,28 +225,16 @@ def communication() -> list[dict]:
       config_lib.model_config(num_layers=8, block_size=block_size),
       pipeline_plan.PipelineConfig(4, 2),
     )
-    naive, cached = plan.block_transmissions()
-    naive_b0, cached_b0 = plan.block_transmissions(embedding=True)
-    wire_naive, wire_cached = plan.wire_slots()
+    row = dict(part='fig3', setting=label, **plan_counts(plan, embedding=True))
     print(
-      f'P=4, V=2, {label}: blocks sent {naive} naive, {cached} cached (with the '
-      f'embedding {naive_b0}, {cached_b0}: {naive_b0 - cached_b0} removed); on the '
-      f'wire {wire_naive} slots preallocated, {plan.accumulated_slots()} accumulated, '
-      f'{wire_cached} cached.'
+      f'P=4, V=2, {label}: blocks sent {row["blocks_naive"]} naive, '
+      f'{row["blocks_cached"]} cached (with the embedding '
+      f'{row["blocks_naive_with_embedding"]}, {row["blocks_cached_with_embedding"]}: '
+      f'{row["blocks_naive_with_embedding"] - row["blocks_cached_with_embedding"]} '
+      f'removed); on the wire {row["wire_slots_naive"]} slots preallocated, '
+      f'{row["accumulated_slots"]} accumulated, {row["wire_slots_cached"]} cached.'
     )
-    rows.append(
-      dict(
-        part='fig3',
-        setting=label,
-        blocks_naive=naive,
-        blocks_cached=cached,
-        blocks_naive_with_embedding=naive_b0,
-        blocks_cached_with_embedding=cached_b0,
-        wire_slots_naive=wire_naive,
-        wire_slots_cached=wire_cached,
-        accumulated_slots=plan.accumulated_slots(),
-      )
-    )
+    rows.append(row)
   return rows
 
 

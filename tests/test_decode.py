@@ -221,7 +221,7 @@ SHARDED_MODEL = dict(
 
 def run_sharded_checks() -> dict:
   """Prefill + 3 one-token steps on a (2, 2, 2) mesh and on one device."""
-  from attnres_jax import model as model_lib  # pylint: disable=g-import-not-at-top
+  from attnres_jax import kv_cache  # pylint: disable=g-import-not-at-top
   from attnres_jax import sharding  # pylint: disable=g-import-not-at-top
 
   assert jax.device_count() == 8, jax.devices()
@@ -267,7 +267,7 @@ def run_sharded_checks() -> dict:
     nnx.replace_by_pure_dict(state, pure)
     sharded_model = nnx.merge(graphdef, state)
     layers_sharded = sharded_model.decoding_layers()
-    cache = model_lib.shard_cache(model.init_cache(4, 16), mesh, rules)
+    cache = kv_cache.shard_cache(model.init_cache(4, 16), mesh, rules)
     got, cache, decode = run(state, layers_sharded, cache, True)
     out[residual] = dict(
       max_abs_diff=float(np.max(np.abs(got - reference))),
