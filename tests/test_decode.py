@@ -19,7 +19,7 @@ from flax import nnx
 from attnres_jax import model_config
 from attnres_jax import sampling
 from attnres_jax import Transformer
-from conftest import assert_greedy_choices, assert_same_greedy_run
+from conftest import assert_greedy_choices, assert_same_greedy_run, child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -282,14 +282,10 @@ def run_sharded_checks() -> dict:
 
 @pytest.fixture(scope='module')
 def sharded_result():
-  env = dict(os.environ)
-  env['XLA_FLAGS'] = '--xla_force_host_platform_device_count=8'
-  env['PYTHONPATH'] = ROOT + os.pathsep + env.get('PYTHONPATH', '')
-  env.setdefault('JAX_PLATFORMS', 'cpu')
   proc = subprocess.run(
     [sys.executable, os.path.abspath(__file__)],
     cwd=ROOT,
-    env=env,
+    env=child_env(8),
     capture_output=True,
     text=True,
     timeout=600,

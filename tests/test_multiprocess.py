@@ -46,15 +46,9 @@ TIMEOUT_S = 300
 
 
 def _child_env(num_devices: int) -> dict[str, str]:
-  env = dict(os.environ)
-  env['XLA_FLAGS'] = (
-    f'--xla_force_host_platform_device_count={num_devices} '
-    '--xla_backend_optimization_level=0 '
-    '--xla_llvm_disable_expensive_passes=true'
-  )  # faster compiles
-  env['PYTHONPATH'] = ROOT + os.pathsep + env.get('PYTHONPATH', '')
-  env.setdefault('JAX_PLATFORMS', 'cpu')
-  return env
+  from conftest import child_env  # pylint: disable=g-import-not-at-top
+
+  return child_env(num_devices)
 
 
 def _free_port() -> int:
