@@ -35,6 +35,11 @@ def _saveable(primitive, *avals, **params) -> bool:
   return any(jnp.issubdtype(aval.dtype, jnp.inexact) for aval in avals)
 
 
+def keeping_float_residuals(fn):
+  """`fn` whose VJP keeps what `_saveable` allows and recomputes the rest."""
+  return jax.checkpoint(fn, policy=_saveable, prevent_cse=False)
+
+
 def make_stack(residual):
   """fn(graphdef, layer_state, x_BTD, positions_BT) -> the residual's final (buffer,
   inverse RMS); `residual` is an `attnres.AttnResResidual` (two-phase reads)."""
@@ -53,7 +58,7 @@ def make_stack(residual):
     def sublayer_vjp(which, state_k, h_BTD, positions_BT):
       apply = lambda s, h: functions[which](s, h, positions_BT)
       if not recompute_sublayers and cfg.remat != 'sublayer':
-        apply = jax.checkpoint(apply, policy=_saveable, prevent_cse=False)
+        apply = keeping_float_residuals(apply)
       return jax.vjp(apply, state_k, h_BTD)
 
     def forward(layer_state, x_BTD, positions_BT):
