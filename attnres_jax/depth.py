@@ -190,9 +190,17 @@ def phase1(
   max_QBT = jax.lax.stop_gradient(jnp.max(logits_QKBT, axis=1))
   exp_QKBT = jnp.exp(logits_QKBT - max_QBT[:, None])
   # A contraction, not multiply-and-reduce: XLA:CPU materialises the [Q, K, B, T, D]
-  # product of the latter (and of its gradient) when Q > 1.
-  out_QBTD = jnp.einsum(
-    'qkbt,kbtd->qbtd', exp_QKBT, buffer_KBTD, preferred_element_type=jnp.float32
+  # product of the latter (and of its gradient) when Q > 1. One contraction per query:
+  # batched over (b, t), one 'qkbt,kbtd->qbtd' contraction comes out as [B, T, Q, D],
+  # and the TPU compiler copies it to [Q, B, T, D] forward and backward (float32);
+  # each query's own contraction comes out in its consumer's layout.
+  out_QBTD = jnp.stack(
+    [
+      jnp.einsum(
+        'kbt,kbtd->btd', exp_KBT, buffer_KBTD, preferred_element_type=jnp.float32
+      )
+      for exp_KBT in exp_QKBT
+    ]
   )
   return max_QBT, jnp.sum(exp_QKBT, axis=1), out_QBTD.astype(out_dtype)
 

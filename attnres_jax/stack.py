@@ -225,32 +225,17 @@ def run_layers(
   return carry, (full_ys, tail_ys)
 
 
-def apply_layers(
-  residual,
-  graphdef,
-  layer_state,
-  x_BTD,
-  positions_BT,
-  *,
-  cfg,
-  collect_stats=False,
-  stats_weights_BT=None,
-):
+def apply_layers(residual, graphdef, layer_state, x_BTD, positions_BT, *, cfg, **stats):
   """Runs the stacked layers from the embedding; returns (final residual carry,
-  per-sublayer statistics [num_layers, 2, ...] or None; see `run_layers`)."""
+  per-sublayer statistics [num_layers, 2, ...] or None). `stats`: `run_layers`'
+  `collect_stats` and `stats_weights_BT`."""
+  collect_stats = stats.get('collect_stats', False)
   if collect_stats:
     residual = residual.for_statistics()
   if residual.custom_stack is not None and not collect_stats:
     return residual.custom_stack(graphdef, layer_state, x_BTD, positions_BT), None
   carry, ys = run_layers(
-    residual,
-    graphdef,
-    layer_state,
-    x_BTD,
-    positions_BT,
-    cfg=cfg,
-    collect_stats=collect_stats,
-    stats_weights_BT=stats_weights_BT,
+    residual, graphdef, layer_state, x_BTD, positions_BT, cfg=cfg, **stats
   )
   return carry, join_layers(ys)[1] if collect_stats else None
 

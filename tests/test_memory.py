@@ -1,5 +1,6 @@
 """The linear-memory backward pass equals plain autodiff; its memory is linear in depth."""
 
+import collections
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,6 +8,8 @@ import pytest
 from flax import nnx
 
 
+from attnres_jax import stack
+from attnres_jax.residuals import attnres_backward
 from conftest import tiny_model, with_config
 
 
@@ -61,6 +64,32 @@ def test_linear_memory_backward_equals_plain_autodiff(
   plain = gradients(model, linear_memory_backward=False, remat='none')
   linear = gradients(model, linear_memory_backward=True, remat=remat)
   assert_grads_close(linear, plain)
+
+
+def test_sublayer_vjp_keeps_no_boolean_residuals():
+  # The causal mask is built from iotas: plain `jax.vjp` of the attention sublayer
+  # keeps it as a boolean residual (which the custom backward's scan would stack per
+  # segment); under `keeping_float_residuals` it is recomputed, and every residual
+  # with a shape that it keeps is one plain autodiff keeps.
+  model = tiny_model('block', 2)
+  graphdef, state = nnx.split(model.layers)
+  layer = jax.tree.map(lambda x: x[0], state)
+  attention = stack.sublayer_function(graphdef, 0, remat=False)
+  h_BTD = jnp.ones((2, 12, model.cfg.d_model), jnp.float32)
+  positions_BT = jnp.broadcast_to(jnp.arange(12), (2, 12))
+
+  def residuals(fn):
+    """What the VJP closure holds (its leaves: the saved values), by shape and dtype."""
+    _, vjp_fn = jax.vjp(lambda s, h: fn(s, h, positions_BT), layer, h_BTD)
+    return collections.Counter((x.shape, str(x.dtype)) for x in jax.tree.leaves(vjp_fn))
+
+  plain = residuals(attention)
+  kept = residuals(attnres_backward.keeping_float_residuals(attention))
+  dropped = plain - kept
+  assert not kept - plain  # nothing saved that plain autodiff does not save
+  assert any(dtype == 'bool' for _, dtype in dropped)  # the mask (plain keeps it)
+  # Dropped besides: booleans and float scalars (constants), nothing with a shape.
+  assert all(dtype == 'bool' or shape == () for shape, dtype in dropped), dropped
 
 
 def assert_within_twice_the_rounding(linear, plain, exact):

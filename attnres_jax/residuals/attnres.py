@@ -8,7 +8,8 @@ the inner carry (`SegmentCarry`) and are written into the buffer when it ends.
 Two-phase reads run Phase 1 for the segment's Q = 2 G queries against the completed
 slots at its start, then merge the local slots per sublayer (Phase 2). One-shot reads
 (the reference, the ablations, the analysis statistics) read the buffer with the local
-slots in place. The linear-memory backward pass is `attnres_backward.py`.
+slots in place. The linear-memory backward pass is `attnres_backward.py`; the
+schedule's sizes, config checks and costs are `attnres_schedule.py`.
 """
 
 from __future__ import annotations
@@ -23,9 +24,13 @@ from attnres_jax import depth
 from attnres_jax import sharding
 from attnres_jax.residuals import attnres_backward
 from attnres_jax.residuals import attnres_reads
+from attnres_jax.residuals import attnres_schedule
 from attnres_jax.residuals import base
 
-READ_FLOPS_PER_SOURCE_AND_CHANNEL = 7  # key RMS 2d, logit 2d, weighted sum 2d, rest ~d
+# Schedule functions that other modules use through this one.
+block_size_of = attnres_schedule.block_size_of
+depth_read_sources = attnres_schedule.depth_read_sources
+whole_block_layers = attnres_schedule.whole_block_layers
 
 
 class DepthCarry(NamedTuple):
@@ -46,41 +51,6 @@ class SegmentCarry(NamedTuple):
   local_inv_rms_JBT: jax.Array
 
 
-def block_size_of(cfg) -> int:
-  """S in sublayers: 1 for Full, the configured size for Block."""
-  return 1 if cfg.residual == 'full' else cfg.block_size
-
-
-def depth_read_sources(cfg) -> int:
-  """Sources weighed by all reads of one token (the final read included)."""
-  num_sublayers, size = 2 * cfg.num_layers, block_size_of(cfg)
-  reads = [depth.num_valid_sources(l, size) for l in range(num_sublayers)]
-  reads.append(depth.num_slots(num_sublayers, size))  # the final read
-  if cfg.depth_window:
-    reads = [min(n, cfg.depth_window + 1) for n in reads]
-  return sum(reads)
-
-
-def default_segment_layers(num_layers: int, block_size: int) -> int:
-  """Layers per schedule segment when the config leaves it to us: the shortest that
-  covers whole blocks (2 G sublayers a multiple of block_size, so that every segment
-  has the same slot layout), and 2 layers for Full AttnRes.
-
-  Measured (`bench/memory.py`, d256 T256 B8, 16 layers, step time / standard):
-  Block S=2 1.12 / 1.27 / 1.37 with G = 1 / 2 / 4, Full 1.62 / 1.57 / 1.68. Longer
-  segments read the completed blocks less often but merge more local slots per
-  sublayer, unroll more layers in the scan body and keep more memory.
-  """
-  if block_size == 1:
-    return min(2 if num_layers % 2 == 0 else 1, num_layers)
-  return min(whole_block_layers(block_size), num_layers)
-
-
-def whole_block_layers(block_size: int) -> int:
-  """The fewest layers that cover whole blocks of `block_size` sublayers."""
-  return block_size // 2 if block_size % 2 == 0 else block_size
-
-
 @dataclasses.dataclass(frozen=True)
 class AttnResResidual(base.Residual):
   """Full and Block AttnRes (`cfg.residual` 'full' / 'block'); `one_shot`: every read
@@ -97,37 +67,7 @@ class AttnResResidual(base.Residual):
   # -- configuration and names ------------------------------------------------------
 
   def validate(self) -> None:
-    cfg = self.cfg
-    if cfg.residual == 'block' and (
-      not base.is_int(cfg.block_size) or cfg.block_size < 1
-    ):
-      base.invalid(
-        f'block_size is the number of sublayers per AttnRes block and must be an '
-        f'integer >= 1, got {cfg.block_size!r} (1 = Full AttnRes; >= 2 * '
-        'num_layers = one block).'
-      )
-    if cfg.ablations and cfg.depth_read == 'two_phase':
-      base.invalid(
-        f'depth_read="two_phase" computes the paper\'s softmax read only; the '
-        f'ablations {cfg.ablations} use the one-shot read: set depth_read="one_shot".'
-      )
-    if cfg.depth_dtype not in ('', 'bfloat16', 'float32'):
-      base.invalid(
-        f"depth_dtype must be '' (the compute dtype), 'bfloat16' or 'float32', got "
-        f'{cfg.depth_dtype!r}.'
-      )
-    layers = cfg.schedule_layers
-    if (
-      cfg.residual == 'block'
-      and layers
-      and layers < cfg.num_layers
-      and (2 * layers) % cfg.block_size
-    ):
-      base.invalid(
-        f'schedule_layers={layers} layers ({2 * layers} sublayers) does not cover '
-        f'whole blocks of block_size={cfg.block_size} sublayers; use a multiple of '
-        f'{whole_block_layers(cfg.block_size)} layers, num_layers, or 0.'
-      )
+    attnres_schedule.validate(self.cfg)
 
   @property
   def label(self) -> str:
@@ -161,7 +101,7 @@ class AttnResResidual(base.Residual):
     return (
       self.layers_per_segment
       or self.cfg.schedule_layers
-      or default_segment_layers(self.cfg.num_layers, self.block_size)
+      or attnres_schedule.default_segment_layers(self.cfg.num_layers, self.block_size)
     )
 
   @property
@@ -369,54 +309,13 @@ class AttnResResidual(base.Residual):
   # -- cost -------------------------------------------------------------------------
 
   def forward_flops(self) -> float:
-    cfg = self.cfg
-    d, num_sublayers = cfg.d_model, 2 * cfg.num_layers
-    total = READ_FLOPS_PER_SOURCE_AND_CHANNEL * d * depth_read_sources(cfg)
-    if cfg.residual == 'block':
-      total += d * num_sublayers  # the partial sums
-    if cfg.depth_query_input:
-      total += 2.0 * d * d * (num_sublayers + 1)
-    return float(total)
+    return attnres_schedule.forward_flops(self.cfg)
 
   def io_per_sublayer(self) -> tuple[float, float]:
-    """Phase 1, once per schedule segment, reads the completed slots and writes each
-    of the segment's 2G sublayers a partial output o (d wide); Phase 2 reads o and the
-    segment's valid local slots and writes h; the write reads f(h) (and the partial
-    sum it adds to) and writes the slot; the final read reads every slot and writes
-    h. One-shot reads read every valid slot and write h."""
-    num_sublayers, size, per_segment = (
-      2 * self.cfg.num_layers,
-      self.block_size,
-      self.segment_layers,
-    )
-    read = write = 0.0
-    for l in range(num_sublayers):
-      layer, which = divmod(l, 2)
-      segment, layer_in_segment = divmod(layer, per_segment)
-      _, num_local_valid = self.local_index(layer_in_segment, which)
-      first = self.first_local_slot(segment)  # the completed slots
-      if self.two_phase:
-        if layer_in_segment == 0 and which == 0:  # Phase 1 of the segment
-          queries = 2 * min(per_segment, self.cfg.num_layers - layer)
-          read, write = read + first, write + queries
-        read, write = read + 1 + num_local_valid, write + 1  # Phase 2
-      else:
-        read, write = read + first + num_local_valid, write + 1
-      adds = l % size != 0  # a partial sum: the slot is read, then written
-      read, write = read + 1 + adds, write + 1
-    read, write = read + self.num_slots, write + 1  # the final read
-    return read / num_sublayers, write / num_sublayers
+    return attnres_schedule.io_per_sublayer(self)
 
   def min_extra_per_sublayer(self) -> float:
-    """Block (S >= 2, N blocks): 6 + 2N/S; Full (segments of Q sublayers over L):
-    2(L/Q + Q) + 4/Q - 1 (`docs/method.md`, the derivation)."""
-    num_sublayers = 2 * self.cfg.num_layers
-    if self.block_size >= 2:
-      return (
-        6.0 + 2.0 * depth.num_blocks(num_sublayers, self.block_size) / self.block_size
-      )
-    q = 2 * min(self.segment_layers, self.cfg.num_layers)
-    return 2.0 * (num_sublayers / q + q) + 4.0 / q - 1.0
+    return attnres_schedule.min_extra_per_sublayer(self)
 
   # -- the pipeline -----------------------------------------------------------------
 

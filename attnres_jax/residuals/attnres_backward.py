@@ -24,6 +24,22 @@ from attnres_jax import sharding
 from attnres_jax import stack as stack_lib
 
 
+def _saveable(primitive, *avals, **params) -> bool:
+  """What the sublayer's VJP closure keeps: everything computed from a float value,
+  as plain autodiff keeps it. Values computed from integers and booleans alone (the
+  causal mask from iotas, position indices) are recomputed in the backward pass:
+  plain autodiff of a scan saves such loop-invariant values once, but a closure that
+  this backward's scan returns would stack them once per segment (for attention, a
+  boolean [B, N, T, T] mask per layer)."""
+  del primitive, params
+  return any(jnp.issubdtype(aval.dtype, jnp.inexact) for aval in avals)
+
+
+def keeping_float_residuals(fn):
+  """`fn` whose VJP keeps what `_saveable` allows and recomputes the rest."""
+  return jax.checkpoint(fn, policy=_saveable, prevent_cse=False)
+
+
 def make_stack(residual):
   """fn(graphdef, layer_state, x_BTD, positions_BT) -> the residual's final (buffer,
   inverse RMS); `residual` is an `attnres.AttnResResidual` (two-phase reads)."""
@@ -40,7 +56,10 @@ def make_stack(residual):
     recompute_sublayers = cfg.remat == 'layer'
 
     def sublayer_vjp(which, state_k, h_BTD, positions_BT):
-      return jax.vjp(lambda s, h: functions[which](s, h, positions_BT), state_k, h_BTD)
+      apply = lambda s, h: functions[which](s, h, positions_BT)
+      if not recompute_sublayers and cfg.remat != 'sublayer':
+        apply = keeping_float_residuals(apply)
+      return jax.vjp(apply, state_k, h_BTD)
 
     def forward(layer_state, x_BTD, positions_BT):
       def apply_sublayer(which, layer_in_segment, state_k, h_BTD, inner, extra):
