@@ -44,16 +44,17 @@ class GcsLease:
     bucket, _, name = self.path[len('gs://') :].partition('/')
     self._blob = _gcs_client().bucket(bucket).blob(name)
     previous, generation = self._read()
+    holder = lock_lib.describe(previous)
     if previous and previous.get('host') == socket.gethostname():
       pid = previous.get('pid')
       if isinstance(pid, int) and lock_lib.pid_alive(pid):
         raise lock_lib.WorkdirLockedError(
-          f'Workdir {workdir!r} is in use by {lock_lib.describe(previous)}; refusing to write '
-          f'into it. Wait for that process to finish or stop it (lease {self.path}).'
+          f'Workdir {workdir!r} is in use by {holder}; refusing to write into it. '
+          f'Wait for that process to finish or stop it (lease {self.path}).'
         )
       self.messages.append(
-        f'Taking over the stale lease of {lock_lib.describe(previous)}, no longer running; '
-        f'its run ended without releasing {self.path} (killed or crashed).'
+        f'Taking over the stale lease of {holder}, no longer running; its run ended '
+        f'without releasing {self.path} (killed or crashed).'
       )
     elif previous:
       why = lock_lib.lease_expired(
@@ -61,7 +62,7 @@ class GcsLease:
       )
       if why is None:
         raise lock_lib.WorkdirLockedError(
-          f'Workdir {workdir!r} is in use by {lock_lib.describe(previous)}, on another host, '
+          f'Workdir {workdir!r} is in use by {holder}, on another host, '
           + (
             'which renews its lease; refusing to write into it.'
             if lock_lib.renews(previous)
@@ -69,9 +70,7 @@ class GcsLease:
             f'that run is over, delete {self.path} and start again.'
           )
         )
-      self.messages.append(
-        f'Taking over the lease of {lock_lib.describe(previous)}: {why}.'
-      )
+      self.messages.append(f'Taking over the lease of {holder}: {why}.')
     self._record = dict(
       pid=os.getpid(),
       host=socket.gethostname(),
@@ -95,11 +94,16 @@ class GcsLease:
 
   def _read(self) -> tuple[dict[str, Any], int]:
     """(record, generation) of the lease object; ({}, 0) if there is none."""
-    blob = self._blob.bucket.get_blob(self._blob.name)
-    if blob is None:
-      return {}, 0
-    generation = int(blob.generation)
-    data = blob.download_as_bytes(if_generation_match=generation)  # of what was seen
+    while True:
+      blob = self._blob.bucket.get_blob(self._blob.name)
+      if blob is None:
+        return {}, 0
+      generation = int(blob.generation)
+      try:  # the content of the generation seen
+        data = blob.download_as_bytes(if_generation_match=generation)
+        break
+      except _precondition_failed():  # rewritten in between: read again
+        continue
     try:
       record = json.loads(data) if data.strip() else {}
     except ValueError:

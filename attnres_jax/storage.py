@@ -106,7 +106,7 @@ def write_text(path: str, text: str) -> None:
   """Writes `path` atomically: locally a temporary file, then a rename; on GCS one
   upload, which replaces the object whole."""
   if is_remote(path):
-    epath.Path(path).write_text(text)
+    _upload(path, text.encode())
     return
   tmp = f'{path}.tmp.{os.getpid()}'
   with open(tmp, 'w', encoding='utf-8') as f:
@@ -117,7 +117,7 @@ def write_text(path: str, text: str) -> None:
 def write_bytes(path: str, data: bytes) -> None:
   """Writes `path` atomically, as `write_text`."""
   if is_remote(path):
-    epath.Path(path).write_bytes(data)
+    _upload(path, data)
     return
   tmp = f'{path}.tmp.{os.getpid()}'
   with open(tmp, 'wb') as f:
@@ -125,12 +125,23 @@ def write_bytes(path: str, data: bytes) -> None:
   os.replace(tmp, path)
 
 
+def _upload(path: str, data: bytes) -> None:
+  """One object upload; any failure (gcsfs raises its own HttpError) is an OSError, as
+  a failed local write is, so a run stops on it with one line."""
+  try:
+    epath.Path(path).write_bytes(data)
+  except OSError:
+    raise
+  except Exception as e:  # pylint: disable=broad-except
+    raise OSError(f'Writing {path} failed: {type(e).__name__}: {e}') from e
+
+
 def append_text(path: str, text: str) -> None:
   """Appends `text` to `path` (fsync'd locally; on GCS the object is rewritten whole,
   as objects cannot be appended to)."""
   if is_remote(path):
     old = read_text(path) if exists(path) else ''
-    epath.Path(path).write_text(old + text)
+    _upload(path, (old + text).encode())
     return
   with open(path, 'a', encoding='utf-8') as f:
     f.write(text)

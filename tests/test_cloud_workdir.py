@@ -3,9 +3,10 @@
 `gcp_storage_emulator` serves GCS's JSON API on localhost; gcsfs and
 google-cloud-storage reach it through STORAGE_EMULATOR_HOST, TensorStore (orbax's
 array writes) through TENSORSTORE_GCS_HTTP_URL. The emulator ignores generation
-preconditions, which the lease relies on, so `_enforce_preconditions` adds GCS's rule
-to it: a write or delete with `ifGenerationMatch=g` fails with 412 unless the object
-is at generation g (0: absent). Everything a run writes goes through it: checkpoints
+preconditions, which the lease and TensorStore rely on, so `_enforce_preconditions`
+adds GCS's rule to it: a write or delete with `ifGenerationMatch=g` fails with 412
+unless the object is at generation g (0: absent); and its downloads get the
+`x-goog-generation` header GCS sends. Everything a run writes goes through it: checkpoints
 (TensorStore), config.json, metrics.jsonl, TensorBoard events, the lease and eval.py's
 outputs.
 """
@@ -44,33 +45,51 @@ pytestmark = pytest.mark.usefixtures('compilation_cache')
 BUCKET = 'bucket'
 
 
+# The emulator serves requests from threads; its handlers below run one at a time.
+_EMULATOR_LOCK = threading.Lock()
+
+
+def _generation(storage, request) -> str:
+  """The generation of the object a request names ('0': absent)."""
+  data = request.data
+  name = (
+    request.params.get('object_id')
+    or (request.query.get('name') or [None])[0]
+    or (data.get('meta', {}).get('name') if isinstance(data, dict) else None)
+  )
+  try:
+    return str(storage.get_file_obj(request.params['bucket_name'], name)['generation'])
+  except NotFound:
+    return '0'
+
+
 def _enforce_preconditions(handler):
-  """`handler` (an emulator insert or delete) that first checks `ifGenerationMatch`,
-  as GCS does, under one lock (the emulator serves requests from threads)."""
-  lock = threading.Lock()
+  """`handler` (an emulator insert or delete) that first checks `ifGenerationMatch`
+  as GCS does: 412 unless the object is at that generation (0: absent)."""
 
   def checked(request, response, storage, *args, **kwargs):
     wanted = request.query.get('ifGenerationMatch')
-    with lock:
-      if wanted:
-        data = request.data
-        name = (
-          request.params.get('object_id')
-          or (request.query.get('name') or [None])[0]
-          or (data.get('meta', {}).get('name') if isinstance(data, dict) else None)
-        )
-        try:
-          current = storage.get_file_obj(request.params['bucket_name'], name)
-          generation = str(current['generation'])
-        except NotFound:
-          generation = '0'
-        if generation != wanted[0]:
-          response.status = HTTPStatus.PRECONDITION_FAILED
-          response.json({'error': {'code': 412, 'message': 'conditionNotMet'}})
-          return None
+    with _EMULATOR_LOCK:
+      if wanted and _generation(storage, request) != wanted[0]:
+        response.status = HTTPStatus.PRECONDITION_FAILED
+        response.json({'error': {'code': 412, 'message': 'conditionNotMet'}})
+        return None
       return handler(request, response, storage, *args, **kwargs)
 
   return checked
+
+
+def _with_generation_header(download):
+  """The emulator's download, with the `x-goog-generation` header GCS sends (TensorStore
+  reads an object's generation from it before a conditional rewrite)."""
+
+  def handler(request, response, storage, *args, **kwargs):
+    with _EMULATOR_LOCK:
+      result = download(request, response, storage, *args, **kwargs)
+      response['x-goog-generation'] = _generation(storage, request)
+      return result
+
+  return handler
 
 
 @pytest.fixture(scope='module')
@@ -88,7 +107,11 @@ def gcs():
       f: _enforce_preconditions(f)
       for f in (emulator_objects.insert, emulator_objects.delete)
     }
-    mp.setattr(emulator_objects, 'insert', checked[emulator_objects.insert])
+    checked[emulator_objects.download] = _with_generation_header(
+      emulator_objects.download
+    )
+    for name in ('insert', 'download'):  # also called by name inside the emulator
+      mp.setattr(emulator_objects, name, checked[getattr(emulator_objects, name)])
     for _, handlers in emulator_server.HANDLERS:
       for method, handler in list(handlers.items()):
         if handler in checked:
@@ -269,3 +292,4 @@ def test_train_resume_and_eval_py_in_a_gs_workdir(gcs, tfds_dir, tmp_path, capsy
   assert record['bits_per_byte'] == pytest.approx(final['bits_per_byte'], rel=1e-5)
   names = {p.name for p in epath.Path(f'{workdir}/eval/step_8').iterdir()}
   assert {'eval.json', 'analysis.npz', 'magnitudes.png'} <= names
+  assert not epath.Path(f'{workdir}/{workdir_lib.LOCK_FILE}').exists()  # released
