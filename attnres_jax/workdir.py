@@ -1,6 +1,8 @@
 """One run per workdir: the workdir lock and the run-config guard.
 
-The lock (`lock.WorkdirLock`, re-exported here) keeps one run per workdir.
+The lock (`lock.WorkdirLock`, re-exported here; on gs:// the lease object
+`lease.GcsLease`) keeps one run per workdir. A workdir is a local path or gs://
+(`storage`); its files are read and written through `storage`.
 
 The run-config guard compares a resumed run's config with the saved `config.json`
 field by field (`config_changes`); see `HARMLESS_FIELDS` for what may change freely.
