@@ -38,7 +38,7 @@ from attnres_jax import metrics as metrics_lib
 from attnres_jax import train as train_lib
 from attnres_jax import workdir as workdir_lib
 from configs import default as default_config
-from tests.conftest import ROOT
+from conftest import ROOT
 
 pytestmark = pytest.mark.usefixtures('compilation_cache')
 
