@@ -25,7 +25,9 @@ from absl import logging
 from attnres_jax import analysis
 from attnres_jax import checkpointing
 from attnres_jax import data
+from attnres_jax import lease
 from attnres_jax import sampling
+from attnres_jax import storage
 from attnres_jax import workdir as workdir_lib
 
 _WORKDIR = flags.DEFINE_string(
@@ -78,7 +80,12 @@ def _check_flags() -> None:
 def _writable_dir(path: str) -> None:
   """Creates `path` and checks that a file can be written there (before any work)."""
   try:
-    workdir_lib.make_writable_dir(path)
+    if storage.is_remote(path):  # a probe object: a missing bucket fails here
+      probe = storage.join(path, f'.write_test.{os.getpid()}')
+      storage.write_text(probe, 'ok')
+      storage.remove(probe)
+    else:
+      workdir_lib.make_writable_dir(path)
   except OSError as e:
     raise app.UsageError(
       f'Cannot write the evaluation to {path}: {e}. Pass '
@@ -87,6 +94,9 @@ def _writable_dir(path: str) -> None:
 
 
 def _inside(path: str, directory: str) -> bool:
+  if storage.is_remote(path) or storage.is_remote(directory):
+    path, directory = storage.absolute(path), storage.absolute(directory)
+    return path == directory or path.startswith(directory + '/')
   path, directory = os.path.realpath(path), os.path.realpath(directory)
   return os.path.commonpath([path, directory]) == directory
 
@@ -107,7 +117,7 @@ def _evaluate(workdir: str, step: int):
   lock = None
   if _inside(out_dir, workdir):
     try:
-      lock = workdir_lib.WorkdirLock(os.path.abspath(workdir), 'eval.py')
+      lock = lease.acquire(storage.absolute(workdir), 'eval.py')
     except workdir_lib.WorkdirLockedError as e:
       raise app.UsageError(
         f'{e} To evaluate now, write elsewhere: --output_dir=DIR.'
@@ -119,10 +129,11 @@ def _evaluate(workdir: str, step: int):
       ) from e
     for message in lock.messages:
       print(f'WARNING: {message}')
+  # Empty directories this leaves behind are removed (a bucket has none).
+  existed = storage.is_remote(out_dir) or os.path.exists(out_dir)
   new_top = os.path.abspath(out_dir)  # the outermost directory this will create
-  while not os.path.exists(os.path.dirname(new_top)):
+  while not existed and not os.path.exists(os.path.dirname(new_top)):
     new_top = os.path.dirname(new_top)
-  existed = os.path.exists(out_dir)
   try:
     _writable_dir(out_dir)
     return analysis.evaluate_and_analyze(
@@ -146,6 +157,11 @@ def main(argv):
   if not flags.FLAGS['verbosity'].present:
     logging.set_verbosity(logging.WARNING)  # orbax logs every file at INFO
   _check_flags()
+  for path in (_WORKDIR.value or '', _OUTPUT_DIR.value or '', *argv[1:]):
+    try:
+      storage.check_supported(path, 'Directory')
+    except ValueError as e:
+      raise app.UsageError(str(e)) from None
   if _COMPARE.value:
     workdirs = argv[1:]
     if not workdirs:
@@ -154,7 +170,7 @@ def main(argv):
       w
       for w in workdirs
       if not any(
-        os.path.exists(os.path.join(w, name))
+        storage.exists(os.path.join(w, name))
         for name in (checkpointing.CONFIG_JSON, 'metrics.jsonl')
       )
     ]
@@ -163,9 +179,12 @@ def main(argv):
         f'Not run directories (no config.json or metrics.jsonl): '
         f'{", ".join(map(repr, not_runs))}.'
       )
-    parent = os.path.commonpath([os.path.abspath(w) for w in workdirs])
-    if len(workdirs) == 1 or parent == os.path.abspath(workdirs[0]):
-      parent = os.path.dirname(os.path.abspath(workdirs[0]))
+    if any(map(storage.is_remote, workdirs)):  # the first run's parent
+      parent = os.path.dirname(storage.absolute(workdirs[0]))
+    else:
+      parent = os.path.commonpath([os.path.abspath(w) for w in workdirs])
+      if len(workdirs) == 1 or parent == os.path.abspath(workdirs[0]):
+        parent = os.path.dirname(os.path.abspath(workdirs[0]))
     out_dir = _OUTPUT_DIR.value or os.path.join(parent, 'compare')
     print(analysis.compare_runs(workdirs, out_dir))
     print(f'Figures and compare.md in {out_dir}')
@@ -174,7 +193,7 @@ def main(argv):
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
   if _WORKDIR.value is None:
     raise app.UsageError('--workdir is required (or --compare DIR1 DIR2 ...).')
-  if not os.path.isfile(os.path.join(_WORKDIR.value, checkpointing.CONFIG_JSON)):
+  if not storage.exists(os.path.join(_WORKDIR.value, checkpointing.CONFIG_JSON)):
     raise app.UsageError(f'{_WORKDIR.value} is not a run directory (no config.json).')
 
   if _PROMPT.value is not None:

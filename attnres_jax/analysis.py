@@ -10,6 +10,7 @@ several runs' loss curves and magnitude profiles and tabulates their evaluations
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import time
@@ -27,6 +28,7 @@ from attnres_jax import model as model_lib
 from attnres_jax import plots
 from attnres_jax import residuals
 from attnres_jax import statistics
+from attnres_jax import storage
 
 Batch = Mapping[str, np.ndarray]
 
@@ -42,34 +44,34 @@ def write_analysis(
   arrays: Mapping[str, np.ndarray], cfg, out_dir: str, *, title: str | None = None
 ) -> list[str]:
   """analysis.npz and the figures of one model's statistics; returns the paths."""
-  os.makedirs(out_dir, exist_ok=True)
   arrays = dict(arrays)
   residual = residuals.make(cfg)
   if 'depth_weights' in residual.figures:
     arrays['valid_sources'] = statistics.valid_source_mask(cfg)[0]
-  files = [os.path.join(out_dir, ANALYSIS_NPZ)]
-  np.savez(files[0], **arrays)
-  name = (f'{title}: ' if title else '') + residual.label
-  files.append(
-    plots.plot_magnitudes(
-      arrays,
-      cfg,
-      os.path.join(out_dir, 'magnitudes.png'),
-      f'{name}: magnitudes across depth',
+  with storage.staged(out_dir) as local:  # gs://: written here, then uploaded
+    files = [os.path.join(local, ANALYSIS_NPZ)]
+    np.savez(files[0], **arrays)
+    name = (f'{title}: ' if title else '') + residual.label
+    files.append(
+      plots.plot_magnitudes(
+        arrays,
+        cfg,
+        os.path.join(local, 'magnitudes.png'),
+        f'{name}: magnitudes across depth',
+      )
     )
-  )
-  files.append(
-    plots.plot_grad_norms(
-      arrays['grad_norm'],
-      cfg,
-      os.path.join(out_dir, 'grad_norms.png'),
-      f'{name}: gradient norm per sublayer',
+    files.append(
+      plots.plot_grad_norms(
+        arrays['grad_norm'],
+        cfg,
+        os.path.join(local, 'grad_norms.png'),
+        f'{name}: gradient norm per sublayer',
+      )
     )
-  )
-  for figure in residual.figures:  # e.g. AttnRes depth weights, HC/mHC streams
-    draw, suffix = plots.FIGURES[figure]
-    files.append(draw(arrays, cfg, os.path.join(out_dir, f'{figure}.png'), name + suffix))
-  return files
+    for figure in residual.figures:  # e.g. AttnRes depth weights, HC/mHC streams
+      draw, suffix = plots.FIGURES[figure]
+      files.append(draw(arrays, cfg, os.path.join(local, f'{figure}.png'), name + suffix))
+  return [os.path.join(out_dir, os.path.basename(f)) for f in files]
 
 
 def analyze(
@@ -109,14 +111,12 @@ def eval_dir(workdir: str, step: int) -> str:
 def latest_eval_dir(workdir: str) -> str | None:
   """The evaluation directory of the highest evaluated step, or None."""
   root = os.path.join(workdir, EVAL_DIR)
-  if not os.path.isdir(root):
-    return None
   steps = [
     int(name[5:])
-    for name in os.listdir(root)
+    for name in storage.listdir(root)
     if name.startswith('step_')
     and name[5:].isdigit()
-    and os.path.exists(os.path.join(root, name, EVAL_JSON))
+    and storage.exists(os.path.join(root, name, EVAL_JSON))
   ]
   return eval_dir(workdir, max(steps)) if steps else None
 
@@ -201,20 +201,19 @@ def compare_runs(
     row: dict[str, Any] = {'run': name}
     latest = latest_eval_dir(workdir)
     if latest is not None:
-      with open(os.path.join(latest, EVAL_JSON), encoding='utf-8') as f:
-        row.update(json.load(f))
+      row.update(json.loads(storage.read_text(os.path.join(latest, EVAL_JSON))))
       row['run'] = name
       npz = os.path.join(latest, ANALYSIS_NPZ)
-      if os.path.exists(npz):
-        with np.load(npz) as data:
+      if storage.exists(npz):
+        with np.load(io.BytesIO(storage.read_bytes(npz))) as data:
           magnitudes[name] = {k: data[k] for k in data.files}
     rows.append(row)
-  os.makedirs(out_dir, exist_ok=True)
-  plots.plot_loss_curves(curves, os.path.join(out_dir, 'loss_curves.png'))
-  plots.plot_magnitude_overlay(magnitudes, os.path.join(out_dir, 'magnitudes.png'))
   table = markdown_table(rows)
-  with open(os.path.join(out_dir, 'compare.md'), 'w', encoding='utf-8') as f:
-    f.write(table)
+  with storage.staged(out_dir) as local:  # gs://: written here, then uploaded
+    plots.plot_loss_curves(curves, os.path.join(local, 'loss_curves.png'))
+    plots.plot_magnitude_overlay(magnitudes, os.path.join(local, 'magnitudes.png'))
+    with open(os.path.join(local, 'compare.md'), 'w', encoding='utf-8') as f:
+      f.write(table)
   return table
 
 
@@ -266,7 +265,7 @@ def evaluate_and_analyze(
   record = dict(
     metrics,
     run=name,
-    workdir=os.path.abspath(workdir),
+    workdir=storage.absolute(workdir),
     step=int(step),
     dataset=config.data.name,
     split=config.data.eval_split,
@@ -289,6 +288,5 @@ def evaluate_and_analyze(
       f'Evaluated {record["num_tokens"]} tokens but the split has '
       f'{record["split_tokens"]}: the eval batches do not cover the split exactly.'
     )
-  with open(os.path.join(out_dir, EVAL_JSON), 'w', encoding='utf-8') as f:
-    json.dump(record, f, indent=2)
+  storage.write_text(os.path.join(out_dir, EVAL_JSON), json.dumps(record, indent=2))
   return record

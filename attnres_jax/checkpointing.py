@@ -43,6 +43,7 @@ from attnres_jax import config as config_lib
 from attnres_jax import metrics
 from attnres_jax import model as model_lib
 from attnres_jax import quiet
+from attnres_jax import storage
 
 CONFIG_JSON = 'config.json'
 CHECKPOINTS = 'checkpoints'
@@ -58,22 +59,21 @@ class CheckpointRestoreError(RuntimeError):
 
 
 def checkpoint_dir(workdir: str) -> str:
-  return os.path.join(os.path.abspath(workdir), CHECKPOINTS)
+  return os.path.join(storage.absolute(workdir), CHECKPOINTS)
 
 
 def save_config(workdir: str, config: ml_collections.ConfigDict) -> None:
-  """Writes `config.json` atomically (write to a temporary file, then rename)."""
+  """Writes `config.json` atomically (a temporary file and a rename; on gs:// one
+  object upload)."""
   path = os.path.join(workdir, CONFIG_JSON)
-  tmp = path + '.tmp'
-  with open(tmp, 'w', encoding='utf-8') as f:
-    f.write(config.to_json(indent=2, sort_keys=True))
-  os.replace(tmp, path)
+  storage.write_text(path, config.to_json(indent=2, sort_keys=True))
 
 
 def load_config(workdir: str) -> ml_collections.ConfigDict:
   """The run's saved config; model fields added since it was saved get defaults."""
-  with open(os.path.join(workdir, CONFIG_JSON), encoding='utf-8') as f:
-    config = ml_collections.ConfigDict(json.load(f))
+  config = ml_collections.ConfigDict(
+    json.loads(storage.read_text(os.path.join(workdir, CONFIG_JSON)))
+  )
   if 'model' in config:
     config.model = ml_collections.ConfigDict(
       config_lib.ModelConfig.from_config(config.model).to_dict()
@@ -176,12 +176,12 @@ class Checkpointer:
     target_dir = os.path.join(os.path.dirname(self.directory), CORRUPT)
     target = os.path.join(target_dir, str(step))
     n = 1
-    while os.path.exists(target):
+    while storage.exists(target):
       target = os.path.join(target_dir, f'{step}.{n}')
       n += 1
     if jax.process_index() == 0:
-      os.makedirs(target_dir, exist_ok=True)
-      os.rename(os.path.join(self.directory, str(step)), target)
+      storage.makedirs(target_dir)
+      storage.rename(os.path.join(self.directory, str(step)), target)
     if jax.process_count() > 1:
       multihost_utils.sync_global_devices(f'checkpoint {step} moved aside')
     self.manager.reload()
@@ -219,14 +219,14 @@ class Checkpointer:
     return restored.params, restored.train_state['opt_state']
 
   def _has_digest(self, step: int) -> bool:
-    return os.path.isdir(os.path.join(self.directory, str(step), 'digest'))
+    return storage.isdir(os.path.join(self.directory, str(step), 'digest'))
 
   def data_process_count(self, step: int) -> int | None:
     """How many processes wrote the data iterator states of `step` (None: unknown)."""
     directory = os.path.join(self.directory, str(step), 'data')
     counts = {
       name.rsplit('-of-', 1)[-1].split('.')[0]
-      for name in (os.listdir(directory) if os.path.isdir(directory) else ())
+      for name in storage.listdir(directory)
       if name.startswith('process_') and '-of-' in name
     }
     return int(counts.pop()) if len(counts) == 1 else None
@@ -310,7 +310,7 @@ def newest_that_restores(workdir: str, steps, fn, say=metrics.say):
     except (CheckpointRestoreError, FileNotFoundError) as e:
       if i + 1 == len(steps):
         raise
-      gone = not os.path.isdir(os.path.join(checkpoint_dir(workdir), str(step)))
+      gone = not storage.isdir(os.path.join(checkpoint_dir(workdir), str(step)))
       say(
         f'WARNING: the checkpoint of step {step} '
         + (

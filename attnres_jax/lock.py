@@ -17,8 +17,10 @@ it with `fcntl.flock` and writes its pid, host, start time, purpose and lease in
     taken over with a message (a preempted job restarted on a new VM resumes
     unattended); one that is renewed while we wait is refused. A record without a
     lease (written by an older version) is refused until removed by hand.
-  * A multi-process run holds one lock: process 0 takes it (`train.py` calls this on
-    process 0 only and shares the outcome).
+  * A multi-process run holds one lock: process 0 takes it (`lease.lock_workdir`
+    takes it on process 0 only and shares the outcome).
+A gs:// workdir has no flock: there the lock is `lease.GcsLease`, the same record in
+an object whose every write is conditional on the generation read before it.
 """
 
 from __future__ import annotations
@@ -31,13 +33,10 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
-import jax
-import numpy as np
 from absl import logging
-from jax.experimental import multihost_utils
 
 from attnres_jax import metrics
 
@@ -56,7 +55,7 @@ def now() -> str:
   return datetime.datetime.now().astimezone().isoformat(timespec='seconds')
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
   try:
     os.kill(pid, 0)
   except ProcessLookupError:
@@ -87,34 +86,34 @@ class WorkdirLock:
           raise
         holder = _read_holder(fd)
         raise WorkdirLockedError(
-          f'Workdir {workdir!r} is in use by {_describe(holder)}; refusing to '
+          f'Workdir {workdir!r} is in use by {describe(holder)}; refusing to '
           f'write into it. Wait for that process to finish or stop it (lock file '
           f'{self.path}).'
         ) from None
       previous = _read_holder(fd)
       if previous and previous.get('host') != socket.gethostname():
-        why = _lease_expired(fd, previous, self.path)
+        why = lease_expired(lambda: _read_holder(fd), previous, previous, self.path)
         if why is None:
           fcntl.flock(fd, fcntl.LOCK_UN)
           raise WorkdirLockedError(
-            f'Workdir {workdir!r} is in use by {_describe(previous)}, on another '
+            f'Workdir {workdir!r} is in use by {describe(previous)}, on another '
             + (
               'host, which renews its lease; refusing to write into it.'
-              if _renews(previous)
+              if renews(previous)
               else f'host, whose liveness cannot be checked from here (its record has no '
               f'lease). If that run is over, delete {self.path} and start again.'
             )
           )
-        self.messages.append(f'Taking over the lock of {_describe(previous)}: {why}.')
+        self.messages.append(f'Taking over the lock of {describe(previous)}: {why}.')
       elif previous:
         pid = previous.get('pid')
         state = (
           'no longer running'
-          if not isinstance(pid, int) or not _pid_alive(pid)
+          if not isinstance(pid, int) or not pid_alive(pid)
           else 'not holding the lock (a new process with the same pid)'
         )
         self.messages.append(
-          f'Taking over the stale lock of {_describe(previous)}, {state}; its run '
+          f'Taking over the stale lock of {describe(previous)}, {state}; its run '
           f'ended without releasing {self.path} (killed or crashed).'
         )
       self._record = dict(
@@ -170,31 +169,34 @@ def _write_record(fd: int, record: Mapping[str, Any]) -> None:
   os.fsync(fd)
 
 
-def _renews(holder: Mapping[str, Any]) -> bool:
+def renews(holder: Mapping[str, Any]) -> bool:
   return all(
     isinstance(holder.get(k), (int, float)) for k in ('renewed', 'lease_seconds')
   )
 
 
-def _lease_expired(fd: int, holder: Mapping[str, Any], path: str) -> str | None:
+def lease_expired(
+  version: Callable[[], Any], seen: Any, holder: Mapping[str, Any], path: str
+) -> str | None:
   """Why the lock of `holder` (on another host) is stale, or None if it is live.
 
   Waits while the lease may still be renewed: the holder is alive if its record
-  changes, gone once `lease_seconds` passed since its last renewal. Host clocks must
+  changes (`version()`, the record or its generation, differs from `seen`), gone once
+  `lease_seconds` passed since its last renewal. Host clocks must
   agree to well within the lease (NTP does). A record without a lease is live.
   """
-  if not _renews(holder):
+  if not renews(holder):
     return None
   lease, renewed = holder['lease_seconds'], holder['renewed']
   if time.time() - renewed <= lease:
     metrics.say(
       f'{path}: waiting up to {lease - (time.time() - renewed):.0f} s for the '
-      f'lease of {_describe(holder)} to expire (it renews every '
+      f'lease of {describe(holder)} to expire (it renews every '
       f'{lease / 4:g} s while it runs).'
     )
   while time.time() - renewed <= lease:
     time.sleep(min(1.0, lease / 20))
-    if _read_holder(fd) != holder:
+    if version() != seen:
       return None
   return (
     f'its lease expired {time.time() - renewed - lease:.0f} s ago (last renewed '
@@ -212,7 +214,7 @@ def _read_holder(fd: int) -> dict[str, Any]:
     return {'unreadable': data[:80].decode(errors='replace')}
 
 
-def _describe(holder: Mapping[str, Any]) -> str:
+def describe(holder: Mapping[str, Any]) -> str:
   if not holder:
     return 'another process (no holder recorded yet)'
   if 'unreadable' in holder:
@@ -221,25 +223,3 @@ def _describe(holder: Mapping[str, Any]) -> str:
     f'pid {holder.get("pid")} on host {holder.get("host")} '
     f'({holder.get("purpose", "?")}, started {holder.get("started", "?")})'
   )
-
-
-def lock_workdir(workdir: str, purpose: str) -> WorkdirLock | None:
-  """Process 0 locks `workdir` for the run (one lock per run, not per process); every
-  process raises WorkdirLockedError if it could not. None on processes other than 0."""
-  lock, error = None, None
-  if jax.process_index() == 0:
-    try:
-      lock = WorkdirLock(workdir, purpose)
-    except WorkdirLockedError as e:
-      error = e
-  if jax.process_count() > 1:
-    locked = multihost_utils.broadcast_one_to_all(np.int32(error is None))
-    if not locked and error is None:
-      error = WorkdirLockedError(
-        f'Process 0 could not lock the workdir {workdir!r} (see its output).'
-      )
-  if error is not None:
-    raise error
-  for message in lock.messages if lock is not None else ():
-    metrics.say(f'WARNING: {message}')
-  return lock

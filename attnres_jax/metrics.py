@@ -11,16 +11,18 @@ writer of that segment first drops them: `metrics.jsonl` keeps the records of st
 TensorBoard events every minute and at every checkpoint, so a killed run can lose its
 last ones: the new segment re-writes the records of steps <= s that TensorBoard lacks
 from `metrics.jsonl`. Both files are written in the caller's thread: a full disk
-raises, never hangs.
+raises, never hangs. In a gs:// workdir, where objects cannot be appended to, both
+are uploaded whole at each flush (every minute, at every checkpoint and at the end).
 `read_tensorboard` reads the scalars back as TensorBoard shows them.
 """
 
 from __future__ import annotations
 
-import glob
 import json
 import math
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Mapping
 
@@ -30,6 +32,8 @@ from tensorboard.backend.event_processing import event_accumulator
 from tensorboardX import event_file_writer
 from tensorboardX.proto import event_pb2
 from tensorboardX.proto import summary_pb2
+
+from attnres_jax import storage
 
 JSONL = 'metrics.jsonl'
 TENSORBOARD = 'tensorboard'
@@ -55,17 +59,22 @@ class MetricWriter:
     self.jsonl_path = os.path.join(workdir, JSONL)
     self._tb = None
     self._jsonl = None
+    # gs://: the records, and a local copy of the event file, uploaded whole at each
+    # flush (objects cannot be appended to).
+    self._remote_lines = self._staging = None
     self._flushed = time.monotonic()
     if enabled:
       truncate_jsonl(workdir, resume_step)
       logdir = os.path.join(workdir, TENSORBOARD)
-      os.makedirs(logdir, exist_ok=True)
+      storage.makedirs(logdir)
       shown = read_tensorboard(workdir)
       # One event file per segment; the number keeps files of one second (same name
       # prefix) unique and in order, as TensorBoard reads them in name order.
-      segment = len(glob.glob(os.path.join(logdir, 'events.out.tfevents.*')))
+      segment = len(_event_files(logdir))
+      if storage.is_remote(workdir):
+        self._staging, self._logdir = tempfile.mkdtemp(prefix='tensorboard'), logdir
       self._tb = event_file_writer.EventsWriter(
-        os.path.join(logdir, 'events'), f'.{segment:04d}'
+        os.path.join(self._staging or logdir, 'events'), f'.{segment:04d}'
       )
       # TensorBoard drops the events of steps > resume_step read before this one.
       self._tb.write_event(
@@ -75,7 +84,10 @@ class MetricWriter:
           session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START),
         )
       )
-      self._jsonl = open(self.jsonl_path, 'a', encoding='utf-8')
+      if storage.is_remote(workdir):
+        self._remote_lines = [json.dumps(r) + '\n' for r in read_jsonl(workdir)]
+      else:
+        self._jsonl = open(self.jsonl_path, 'a', encoding='utf-8')
       shown = {
         (tag, step)
         for tag, values in shown.items()
@@ -86,7 +98,14 @@ class MetricWriter:
         for tag, value in record.items():
           if tag != 'step' and (tag, record['step']) not in shown:
             self._add_scalar(tag, float(value), record['step'])
-      self._tb.flush()
+      self._flush_events()
+
+  def _flush_events(self) -> None:
+    self._tb.flush()
+    if self._staging is not None:
+      local = self._tb._file_name  # pylint: disable=protected-access
+      with open(local, 'rb') as f:
+        storage.write_bytes(os.path.join(self._logdir, os.path.basename(local)), f.read())
 
   def _add_scalar(self, tag: str, value: float, step: int) -> None:
     self._tb.write_event(
@@ -108,15 +127,21 @@ class MetricWriter:
       value = float(value)
       record[tag] = value if math.isfinite(value) else str(value)
       self._add_scalar(tag, value, int(step))
-    self._jsonl.write(json.dumps(record) + '\n')
-    self._jsonl.flush()
+    if self._remote_lines is not None:
+      self._remote_lines.append(json.dumps(record) + '\n')
+    else:
+      self._jsonl.write(json.dumps(record) + '\n')
+      self._jsonl.flush()
     if time.monotonic() - self._flushed > FLUSH_SECONDS:
       self.flush()
 
   def flush(self) -> None:
     if self.enabled:
-      self._tb.flush()
-      self._jsonl.flush()
+      self._flush_events()
+      if self._remote_lines is not None:
+        storage.write_text(self.jsonl_path, ''.join(self._remote_lines))
+      else:
+        self._jsonl.flush()
       self._flushed = time.monotonic()
 
   def close(self) -> None:
@@ -124,12 +149,20 @@ class MetricWriter:
     has already stopped with that error)."""
     if not self.enabled:
       return
+    if self._staging is not None:
+      try:
+        self.flush()
+      except Exception as e:  # pylint: disable=broad-except
+        logging.error('Uploading the metrics of %s failed: %s', self.jsonl_path, e)
     self.enabled = False
     for closable in (self._tb, self._jsonl):
       try:
-        closable.close()
+        if closable is not None:
+          closable.close()
       except OSError as e:
         logging.error('Closing the metrics of %s failed: %s', self.jsonl_path, e)
+    if self._staging is not None:
+      shutil.rmtree(self._staging, ignore_errors=True)
 
   def __enter__(self):
     return self
@@ -151,10 +184,11 @@ def write_jsonl(path: str, records) -> None:
 def read_jsonl(workdir: str) -> list[dict]:
   """All records of `<workdir>/metrics.jsonl` (empty if there is none)."""
   path = os.path.join(workdir, JSONL)
-  if not os.path.exists(path):
+  if not storage.exists(path):
     return []
-  with open(path, encoding='utf-8') as f:
-    return [json.loads(line) for line in f if line.strip()]
+  return [
+    json.loads(line) for line in storage.read_text(path).splitlines() if line.strip()
+  ]
 
 
 def truncate_jsonl(workdir: str, after_step: int) -> None:
@@ -163,11 +197,9 @@ def truncate_jsonl(workdir: str, after_step: int) -> None:
   kept = [r for r in records if r['step'] <= after_step]
   if len(kept) == len(records):
     return
-  path = os.path.join(workdir, JSONL)
-  tmp = path + '.tmp'
-  with open(tmp, 'w', encoding='utf-8') as f:
-    f.writelines(json.dumps(r) + '\n' for r in kept)
-  os.replace(tmp, path)
+  storage.write_text(
+    os.path.join(workdir, JSONL), ''.join(json.dumps(r) + '\n' for r in kept)
+  )
 
 
 def read_tensorboard(workdir: str) -> dict[str, list[tuple[int, float]]]:
@@ -178,7 +210,7 @@ def read_tensorboard(workdir: str) -> dict[str, list[tuple[int, float]]]:
   and the truncated tail of a killed run's file is skipped.
   """
   logdir = os.path.join(workdir, TENSORBOARD)
-  if not glob.glob(os.path.join(logdir, 'events.out.tfevents.*')):
+  if not _event_files(logdir):
     return {}
   accumulator = event_accumulator.EventAccumulator(
     logdir, size_guidance={event_accumulator.SCALARS: 0}
@@ -188,6 +220,10 @@ def read_tensorboard(workdir: str) -> dict[str, list[tuple[int, float]]]:
     tag: [(e.step, e.value) for e in accumulator.Scalars(tag)]
     for tag in accumulator.Tags()[event_accumulator.SCALARS]
   }
+
+
+def _event_files(logdir: str) -> list[str]:
+  return [n for n in storage.listdir(logdir) if n.startswith('events.out.tfevents.')]
 
 
 def say(message: str, bar=None) -> None:

@@ -35,6 +35,7 @@ from attnres_jax import metrics as metrics_lib
 from attnres_jax import model as model_lib
 from attnres_jax import preemption
 from attnres_jax import sharding
+from attnres_jax import storage
 from attnres_jax import workdir as workdir_lib
 
 EVAL_FINAL_JSON = 'eval_final.json'
@@ -306,7 +307,8 @@ def train_and_evaluate(
   )  # a misspelt field fails here, not after locking
   data_lib.check_dataset(config.data)
   check_memory(config)
-  fresh = not os.path.exists(workdir)
+  storage.check_supported(workdir)  # before anything looks for it
+  fresh = not storage.exists(workdir)
   workdir = workdir_lib.make_workdir(workdir)
   lock = None
   try:

@@ -1,6 +1,8 @@
 """One run per workdir: the workdir lock and the run-config guard.
 
-The lock (`lock.WorkdirLock`, re-exported here) keeps one run per workdir.
+The lock (`lock.WorkdirLock`, re-exported here; on gs:// the lease object
+`lease.GcsLease`) keeps one run per workdir. A workdir is a local path or gs://
+(`storage`); its files are read and written through `storage`.
 
 The run-config guard compares a resumed run's config with the saved `config.json`
 field by field (`config_changes`); see `HARMLESS_FIELDS` for what may change freely.
@@ -13,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import socket
 from collections.abc import Iterable, Mapping, Sequence
@@ -25,12 +26,14 @@ import ml_collections
 from attnres_jax import checkpointing
 from attnres_jax import config as config_lib
 from attnres_jax import metrics
+from attnres_jax import lease as lease_lib
 from attnres_jax import lock as lock_lib
+from attnres_jax import storage
 
 # The lock's names, re-exported: callers say workdir.WorkdirLock, workdir.LOCK_FILE.
 LOCK_FILE, LEASE_SECONDS = lock_lib.LOCK_FILE, lock_lib.LEASE_SECONDS
 WorkdirLock, WorkdirLockedError = lock_lib.WorkdirLock, lock_lib.WorkdirLockedError
-lock_workdir = lock_lib.lock_workdir
+lock_workdir = lease_lib.lock_workdir
 
 CONFIG_HISTORY = 'config_history.jsonl'
 
@@ -151,10 +154,9 @@ def record_config_change(
     changes={f: {'old': old, 'new': new} for f, (old, new) in changes.items()},
     previous_config=previous_config,
   )
-  with open(os.path.join(workdir, CONFIG_HISTORY), 'a', encoding='utf-8') as f:
-    f.write(json.dumps(record, sort_keys=True) + '\n')
-    f.flush()
-    os.fsync(f.fileno())
+  storage.append_text(
+    os.path.join(workdir, CONFIG_HISTORY), json.dumps(record, sort_keys=True) + '\n'
+  )
 
 
 # -- a run's workdir, before it trains -------------------------------------------------
@@ -163,21 +165,24 @@ def record_config_change(
 def make_workdir(workdir: str) -> str:
   """Creates `workdir` and checks that it is writable; returns its absolute path.
 
-  A URL (`gs://bucket/run`) is refused: the lock, the run record and the metrics need
-  a file system; mount the bucket (gcsfuse) and pass the mount point instead.
+  `gs://bucket/run` is a workdir too (`storage`); another scheme is refused.
   """
-  scheme = re.match(r'^([A-Za-z][A-Za-z0-9+.-]*)://', workdir)
-  if scheme:
-    raise ValueError(
-      f'Workdir {workdir!r}: {scheme.group(1)}:// paths are not supported (the lock, '
-      'config.json and metrics.jsonl need a file system; they would go to a local '
-      f'directory named "{scheme.group(1)}:"). Use a local path or a mounted bucket '
-      '(e.g. gcsfuse).'
-    )
+  storage.check_supported(workdir)
   try:
+    if storage.is_remote(workdir):
+      return _check_writable_remote(storage.absolute(workdir))
     return make_writable_dir(workdir)
   except OSError as e:
     raise OSError(f'Workdir {workdir!r} is not writable: {e}') from e
+
+
+def _check_writable_remote(workdir: str) -> str:
+  """Writes and deletes a probe object in `workdir` (a missing bucket or permission
+  fails here, before any work); returns `workdir`."""
+  probe = os.path.join(workdir, f'.write_test.{socket.gethostname()}.{os.getpid()}')
+  storage.write_text(probe, 'ok')
+  storage.remove(probe)
+  return workdir
 
 
 def changes_training_data(field: str) -> bool:
@@ -238,15 +243,10 @@ def check_run_config(
   allowed = resolve_allowed(allow_config_change, flat_current)
   config_path = os.path.join(workdir, checkpointing.CONFIG_JSON)
   ckpt_dir = checkpointing.checkpoint_dir(workdir)
-  steps = (
-    [int(n) for n in os.listdir(ckpt_dir) if n.isdigit()]
-    if os.path.isdir(ckpt_dir)
-    else []
-  )
+  steps = [int(n) for n in storage.listdir(ckpt_dir) if n.isdigit()]
   changes, saved = {}, None
-  if steps and os.path.exists(config_path):
-    with open(config_path, encoding='utf-8') as f:
-      saved = json.load(f)
+  if steps and storage.exists(config_path):
+    saved = json.loads(storage.read_text(config_path))
     changes = config_changes(flatten(saved), flat_current, _model_defaults())
     model = sorted(f for f in changes if f.startswith('model.') and not is_harmless(f))
     if model:
@@ -273,25 +273,25 @@ def remove_if_unused(workdir: str, lock: lock_lib.WorkdirLock | None) -> None:
   """Releases `lock` and removes `workdir` (one this run created) if the run left
   nothing in it worth keeping: no checkpoint and no metrics record."""
   ckpt_dir = checkpointing.checkpoint_dir(workdir)
-  kept = (
-    os.path.isdir(ckpt_dir) and any(n.isdigit() for n in os.listdir(ckpt_dir))
-  ) or metrics.read_jsonl(workdir)
+  kept = any(n.isdigit() for n in storage.listdir(ckpt_dir)) or metrics.read_jsonl(
+    workdir
+  )
   if lock is not None:
     lock.release()
   if not kept and jax.process_index() == 0:
-    shutil.rmtree(workdir, ignore_errors=True)
+    storage.rmtree(workdir)
 
 
-def write_text(path: str, text: str) -> None:
-  """Writes `path` atomically (a temporary file, then a rename)."""
-  tmp = f'{path}.tmp.{os.getpid()}'
-  with open(tmp, 'w', encoding='utf-8') as f:
-    f.write(text)
-  os.replace(tmp, path)
+# Writes a file atomically, locally or on gs:// (a temporary file and a rename, or
+# one object upload).
+write_text = storage.write_text
 
 
 def check_disk_space(workdir: str, abstract_state) -> None:
-  """Warns if the workdir's file system has no room for one checkpoint."""
+  """Warns if the workdir's file system has no room for one checkpoint (a local
+  one: a bucket has no free-space figure)."""
+  if storage.is_remote(workdir):
+    return
   needed = sum(
     x.size * x.dtype.itemsize
     for x in jax.tree.leaves((abstract_state.params, abstract_state.opt_state))
