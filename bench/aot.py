@@ -26,31 +26,15 @@ from configs import default as default_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# (model fields, seq_len, sequences per chip); FSDP over all chips. 1B and 8B keep only
+# The model fields SIZE_FIELDS, then seq_len and sequences per chip. 1B and 8B keep only
 # each layer's input (remat='layer'): without, 1B needs 152 GB a v5p chip
 # (bench/results/aot_1b_v5p64_remat_none.json).
+SIZE_FIELDS = ('d_model', 'num_layers', 'num_heads', 'mlp_dim', 'remat')
 SIZES = {
-  '125m': (
-    dict(d_model=768, num_layers=12, num_heads=12, mlp_dim=2048, remat='none'),
-    2048,
-    8,
-  ),
-  '1b': (
-    dict(d_model=2048, num_layers=18, num_heads=16, mlp_dim=5632, remat='layer'),
-    4096,
-    4,
-  ),
-  # The depth-core shape (docs/results.md, "Depth core v3").
-  'd1024': (
-    dict(d_model=1024, num_layers=8, num_heads=8, mlp_dim=4096, remat='none'),
-    1024,
-    8,
-  ),
-  '8b': (
-    dict(d_model=4096, num_layers=32, num_heads=32, mlp_dim=14336, remat='layer'),
-    8192,
-    1,
-  ),
+  '125m': (768, 12, 12, 2048, 'none', 2048, 8),
+  '1b': (2048, 18, 16, 5632, 'layer', 4096, 4),
+  'd1024': (1024, 8, 8, 4096, 'none', 1024, 8),  # the depth core's (docs/results.md)
+  '8b': (4096, 32, 32, 14336, 'layer', 8192, 1),
 }
 TOPOLOGIES = {
   'v5p-8': 'v5p:2x2x1',
@@ -65,7 +49,8 @@ MESHES = {'fsdp': (1, -1, 1), 'data': (-1, 1, 1)}  # mesh.shape (data, fsdp, ten
 
 
 def row_config(mode: str, size: str, chips: int, mesh: str = 'fsdp'):
-  fields, seq_len, per_chip = SIZES[size]
+  *model_values, seq_len, per_chip = SIZES[size]
+  fields = dict(zip(SIZE_FIELDS, model_values))
   config = default_config.get_config()
   config.model.update(vocab_size=32768, dtype='bfloat16', **fields, **modes.fields(mode))
   config.train.update(seq_len=seq_len, batch_size=per_chip * chips)

@@ -148,13 +148,22 @@ def plan_counts(plan, embedding: bool = False) -> dict:
   return counts
 
 
+# The communication table's columns, each as wide as its title.
+COMM_COLUMNS = (
+  '  model| P| V|slots naive|slots cached|KiB prealloc|KiB paper|KiB cached|'
+  'prealloc/c|paper/c|blocks naive|blocks cached'
+).split('|')
+
+
+def comm_cell(title: str, value) -> str:
+  """`value` right-aligned under `title`: KiB with 1 decimal, ratios with 2."""
+  spec = '.1f' if title.startswith('KiB') else '.2f' if '/' in title else ''
+  return f'{value:>{len(title)}{spec}}'
+
+
 def communication() -> list[dict]:
   rows = []
-  print(
-    f'{"model":>7} {"P":>2} {"V":>2} {"slots naive":>11} {"slots cached":>12} '
-    f'{"KiB prealloc":>12} {"KiB paper":>9} {"KiB cached":>10} {"prealloc/c":>10} '
-    f'{"paper/c":>7} {"blocks naive":>12} {"blocks cached":>13}'
-  )
+  print(' '.join(COMM_COLUMNS))
   for residual in ('block', 'full'):
     cfg = model_config(residual, FLAGS.comm_layers)
     graphdef, _ = checkpointing.abstract_model(cfg)
@@ -210,15 +219,13 @@ def communication() -> list[dict]:
         row['ratio'] = row['naive_bytes'] / row['cached_bytes']
         row['paper_ratio'] = row['paper_naive_bytes'] / row['cached_bytes']
         rows.append(row)
-        print(
-          f'{residual:>7} {stages:>2} {virtual:>2} {plan.num_slots:>11} '
-          f'{plan.width:>12} {row["naive_bytes"] / 1024:>12.1f} '
-          f'{row["paper_naive_bytes"] / 1024:>9.1f} '
-          f'{row["cached_bytes"] / 1024:>10.1f} {row["ratio"]:>10.2f} '
-          f'{row["paper_ratio"]:>7.2f} '
-          f'{row["blocks_naive"]:>12} {row["blocks_cached"]:>13}',
-          flush=True,
-        )
+        kib = [
+          row[k] / 1024 for k in ('naive_bytes', 'paper_naive_bytes', 'cached_bytes')
+        ]
+        cells = [residual, stages, virtual, plan.num_slots, plan.width, *kib]
+        cells += [row['ratio'], row['paper_ratio'], row['blocks_naive']]
+        cells += [row['blocks_cached']]
+        print(' '.join(map(comm_cell, COMM_COLUMNS, cells)), flush=True)
   # Eqs. 7-8 at N_p = 1 (8 chunks of one block) and the paper's Fig. 3 (N_p = 1/2).
   for label, block_size in (('eqs. 7-8, N_p = 1', 2), ('Fig. 3, N_p = 1/2', 4)):
     plan = pipeline_plan.transfer_plan(
@@ -380,20 +387,12 @@ def tpu_rows() -> list[dict]:
       for label, stages, schedule in configurations:
         config = tpu_config(mode, chips, stages, schedule or 'remat')
         pipe = pipeline_plan.from_mesh_config(config.mesh)
-        row = dict(
-          part='tpu',
-          topology=topology,
-          model=mode,
-          configuration=label,
-          stages=stages,
-          schedule=schedule,
-          num_microbatches=pipe.num_microbatches if pipe else 1,
-          bubble=pipeline_plan.bubble_fraction(pipe) if pipe else 0.0,
-          d_model=FLAGS.tpu_d_model,
-          num_layers=FLAGS.tpu_layers,
-          seq_len=FLAGS.tpu_seq_len,
-          batch_size=config.train.batch_size,
-        )
+        row = dict(part='tpu', topology=topology, model=mode, configuration=label)
+        row.update(stages=stages, schedule=schedule)
+        row['num_microbatches'] = pipe.num_microbatches if pipe else 1
+        row['bubble'] = pipeline_plan.bubble_fraction(pipe) if pipe else 0.0
+        row.update(d_model=FLAGS.tpu_d_model, num_layers=FLAGS.tpu_layers)
+        row.update(seq_len=FLAGS.tpu_seq_len, batch_size=config.train.batch_size)
         try:
           report = aot.compile_report(config, topology, steps=('train',), check_hbm=False)
         except ValueError as e:  # the compiler's out-of-memory, said as a row

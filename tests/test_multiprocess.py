@@ -30,15 +30,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 MESH = (2, 2, 2)
-MODEL = dict(
-  vocab_size=256,
-  d_model=32,
-  num_layers=2,
-  num_heads=4,
-  mlp_dim=64,
-  residual='block',
-  block_size=2,
-)
+# conftest's tiny model, 2 layers of 4 heads (fields not given: TINY_MODEL's).
+MODEL = dict(num_layers=2, num_heads=4, residual='block', block_size=2)
 # The batch shape; the optimizer is the equality tests' (`conftest.equality_train_config`).
 TRAIN = dict(batch_size=8, seq_len=24)
 STEPS, SAVE_STEP = 3, 2
@@ -92,10 +85,9 @@ def _run_processes(
 def _setup(mesh_shape, devices=None):
   """(model config, tx, graphdef, layout) of the equality runs."""
   from attnres_jax import checkpointing, optim, sharding, train  # pylint: disable=g-import-not-at-top
-  from attnres_jax import config as config_lib  # pylint: disable=g-import-not-at-top
-  from conftest import equality_train_config  # pylint: disable=g-import-not-at-top
+  from conftest import equality_train_config, tiny_model_config  # pylint: disable=g-import-not-at-top
 
-  model_config = config_lib.model_config(**MODEL)
+  model_config = tiny_model_config(**MODEL)
   tx, _ = optim.make_optimizer(equality_train_config(**TRAIN))
   graphdef, _ = checkpointing.abstract_model(model_config)
   mesh = sharding.make_mesh(sharding.default_mesh_config(shape=mesh_shape), devices)

