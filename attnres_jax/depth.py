@@ -169,11 +169,12 @@ def phase1(
   """Phase 1: all Q queries against the first `num_valid` sources at once.
 
   The sources are normalised once for all queries and every query carries its own
-  gain. Returns the online-softmax statistics per query: max logit [Q, B, T] and sum
-  of exponentials [Q, B, T] in float32, the unnormalised output [Q, B, T, D]
-  accumulated in float32 and stored in `out_dtype` (bfloat16 halves its traffic: it
-  has float32's range, and its rounding, 2^-9 relative, is that of the stored
-  buffer).
+  gain. Returns, per query, its online-softmax statistics (max logit [B, T], sum of
+  exponentials [B, T], both float32; the unnormalised output [B, T, D] accumulated in
+  float32 and stored in `out_dtype`: bfloat16 halves its traffic, with float32's range
+  and the stored buffer's rounding, 2^-9 relative), a tuple of Q such tuples. The
+  outputs stay apart: stacked, they (and their cotangents) would be written once more
+  to a [Q, B, T, D] array and read back by each query's Phase 2.
   """
   folded_QD = queries_QD.astype(jnp.float32) * gains_QD.astype(jnp.float32)
   if inv_rms_KBT is None:
@@ -189,20 +190,22 @@ def phase1(
     logits_QKBT = jnp.where(mask_K[None, :, None, None], logits_QKBT, -jnp.inf)
   max_QBT = jax.lax.stop_gradient(jnp.max(logits_QKBT, axis=1))
   exp_QKBT = jnp.exp(logits_QKBT - max_QBT[:, None])
+  sum_QBT = jnp.sum(exp_QKBT, axis=1)
   # A contraction, not multiply-and-reduce: XLA:CPU materialises the [Q, K, B, T, D]
   # product of the latter (and of its gradient) when Q > 1. One contraction per query:
   # batched over (b, t), one 'qkbt,kbtd->qbtd' contraction comes out as [B, T, Q, D],
   # and the TPU compiler copies it to [Q, B, T, D] forward and backward (float32);
   # each query's own contraction comes out in its consumer's layout.
-  out_QBTD = jnp.stack(
-    [
+  return tuple(
+    (
+      max_QBT[q],
+      sum_QBT[q],
       jnp.einsum(
-        'kbt,kbtd->btd', exp_KBT, buffer_KBTD, preferred_element_type=jnp.float32
-      )
-      for exp_KBT in exp_QKBT
-    ]
+        'kbt,kbtd->btd', exp_QKBT[q], buffer_KBTD, preferred_element_type=jnp.float32
+      ).astype(out_dtype),
+    )
+    for q in range(queries_QD.shape[0])
   )
-  return max_QBT, jnp.sum(exp_QKBT, axis=1), out_QBTD.astype(out_dtype)
 
 
 def phase2(

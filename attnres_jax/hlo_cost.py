@@ -15,7 +15,8 @@ Per instruction of a non-fused computation (what runs as one kernel):
   bytes         operands read + result written, from HBM or on-chip memory, as XLA
                 counts "bytes accessed": a fusion's operand read only through a
                 dynamic-slice counts the slice; an in-place dynamic-update-slice
-                counts the update, not the buffer
+                counts the update, not the buffer; a custom call that only
+                reserves a buffer (AllocateBuffer) counts none
   cycles        the TPU compiler's own estimate of the kernel (`estimated_cycles` in its
                 backend config): scaled by the program's cycles-to-seconds ratio, the
                 compiler's step time with loops counted
@@ -48,6 +49,9 @@ _FREE = frozenset(
   'all-gather-done all-reduce-done collective-permute-done async-done async-update '
   'send-done recv-done'.split()
 )
+# Custom calls that move no data: AllocateBuffer reserves the buffer that in-place
+# updates (a scan's stacked outputs) then write; its result is never read as a copy.
+_FREE_CUSTOM_CALLS = frozenset({'AllocateBuffer'})
 _TRANSCENDENTAL = frozenset(
   'exponential exponential-minus-one log log-plus-one rsqrt sqrt cbrt tanh logistic '
   'sine cosine tan power atan2 erf'.split()
@@ -240,7 +244,7 @@ def _bytes(
   instruction: hlo_text.Instruction, computation: hlo_text.Computation, computations
 ) -> float:
   op = instruction.opcode
-  if op in _FREE:
+  if op in _FREE or _free_custom_call(instruction):
     return 0.0
   operand_bytes = [
     hlo_text.type_bytes(computation.type_of(o)) for o in instruction.operands
@@ -260,6 +264,15 @@ def _bytes(
   elif op.endswith('-start') and instruction.type_str.startswith('('):
     out = _start_output_bytes(instruction, operand_bytes)
   return sum(operand_bytes) + out
+
+
+def _free_custom_call(instruction: hlo_text.Instruction) -> bool:
+  target = re.search(r'custom_call_target="([^"]*)"', instruction.attrs)
+  return (
+    instruction.opcode == 'custom-call'
+    and target is not None
+    and target.group(1) in _FREE_CUSTOM_CALLS
+  )
 
 
 def _start_output_bytes(

@@ -44,6 +44,15 @@ def scan_or_loop(step, carry, xs, *, unroll: bool = False):
   return carry, jax.tree.map(lambda *y: jnp.stack(y), *ys)
 
 
+def layer_entry(per_layer, j: int):
+  """Layer `j`'s share of what `Residual.begin_segment` hands a segment's layers: the
+  `j`-th item of a list (one entry per layer, e.g. AttnRes's Phase 1 outputs, kept
+  apart so that none is stacked), else row `j` of every array (stacked over layers)."""
+  if isinstance(per_layer, list):
+    return per_layer[j]
+  return jax.tree.map(lambda x: x[j], per_layer)
+
+
 def token_mean(x_BT, token_weights_BT):
   """Weighted mean over tokens (a batch without weight gives 0)."""
   return jnp.sum(x_BT * token_weights_BT) / jnp.maximum(jnp.sum(token_weights_BT), 1e-30)
@@ -185,7 +194,7 @@ def run_layers(
       step = functools.partial(layer_step, j=j)
       if cfg.remat == 'layer':
         step = jax.checkpoint(step)
-      per_layer_j = jax.tree.map(lambda x: x[j], per_layer)
+      per_layer_j = layer_entry(per_layer, j)
       inner, ys_j = step(inner, state_j, per_layer_j, extra_j)
       ys.append(ys_j)
     return residual.end_segment(carry, inner, segment), tuple(ys)
@@ -263,7 +272,7 @@ def apply_layers_cached(
     )
     for j, state_j in enumerate(states):
       layer = nnx.merge(graphdef, state_j)
-      per_layer_j = jax.tree.map(lambda x, j=j: x[j], per_layer)
+      per_layer_j = layer_entry(per_layer, j)
       for which in SUBLAYERS:
         if which == 0:  # the attention sublayer also returns its updated cache
           branch = functools.partial(

@@ -253,3 +253,24 @@ def test_two_slices_put_the_data_axis_across_slices():
   np.testing.assert_array_equal(slice_of, [[0] * 4, [1] * 4])  # data: across slices
   with pytest.raises(ValueError, match='multiple of the 2 slices'):
     sharding.make_mesh(tiny_config(shape=(1, 8, 1)).mesh, devices=topo.devices)
+
+
+# The TPU compiler's shape of a buffer reservation (a scan's stacked outputs) next to a
+# custom call that reads and writes its arrays.
+_CUSTOM_CALLS_HLO = """
+HloModule m
+
+ENTRY %main (p: s32[8,1024]) -> (f32[8,1024,1024], s32[8,1024]) {
+  %p = s32[8,1024]{1,0} parameter(0)
+  %buffer = f32[8,1024,1024]{2,1,0} custom-call(), custom_call_target="AllocateBuffer"
+  %packed = s32[8,1024]{1,0} custom-call(%p), custom_call_target="Bitpack"
+  ROOT %t = (f32[8,1024,1024]{2,1,0}, s32[8,1024]{1,0}) tuple(%buffer, %packed)
+}
+"""
+
+
+def test_buffer_reservations_move_no_bytes_other_custom_calls_do():
+  """AllocateBuffer (32 MiB here) counts nothing; a custom call with data counts its
+  operand read and result written (32 KiB each)."""
+  costs = hlo_cost.analyze(_CUSTOM_CALLS_HLO)
+  assert costs['bytes'] == 2 * 8 * 1024 * 4

@@ -36,7 +36,7 @@ def test_phases_equal_the_one_shot_read(block_size, dtype):
   partial = jnp.zeros((2, 3, 16), dtype)
   outputs = spread_sources(keys[3], block_size, (2, 3, 16), 1e-2, 1e4).astype(dtype)
   for i in range(block_size):
-    mine = jax.tree.map(lambda x: x[i], phase1)
+    mine = phase1[i]
     h = depth.phase2(
       mine, partial[None], jnp.array([i > 0]), queries[i], gains[i], eps=1e-6
     )
@@ -72,10 +72,10 @@ def test_bfloat16_phase1_storage_is_within_its_rounding(block_size):
   stats = depth.phase1(
     buffer, queries, gains, eps=1e-6, num_valid=completed, out_dtype=jnp.bfloat16
   )
-  assert stats[2].dtype == jnp.bfloat16 and stats[0].dtype == jnp.float32
+  assert all(o.dtype == jnp.bfloat16 and m.dtype == jnp.float32 for m, _, o in stats)
   local = spread_sources(keys[3], 1, (2, 3, 16), 1e-2, 1e4).astype(jnp.bfloat16)
   for i in range(block_size):
-    mine = jax.tree.map(lambda x: x[i], stats)
+    mine = stats[i]
     h = depth.phase2(mine, local, jnp.array([i > 0]), queries[i], gains[i], eps=1e-6)
     sources = buffer[:completed]
     if i > 0:
@@ -117,7 +117,7 @@ def test_phase2_merges_several_local_sources():
   phase1 = depth.phase1(sources, queries, gains, eps=1e-6, num_valid=before)
   local = sources[before:]
   for q in range(4):
-    mine = jax.tree.map(lambda x: x[q], phase1)
+    mine = phase1[q]
     h = depth.phase2(mine, local, jnp.arange(4) < q, queries[q], gains[q], eps=1e-6)
     h_ref, _ = depth.attn_res_read(
       sources, queries[q], gains[q], eps=1e-6, num_valid=before + q

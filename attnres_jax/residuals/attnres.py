@@ -213,7 +213,8 @@ class AttnResResidual(base.Residual):
 
   def phase1(self, buffer_KBTD, params, first, inv_rms_KBT=None):
     """Phase 1 of a segment (its layers' stacked `params`) against the slots before
-    `first`: statistics per layer and sublayer, [G, 2, ...]."""
+    `first`: a list over its G layers of (attention, MLP) pairs of `depth.phase1`'s
+    per-query statistics, kept apart (no [G, 2, ...] stacks to write and read)."""
     num_layers = params.query.shape[0]
     queries_QD, gains_QD = self.segment_queries(params, num_layers)
     stats = depth.phase1(
@@ -225,13 +226,13 @@ class AttnResResidual(base.Residual):
       inv_rms_KBT=inv_rms_KBT,
       out_dtype=self.phase1_dtype,
     )
-    return jax.tree.map(lambda x: x.reshape(num_layers, 2, *x.shape[1:]), stats)
+    return [stats[2 * j : 2 * j + 2] for j in range(num_layers)]
 
   def read(self, inner: SegmentCarry, params, per_layer, layer_in_segment, which):
     _, num_local_valid = self.local_index(layer_in_segment, which)
     query_D, gain_D = params.query[...][which], params.gain[...][which]
     if self.two_phase:
-      mine = jax.tree.map(lambda x: x[which], per_layer)
+      mine = per_layer[which]
       h_BTD = self.merge(
         mine,
         inner.local_JBTD,

@@ -131,7 +131,7 @@ def make_stack(residual):
               embedding_BTD,
             )
 
-          mine = jax.tree.map(lambda x: x[j, which], stats)
+          mine = stats[j][which]
           h_BTD, read_vjp = jax.vjp(read, mine, view_JBTD, state_j, buffer_KBTD[0])
           if vjp_fn is None:
             _, vjp_fn = sublayer_vjp(which, state_j, h_BTD, positions_BT)
@@ -154,8 +154,7 @@ def make_stack(residual):
               if d_layer_states[j] is None
               else jax.tree.map(jnp.add, d_layer_states[j], d)
             )
-        d_stats[j] = jax.tree.map(lambda *x: jnp.stack(x), *d_stats_j)
-      d_stats = jax.tree.map(lambda *x: jnp.stack(x), *d_stats)
+        d_stats[j] = tuple(d_stats_j)  # as Phase 1 returned them: nothing stacked
       d_buffer_phase1, d_states_phase1 = phase1_vjp(d_stats)
       d_layer_states = jax.tree.map(jnp.add, tuple(d_layer_states), d_states_phase1)
       d_buffer_KBTD = d_buffer_KBTD + d_buffer_phase1
