@@ -117,7 +117,9 @@ class Residual:
     raise NotImplementedError
 
   def begin_segment(self, carry, params, segment):
-    """(the inner carry of a segment, per-layer values handed to its layers)."""
+    """(the inner carry of a segment, per-layer values handed to its layers: a list
+    with one entry per layer, or arrays stacked over the segment's layers; layer j
+    gets `stack.layer_entry(per_layer, j)`)."""
     del params, segment
     return carry, None
 
