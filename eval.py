@@ -80,12 +80,7 @@ def _check_flags() -> None:
 def _writable_dir(path: str) -> None:
   """Creates `path` and checks that a file can be written there (before any work)."""
   try:
-    if storage.is_remote(path):  # a probe object: a missing bucket fails here
-      probe = storage.join(path, f'.write_test.{os.getpid()}')
-      storage.write_text(probe, 'ok')
-      storage.remove(probe)
-    else:
-      workdir_lib.make_writable_dir(path)
+    workdir_lib.make_writable_dir(path)
   except OSError as e:
     raise app.UsageError(
       f'Cannot write the evaluation to {path}: {e}. Pass '

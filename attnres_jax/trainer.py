@@ -32,6 +32,7 @@ from attnres_jax import pipeline_plan
 from attnres_jax import preemption
 from attnres_jax import quiet
 from attnres_jax import sharding
+from attnres_jax import storage
 from attnres_jax import train as train_lib
 from attnres_jax import workdir as workdir_lib
 
@@ -339,7 +340,7 @@ class Trainer:
         split=self.config.data.eval_split,
         run_seconds=seconds,
       )
-      workdir_lib.write_text(
+      storage.write_text(
         os.path.join(self.workdir, train_lib.EVAL_FINAL_JSON), json.dumps(final, indent=2)
       )
     return train_lib.TrainResult(

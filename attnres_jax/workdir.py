@@ -57,14 +57,14 @@ HARMLESS_FIELDS = frozenset(
 
 
 def make_writable_dir(path: str) -> str:
-  """Creates `path` and writes a probe file there (so an unwritable directory fails
-  before any work); returns its absolute path. Raises OSError."""
-  path = os.path.abspath(os.path.expanduser(path))
-  os.makedirs(path, exist_ok=True)
+  """Creates `path` (local; a gs:// prefix needs no creating) and writes and deletes a
+  probe file there, so an unwritable directory, a missing bucket or a missing
+  permission fails before any work; returns its absolute path. Raises OSError."""
+  path = storage.absolute(path)
+  storage.makedirs(path)
   probe = os.path.join(path, f'.write_test.{socket.gethostname()}.{os.getpid()}')
-  with open(probe, 'w', encoding='utf-8') as f:
-    f.write('ok')
-  os.remove(probe)
+  storage.write_text(probe, 'ok')
+  storage.remove(probe)
   return path
 
 
@@ -169,20 +169,9 @@ def make_workdir(workdir: str) -> str:
   """
   storage.check_supported(workdir)
   try:
-    if storage.is_remote(workdir):
-      return _check_writable_remote(storage.absolute(workdir))
     return make_writable_dir(workdir)
   except OSError as e:
     raise OSError(f'Workdir {workdir!r} is not writable: {e}') from e
-
-
-def _check_writable_remote(workdir: str) -> str:
-  """Writes and deletes a probe object in `workdir` (a missing bucket or permission
-  fails here, before any work); returns `workdir`."""
-  probe = os.path.join(workdir, f'.write_test.{socket.gethostname()}.{os.getpid()}')
-  storage.write_text(probe, 'ok')
-  storage.remove(probe)
-  return workdir
 
 
 def changes_training_data(field: str) -> bool:
@@ -280,11 +269,6 @@ def remove_if_unused(workdir: str, lock: lock_lib.WorkdirLock | None) -> None:
     lock.release()
   if not kept and jax.process_index() == 0:
     storage.rmtree(workdir)
-
-
-# Writes a file atomically, locally or on gs:// (a temporary file and a rename, or
-# one object upload).
-write_text = storage.write_text
 
 
 def check_disk_space(workdir: str, abstract_state) -> None:
