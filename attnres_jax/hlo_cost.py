@@ -240,12 +240,14 @@ def _arithmetic(
   return 0.0, 0.0
 
 
-def _bytes(
+def kernel_bytes(
   instruction: hlo_text.Instruction, computation: hlo_text.Computation, computations
-) -> float:
+) -> tuple[list[float], float]:
+  """(bytes read of each operand, bytes written) of one kernel, by the rules in the
+  module docstring; nothing for an instruction that moves no data."""
   op = instruction.opcode
   if op in _FREE or _free_custom_call(instruction):
-    return 0.0
+    return [], 0.0
   operand_bytes = [
     hlo_text.type_bytes(computation.type_of(o)) for o in instruction.operands
   ]
@@ -263,7 +265,14 @@ def _bytes(
     operand_bytes[0], out = 0.0, operand_bytes[1]
   elif op.endswith('-start') and instruction.type_str.startswith('('):
     out = _start_output_bytes(instruction, operand_bytes)
-  return sum(operand_bytes) + out
+  return operand_bytes, out
+
+
+def _bytes(
+  instruction: hlo_text.Instruction, computation: hlo_text.Computation, computations
+) -> float:
+  reads, written = kernel_bytes(instruction, computation, computations)
+  return sum(reads) + written
 
 
 def _free_custom_call(instruction: hlo_text.Instruction) -> bool:

@@ -73,34 +73,17 @@ def _off_chip_share(type_str: str) -> float:
   return off_chip / total if total else 0.0
 
 
-# hlo_cost's per-kernel byte rules (its private helpers), less what lies in on-chip
-# memory.
-# pylint: disable=protected-access
 def _hbm_bytes(instruction, computation, computations) -> float:
-  """Bytes of one kernel that cross HBM (see the module docstring)."""
-  op = instruction.opcode
-  if op in hlo_cost._FREE:
-    return 0.0
-  types = [computation.type_of(o) for o in instruction.operands]
-  reads = [hlo_text.type_bytes(t) for t in types]
-  if op == 'copy-start':  # (destination, source, context) from the source operand
+  """Bytes of one kernel that cross HBM (see the module docstring): `hlo_cost`'s
+  per-kernel rule, less what lies in on-chip memory."""
+  if instruction.opcode == 'copy-start':  # (destination, source, context)
+    source = computation.type_of(instruction.operands[0])
     destination = hlo_text.split_top(instruction.type_str[1:-1])[0]
-    written = 0.0 if _on_chip(destination) else hlo_text.type_bytes(destination)
-    return (0.0 if _on_chip(types[0]) else reads[0]) + written
-  written = hlo_text.type_bytes(instruction.type_str)
-  if op == 'fusion':
-    fused = hlo_text.Computation(computations[instruction.called('calls')[0]])
-    reads = [
-      hlo_cost._fusion_operand_bytes(fused, k, b, computations)
-      for k, b in enumerate(reads)
-    ]
-    written = hlo_cost._fusion_output_bytes(fused)
-  elif op in ('dynamic-slice', 'slice'):
-    reads[0] = written
-  elif op == 'dynamic-update-slice':
-    reads[0], written = 0.0, reads[1]
-  elif op.endswith('-start') and instruction.type_str.startswith('('):
-    written = hlo_cost._start_output_bytes(instruction, reads)
+    return (0.0 if _on_chip(source) else hlo_text.type_bytes(source)) + (
+      0.0 if _on_chip(destination) else hlo_text.type_bytes(destination)
+    )
+  reads, written = hlo_cost.kernel_bytes(instruction, computation, computations)
+  types = [computation.type_of(o) for o in instruction.operands]
   off_chip_reads = sum(b for b, t in zip(reads, types) if not _on_chip(t))
   return off_chip_reads + written * _off_chip_share(instruction.type_str)
 
@@ -114,13 +97,10 @@ def hbm_costs(text: str, peak_flops: float, bandwidth: float) -> dict:
     computation = hlo_text.Computation(computations[name])
     for instruction in computation.instructions:
       moved = _hbm_bytes(instruction, computation, computations)
-      flops, _ = hlo_cost._arithmetic(instruction, computation, computations)
+      flops, _ = hlo_cost._arithmetic(instruction, computation, computations)  # pylint: disable=protected-access
       totals['hbm_bytes'] += times * moved
       totals['hbm_seconds'] += times * max(flops / peak_flops, moved / bandwidth)
   return dict(totals)
-
-
-# pylint: enable=protected-access
 
 
 def measure(mode, batch, context, weights_dtype, topo, dump_dir=None):
