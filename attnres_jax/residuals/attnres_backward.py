@@ -57,7 +57,7 @@ def make_stack(residual):
 
     def sublayer_vjp(which, state_k, h_BTD, positions_BT):
       apply = lambda s, h: functions[which](s, h, positions_BT)
-      if not recompute_sublayers and cfg.remat != 'sublayer':
+      if cfg.remat == 'none':  # under remat the closure keeps its own (less)
         apply = keeping_float_residuals(apply)
       return jax.vjp(apply, state_k, h_BTD)
 
