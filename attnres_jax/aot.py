@@ -33,6 +33,7 @@ from attnres_jax import checkpointing
 from attnres_jax import config as config_lib
 from attnres_jax import flops as flops_lib
 from attnres_jax import hlo_cost
+from attnres_jax import hlo_hbm
 from attnres_jax import kv_cache
 from attnres_jax import model as model_lib
 from attnres_jax import optim
@@ -155,11 +156,10 @@ def _summarize(compiled, seconds: float, topo: Topology, model_flops: float) -> 
   memory = compiled.memory_analysis()
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-  costs = hlo_cost.analyze(
-    compiled.as_text(),
-    topo.device_peak_flops,
-    topo.chip.hbm_bandwidth / topo.devices_per_chip,
-  )
+  text = compiled.as_text()
+  bandwidth = topo.chip.hbm_bandwidth / topo.devices_per_chip
+  costs = hlo_cost.analyze(text, topo.device_peak_flops, bandwidth)
+  hbm = hlo_hbm.hbm_costs(text, topo.device_peak_flops, bandwidth)
   compiler_seconds = float(cost.get('optimal_seconds', 0.0))
   step_seconds = hlo_cost.estimated_seconds(costs, compiler_seconds)
   total = (
@@ -185,6 +185,10 @@ def _summarize(compiled, seconds: float, topo: Topology, model_flops: float) -> 
     'transcendentals': costs['transcendentals'],
     'bytes_accessed': costs['bytes'],
     'bytes_async_copies': costs['bytes_async_copies'],
+    # What crosses HBM (on-chip operands and the on-chip side of prefetches left
+    # out, `hlo_hbm`) and a roofline over it, loops counted.
+    'hbm_bytes': hbm['hbm_bytes'],
+    'hbm_roofline_seconds': hbm['hbm_seconds'],
     'xla_flops_loops_once': float(cost.get('flops', 0.0)),
     'xla_bytes_loops_once': float(cost.get('bytes accessed', 0.0)),
     'xla_seconds_loops_once': compiler_seconds,

@@ -215,7 +215,7 @@ def _window_pairs(
   return pairs
 
 
-def _arithmetic(
+def arithmetic(
   instruction: hlo_text.Instruction, computation: hlo_text.Computation, computations
 ) -> tuple[float, float]:
   """(flops, transcendentals) of one instruction, inside fusions too."""
@@ -224,7 +224,7 @@ def _arithmetic(
     return _dot_flops(instruction, computation), 0.0
   if op == 'fusion':
     fused = hlo_text.Computation(computations[instruction.called('calls')[0]])
-    totals = [_arithmetic(i, fused, computations) for i in fused.instructions]
+    totals = [arithmetic(i, fused, computations) for i in fused.instructions]
     return sum(t[0] for t in totals), sum(t[1] for t in totals)
   if op in _TRANSCENDENTAL:
     return 0.0, float(hlo_text.elements(instruction.type_str))
@@ -360,7 +360,7 @@ def analyze(
   for name, times in counts.items():
     computation = hlo_text.Computation(computations[name])
     for instruction in computation.instructions:
-      flops, transcendentals = _arithmetic(instruction, computation, computations)
+      flops, transcendentals = arithmetic(instruction, computation, computations)
       moved = _bytes(instruction, computation, computations)
       cycles = re.search(r'"estimated_cycles":"(\d+)"', instruction.attrs)
       cycles = float(cycles.group(1)) if cycles else 0.0

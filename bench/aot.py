@@ -3,7 +3,9 @@ this host with libtpu (attnres_jax/aot.py). Per row: the train step's estimated 
 (the compiler's roofline, loops counted) and its ratio to the standard step's, MFU,
 HBM per device, temp memory / the standard's, bytes accessed, extra bytes over the
 standard's, that extra / the residual's floor (`Residual.min_extra_per_sublayer`,
-docs/method.md) and collective bytes.
+docs/method.md), collective bytes, and the bytes that cross HBM with the ratio of their
+roofline to the standard's (`hlo_hbm`: on-chip operands and prefetch copies' on-chip
+side left out, which "bytes accessed" counts).
 
   JAX_PLATFORMS=cpu python bench/aot.py --modes=standard,full --sizes=125m \\
       --topologies=v5p-8 --out=bench/results/aot.json
@@ -86,7 +88,7 @@ def main(argv=None):
   print(
     f'{"mode":<12}{"size":<6}{"topology":<9}{"est. ms":>9}{"vs std":>7}{"MFU":>6}'
     f'{"HBM GiB":>9}{"temp":>7}{"GB acc.":>9}{"extra":>7}{"/min":>6}'
-    f'{"coll. GB":>9}{"compile s":>10}  note'
+    f'{"coll. GB":>9}{"HBM GB":>8}{"x std":>7}{"compile s":>10}  note'
   )
   for topo_label in args.topologies.split(','):
     topology = TOPOLOGIES[topo_label]
@@ -142,6 +144,7 @@ def main(argv=None):
           f'{row["memory"]["total_bytes"] / aot.GIB:>9.1f}{temp:>7.2f}'
           f'{row["bytes_accessed"] / 1e9:>9.1f}{ratio("bytes_accessed") - 1:>+7.0%}'
           f'{"-" if floor is None else f"{floor:.1f}":>6}{coll:>9.2f}'
+          f'{row["hbm_bytes"] / 1e9:>8.1f}{ratio("hbm_roofline_seconds"):>7.2f}'
           f'{row["compile_seconds"]:>10.0f}  time: '
           + ', '.join(f'{k} {v:.0%}' for k, v in row['time_shares'].items()),
           flush=True,

@@ -24,7 +24,6 @@ compile takes about a minute on 2 cores.
 """
 
 import argparse
-import collections
 import json
 import os
 import time
@@ -33,8 +32,7 @@ import time
 from attnres_jax import aot
 from attnres_jax import config as config_lib
 from attnres_jax import hlo_cost
-from attnres_jax import hlo_loops
-from attnres_jax import hlo_text
+from attnres_jax import hlo_hbm
 from attnres_jax import modes as modes_lib
 from attnres_jax import sampling
 from attnres_jax import sharding
@@ -50,7 +48,6 @@ MODEL = dict(
   mlp_dim=4096,
   remat='none',
 )
-ON_CHIP = 'S(1)'  # the memory-space mark of an on-chip (VMEM) buffer in a TPU layout
 
 
 def row_config(mode: str, batch: int, context: int):
@@ -59,48 +56,6 @@ def row_config(mode: str, batch: int, context: int):
   config.train.update(seq_len=context, batch_size=batch)
   config.mesh.shape = (-1, 1, 1)  # data parallel over every chip
   return config
-
-
-def _on_chip(type_str: str) -> bool:
-  return ON_CHIP in type_str
-
-
-def _off_chip_share(type_str: str) -> float:
-  """The fraction of a (tuple) type's bytes that is not in on-chip memory."""
-  parts = hlo_text.split_top(type_str[1:-1]) if type_str.startswith('(') else [type_str]
-  total = sum(hlo_text.type_bytes(p) for p in parts)
-  off_chip = sum(hlo_text.type_bytes(p) for p in parts if not _on_chip(p))
-  return off_chip / total if total else 0.0
-
-
-def _hbm_bytes(instruction, computation, computations) -> float:
-  """Bytes of one kernel that cross HBM (see the module docstring): `hlo_cost`'s
-  per-kernel rule, less what lies in on-chip memory."""
-  if instruction.opcode == 'copy-start':  # (destination, source, context)
-    source = computation.type_of(instruction.operands[0])
-    destination = hlo_text.split_top(instruction.type_str[1:-1])[0]
-    return (0.0 if _on_chip(source) else hlo_text.type_bytes(source)) + (
-      0.0 if _on_chip(destination) else hlo_text.type_bytes(destination)
-    )
-  reads, written = hlo_cost.kernel_bytes(instruction, computation, computations)
-  types = [computation.type_of(o) for o in instruction.operands]
-  off_chip_reads = sum(b for b, t in zip(reads, types) if not _on_chip(t))
-  return off_chip_reads + written * _off_chip_share(instruction.type_str)
-
-
-def hbm_costs(text: str, peak_flops: float, bandwidth: float) -> dict:
-  """HBM bytes and their roofline seconds of an optimized TPU module, loops counted."""
-  computations, entry = hlo_text.parse_module(text)
-  counts, _ = hlo_loops.multiplicities(computations, entry)
-  totals = collections.Counter()
-  for name, times in counts.items():
-    computation = hlo_text.Computation(computations[name])
-    for instruction in computation.instructions:
-      moved = _hbm_bytes(instruction, computation, computations)
-      flops, _ = hlo_cost._arithmetic(instruction, computation, computations)  # pylint: disable=protected-access
-      totals['hbm_bytes'] += times * moved
-      totals['hbm_seconds'] += times * max(flops / peak_flops, moved / bandwidth)
-  return dict(totals)
 
 
 def measure(mode, batch, context, weights_dtype, topo, dump_dir=None):
@@ -121,7 +76,7 @@ def measure(mode, batch, context, weights_dtype, topo, dump_dir=None):
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   bandwidth = topo.chip.hbm_bandwidth / topo.devices_per_chip
   ours = hlo_cost.analyze(text, topo.device_peak_flops, bandwidth)
-  hbm = hbm_costs(text, topo.device_peak_flops, bandwidth)
+  hbm = hlo_hbm.hbm_costs(text, topo.device_peak_flops, bandwidth)
   return dict(
     mode=mode,
     batch=batch,

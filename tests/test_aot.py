@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from attnres_jax import aot
 from attnres_jax import hlo_cost
+from attnres_jax import hlo_hbm
 from attnres_jax import sharding
 from configs import default as default_config
 
@@ -274,3 +275,34 @@ def test_buffer_reservations_move_no_bytes_other_custom_calls_do():
   operand read and result written (32 KiB each)."""
   costs = hlo_cost.analyze(_CUSTOM_CALLS_HLO)
   assert costs['bytes'] == 2 * 8 * 1024 * 4
+
+
+# A weight prefetched into on-chip memory (S(1)) and read there by a fusion, beside a
+# fusion that reads an HBM operand: the TPU compiler's shapes of both.
+_PREFETCH_HLO = """
+HloModule m
+
+%fused (a: f32[1024,1024]) -> f32[1024,1024] {
+  %a = f32[1024,1024]{1,0} parameter(0)
+  ROOT %n = f32[1024,1024]{1,0} negate(%a)
+}
+
+ENTRY %main (w: f32[1024,1024]) -> (f32[1024,1024], f32[1024,1024]) {
+  %w = f32[1024,1024]{1,0} parameter(0)
+  %cs = (f32[1024,1024]{1,0:S(1)}, f32[1024,1024]{1,0}, u32[]{:S(2)}) copy-start(%w)
+  %cd = f32[1024,1024]{1,0:S(1)} copy-done(%cs)
+  %on_chip = f32[1024,1024]{1,0} fusion(%cd), kind=kLoop, calls=%fused
+  %off_chip = f32[1024,1024]{1,0} fusion(%w), kind=kLoop, calls=%fused
+  ROOT %t = (f32[1024,1024]{1,0}, f32[1024,1024]{1,0}) tuple(%on_chip, %off_chip)
+}
+"""
+
+
+def test_hbm_bytes_count_a_prefetched_weight_once():
+  """A 4 MiB weight copied on chip and read there crosses HBM once (the copy's read)
+  where "bytes accessed" counts it three times (read, on-chip write, on-chip read);
+  besides, both fusions write their 4 MiB results to HBM and the other one reads the
+  weight from HBM."""
+  mib4 = 1024 * 1024 * 4
+  assert hlo_cost.analyze(_PREFETCH_HLO)['bytes'] == (3 + 2 + 1) * mib4
+  assert hlo_hbm.hbm_costs(_PREFETCH_HLO)['hbm_bytes'] == (1 + 2 + 1) * mib4
