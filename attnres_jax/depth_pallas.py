@@ -5,26 +5,33 @@ Same contract as `depth.phase1`: Q queries (gains folded in) against the first
 and the sum of exponentials ([B, T], float32; the max stop-gradient) and the
 unnormalised output [B, T, D] in `out_dtype`.
 
-The kernels. The buffer is seen as [K, N, D] (N = B T tokens of this device) and the
-grid runs over token tiles of `tile` tokens (independent: 'parallel', so the two
-TensorCores of a megacore chip split them). Each program DMAs its [K, tile, D] block
-of the buffer into VMEM once and, slot by slot in float32,
+The kernels. Tokens are on the lanes: the buffer is read as [K, B, D, T], the layout
+the TPU compiler itself picks for the depth buffer (bf16[K, B, T, D]{2,3,1,0}), so
+the transposes around the kernels are layout changes, not copies, where it keeps
+that choice. The grid runs over (batch row, tile of T) ('parallel': a megacore chip
+splits it); each program DMAs its [K, D, tile] block of the buffer into VMEM once
+and, in float32, with a loop over slots (one slot's temporaries live at a time):
 
-  forward:   dot_qk = v_k . f_q (the MXU, f_q = w_q * g_q), r_k = 1 / RMS(v_k) (or the
+  forward:   dot_qk = f_q . v_k (the MXU, f_q = w_q * g_q), r_k = 1 / RMS(v_k) (or the
              carried r), l_qk = dot_qk r_k (-inf for k >= num_valid, a scalar-prefetch
-             operand), m_q = max_k l_qk, e_qk = exp(l_qk - m_q), s_q = sum_k e_qk,
-             o_q = sum_k e_qk v_k (each of the Q outputs its own [N, D] result);
+             operand), kept in VMEM scratch with their max m_q; then e_qk =
+             exp(l_qk - m_q), s_q = sum_k e_qk, o_q = sum_k e_qk v_k (each of the Q
+             outputs its own [B, D, T] result);
   backward:  the logits recomputed as above, then
              de_qk = <do_q, v_k> + ds_q,  dl_qk = e_qk de_qk,
              dv_k  = sum_q e_qk do_q + r_k sum_q dl_qk f_q - (r_k^3 / D) dr_k v_k
                      with dr_k = sum_q dl_qk dot_qk (the last term only when r is
                      recomputed; a carried r gets dr as its cotangent instead),
-             df_q  = sum_{k, tokens} dl_qk r_k v_k (per-tile partials, summed outside).
+             df_q  = sum_{k, tokens} dl_qk r_k v_k (per-program partials, summed
+             outside, then over the devices).
 
-HBM traffic from the BlockSpecs, per device: forward reads the buffer once (K N D
-elements) and writes Q N D outputs plus 2 Q N float32 statistics; backward reads the
-buffer and the Q output cotangents once and writes the buffer's cotangent once (K N
-D). Invalid slots (k >= num_valid) are still read (the block holds all K).
+HBM traffic from the BlockSpecs, per device: forward reads the buffer once (K B T D
+elements) and writes the Q outputs (Q B T D) and 2 Q B T float32 statistics;
+backward reads the buffer and the Q output cotangents once and writes the buffer's
+cotangent once (K B T D). Slots past num_valid are still read (the block holds all K).
+VMEM: the tile is the largest multiple of 128 tokens dividing T whose double-buffered
+blocks fit BLOCK_VMEM_BYTES; at 128 tokens, K = 33 slots of D = 1024 in bfloat16 need
+about 35 MB of blocks (v5p has 64 MiB of VMEM).
 
 Off the TPU (CPU tests, the default CPU run) the same kernels run in Pallas interpret
 mode; `jax.lax.platform_dependent` picks the version for the platform being lowered,
@@ -45,73 +52,97 @@ from jax.sharding import PartitionSpec as P
 
 from attnres_jax import sharding
 
-# VMEM for one program's double-buffered blocks (the tile is the largest that fits),
-# and the scoped VMEM limit asked of Mosaic (room for the float32 temporaries).
-BLOCK_VMEM_BYTES = 12 * 2**20
-VMEM_LIMIT_BYTES = 48 * 2**20
-MAX_TILE = 512
+# VMEM for one program's double-buffered blocks (the tile is the largest that fits,
+# at least 128 tokens), and the headroom asked of Mosaic for the float32 temporaries.
+BLOCK_VMEM_BYTES = 24 * 2**20
+TEMP_VMEM_BYTES = 32 * 2**20
+LANES = 128
 _NT = (((1,), (1,)), ((), ()))  # a . b^T
 _TN = (((0,), (0,)), ((), ()))  # a^T . b
 _HIGHEST = jax.lax.Precision.HIGHEST
+_SQ = pl.squeezed
 
 
-def choose_tile(num_tokens, num_slots, num_queries, dim, itemsize, out_itemsize):
-  """Tokens per program: the largest divisor of `num_tokens` (a multiple of 16, or all
-  of them) whose double-buffered backward blocks (buffer in, its cotangent out, the Q
-  output cotangents in) fit BLOCK_VMEM_BYTES."""
-  per_token = 2 * dim * (2 * num_slots * itemsize + num_queries * out_itemsize)
-  limit = max(16, min(MAX_TILE, BLOCK_VMEM_BYTES // per_token))
-  if num_tokens <= limit:
-    return num_tokens
-  for tile in range(limit - limit % 16, 0, -16):
-    if num_tokens % tile == 0:
-      return tile
-  return num_tokens  # no multiple of 16 divides it: one block (tiny shapes only)
+def block_bytes(tile, num_slots, num_queries, dim, itemsize, out_itemsize):
+  """VMEM of the backward's double-buffered blocks for `tile` tokens: the buffer in,
+  its cotangent out, the Q output cotangents in."""
+  return 2 * tile * dim * (2 * num_slots * itemsize + num_queries * out_itemsize)
 
 
-def _logits(nv, folded_QD, buf_ref, rms_ref, num_slots, dim, eps):
-  """Per slot: (values [t, D], dots [t, Q], inverse RMS [t, 1], masked logits [t, Q])
-  float32, and the running max [t, Q]."""
-  slots, max_tQ = [], None
-  for k in range(num_slots):
-    v_tD = buf_ref[k].astype(jnp.float32)
-    dots_tQ = jax.lax.dot_general(
-      v_tD, folded_QD, _NT, precision=_HIGHEST, preferred_element_type=jnp.float32
+def choose_tile(length, num_slots, num_queries, dim, itemsize, out_itemsize):
+  """Tokens per program along T (the lane axis): the largest multiple of 128 dividing
+  `length` whose blocks fit BLOCK_VMEM_BYTES (at least 128), or all of T when no
+  multiple of 128 divides it."""
+  fits = [
+    tile
+    for tile in range(LANES, length + 1, LANES)
+    if length % tile == 0
+    and block_bytes(tile, num_slots, num_queries, dim, itemsize, out_itemsize)
+    <= BLOCK_VMEM_BYTES
+  ]
+  if fits:
+    return max(fits)
+  return LANES if length % LANES == 0 else length
+
+
+def _logits_pass(
+  nv, folded_QD, buf_ref, rms_ref, eps, logits_ref, dots_ref=None, r_ref=None
+):
+  """Writes each slot's masked logits [Q, t] (and its dots [Q, t] and inverse RMS
+  [1, t] when asked) to VMEM scratch; returns their max over slots [Q, t]. Float32,
+  tokens on lanes, channels on sublanes; a loop over slots, so that one slot's
+  temporaries are live at a time."""
+  num_slots, dim, tile = buf_ref.shape
+
+  def slot(k, max_Qt):
+    v_Dt = buf_ref[k].astype(jnp.float32)
+    dots_Qt = jax.lax.dot(
+      folded_QD, v_Dt, precision=_HIGHEST, preferred_element_type=jnp.float32
     )
     if rms_ref is None:
-      r_t1 = jax.lax.rsqrt(jnp.sum(v_tD * v_tD, axis=1, keepdims=True) / dim + eps)
+      r_1t = jax.lax.rsqrt(jnp.sum(v_Dt * v_Dt, axis=0, keepdims=True) / dim + eps)
     else:
-      r_t1 = rms_ref[:, k : k + 1]
-    logits_tQ = jnp.where(k < nv, dots_tQ * r_t1, -jnp.inf)
-    max_tQ = logits_tQ if max_tQ is None else jnp.maximum(max_tQ, logits_tQ)
-    slots.append((dots_tQ, r_t1, logits_tQ))
-  return slots, max_tQ
+      r_1t = rms_ref[k]
+    logits_Qt = jnp.where(k < nv, dots_Qt * r_1t, -jnp.inf)
+    logits_ref[k] = logits_Qt
+    if dots_ref is not None:
+      dots_ref[k], r_ref[k] = dots_Qt, r_1t
+    return jnp.maximum(max_Qt, logits_Qt)
+
+  init = jnp.full((folded_QD.shape[0], tile), -jnp.inf, jnp.float32)
+  return jax.lax.fori_loop(0, num_slots, slot, init)
 
 
 def _forward_kernel(nv_ref, folded_ref, buf_ref, *refs, num_queries, eps, has_rms):
   rms_ref = refs[0] if has_rms else None
-  max_ref, sum_ref, *out_refs = refs[1:] if has_rms else refs
-  num_slots, _, dim = buf_ref.shape
-  slots, max_tQ = _logits(
-    nv_ref[0], folded_ref[...], buf_ref, rms_ref, num_slots, dim, eps
+  refs = refs[1:] if has_rms else refs
+  max_ref, sum_ref, out_refs, logits_ref = refs[0], refs[1], refs[2:-1], refs[-1]
+  num_slots, dim, tile = buf_ref.shape
+  max_Qt = _logits_pass(nv_ref[0], folded_ref[...], buf_ref, rms_ref, eps, logits_ref)
+
+  def slot(k, carry):
+    sum_Qt, outs = carry
+    e_Qt = jnp.exp(logits_ref[k] - max_Qt)
+    v_Dt = buf_ref[k].astype(jnp.float32)
+    return sum_Qt + e_Qt, tuple(o + e_Qt[q : q + 1, :] * v_Dt for q, o in enumerate(outs))
+
+  zeros = jnp.zeros((dim, tile), jnp.float32)
+  sum_Qt, outs = jax.lax.fori_loop(
+    0, num_slots, slot, (jnp.zeros_like(max_Qt), (zeros,) * num_queries)
   )
-  exps = [jnp.exp(logits_tQ - max_tQ) for _, _, logits_tQ in slots]
-  max_ref[...] = max_tQ
-  sum_ref[...] = functools.reduce(jnp.add, exps)
-  for q in range(num_queries):
-    out_tD = None
-    for k in range(num_slots):
-      term = exps[k][:, q : q + 1] * buf_ref[k].astype(jnp.float32)
-      out_tD = term if out_tD is None else out_tD + term
-    out_refs[q][...] = out_tD.astype(out_refs[q].dtype)
+  max_ref[...] = max_Qt
+  sum_ref[...] = sum_Qt
+  for out_ref, out_Dt in zip(out_refs, outs):
+    out_ref[...] = out_Dt.astype(out_ref.dtype)
 
 
-def _columns(cols, width):
-  """[t, width] from `width` columns [t, 1] (lane selects; no concatenation)."""
-  lane = jax.lax.broadcasted_iota(jnp.int32, (cols[0].shape[0], width), 1)
-  out = jnp.zeros((cols[0].shape[0], width), jnp.float32)
-  for i, col in enumerate(cols):
-    out = jnp.where(lane == i, col, out)
+def _rows(rows, height):
+  """[height, t] from `height` rows [1, t] (sublane selects; no concatenation)."""
+  shape = (height, rows[0].shape[1])
+  index = jax.lax.broadcasted_iota(jnp.int32, shape, 0)
+  out = jnp.zeros(shape, jnp.float32)
+  for i, row in enumerate(rows):
+    out = jnp.where(index == i, row, out)
   return out
 
 
@@ -120,49 +151,62 @@ def _backward_kernel(nv_ref, folded_ref, buf_ref, *refs, num_queries, eps, has_r
   refs = refs[1:] if has_rms else refs
   dsum_ref, dout_refs = refs[0], refs[1 : 1 + num_queries]
   dbuf_ref, *rest = refs[1 + num_queries :]
-  drms_ref, dfold_ref = rest if has_rms else (None, rest[0])
-  num_slots, _, dim = buf_ref.shape
+  drms_ref = rest.pop(0) if has_rms else None
+  dfold_ref, logits_ref, dots_ref, r_ref = rest
+  num_slots, dim, _ = buf_ref.shape
   folded_QD = folded_ref[...]
-  slots, max_tQ = _logits(nv_ref[0], folded_QD, buf_ref, rms_ref, num_slots, dim, eps)
-  dsum_tQ = dsum_ref[...]
-  dfold_QD = jnp.zeros(folded_QD.shape, jnp.float32)
-  drms_cols = []
-  for k, (dots_tQ, r_t1, logits_tQ) in enumerate(slots):
-    v_tD = buf_ref[k].astype(jnp.float32)
-    e_tQ = jnp.exp(logits_tQ - max_tQ)
-    douts = [ref[...].astype(jnp.float32) for ref in dout_refs]
-    de_cols = [jnp.sum(d_tD * v_tD, axis=1, keepdims=True) for d_tD in douts]
-    dl_tQ = e_tQ * (dsum_tQ + _columns(de_cols, num_queries))
-    dlr_tQ = dl_tQ * r_t1
-    dv_tD = jax.lax.dot(
-      dlr_tQ, folded_QD, precision=_HIGHEST, preferred_element_type=jnp.float32
+  max_Qt = _logits_pass(
+    nv_ref[0], folded_QD, buf_ref, rms_ref, eps, logits_ref, dots_ref, r_ref
+  )
+  dsum_Qt = dsum_ref[...]
+
+  def slot(k, dfold_QD):
+    v_Dt = buf_ref[k].astype(jnp.float32)
+    dots_Qt, r_1t = dots_ref[k], r_ref[k]
+    e_Qt = jnp.exp(logits_ref[k] - max_Qt)
+    de_rows = [
+      jnp.sum(ref[...].astype(jnp.float32) * v_Dt, axis=0, keepdims=True)
+      for ref in dout_refs
+    ]
+    dl_Qt = e_Qt * (dsum_Qt + _rows(de_rows, num_queries))
+    dlr_Qt = dl_Qt * r_1t
+    dv_Dt = jax.lax.dot_general(
+      folded_QD, dlr_Qt, _TN, precision=_HIGHEST, preferred_element_type=jnp.float32
     )
-    for q, d_tD in enumerate(douts):
-      dv_tD = dv_tD + e_tQ[:, q : q + 1] * d_tD
-    dfold_QD = dfold_QD + jax.lax.dot_general(
-      dlr_tQ, v_tD, _TN, precision=_HIGHEST, preferred_element_type=jnp.float32
-    )
-    dr_t1 = jnp.sum(dl_tQ * dots_tQ, axis=1, keepdims=True)
+    for q, ref in enumerate(dout_refs):
+      dv_Dt = dv_Dt + e_Qt[q : q + 1, :] * ref[...].astype(jnp.float32)
+    dr_1t = jnp.sum(dl_Qt * dots_Qt, axis=0, keepdims=True)
     if has_rms:
-      drms_cols.append(dr_t1)
+      drms_ref[k] = dr_1t
     else:
-      dv_tD = dv_tD - (r_t1 * r_t1 * r_t1 * dr_t1 / dim) * v_tD
-    dbuf_ref[k] = dv_tD.astype(dbuf_ref.dtype)
-  if has_rms:
-    drms_ref[...] = _columns(drms_cols, num_slots)
-  dfold_ref[0] = dfold_QD
+      dv_Dt = dv_Dt - (r_1t * r_1t * r_1t * dr_1t / dim) * v_Dt
+    dbuf_ref[k] = dv_Dt.astype(dbuf_ref.dtype)
+    return dfold_QD + jax.lax.dot_general(
+      dlr_Qt, v_Dt, _NT, precision=_HIGHEST, preferred_element_type=jnp.float32
+    )
+
+  dfold_ref[...] = jax.lax.fori_loop(
+    0, num_slots, slot, jnp.zeros(folded_QD.shape, jnp.float32)
+  )
 
 
-def _call(kernel, interpret, *, grid, in_specs, out_specs, out_shape, cost):
+def _call(
+  kernel, interpret, *, grid, in_specs, out_specs, out_shape, cost, vmem, scratch
+):
   spec = pltpu.PrefetchScalarGridSpec(
-    num_scalar_prefetch=1, grid=grid, in_specs=in_specs, out_specs=out_specs
+    num_scalar_prefetch=1,
+    grid=grid,
+    in_specs=in_specs,
+    out_specs=out_specs,
+    scratch_shapes=[pltpu.VMEM(shape, jnp.float32) for shape in scratch],
   )
   return pl.pallas_call(
     kernel,
     out_shape=out_shape,
     grid_spec=spec,
     compiler_params=pltpu.CompilerParams(
-      dimension_semantics=('parallel',), vmem_limit_bytes=VMEM_LIMIT_BYTES
+      dimension_semantics=('parallel', 'parallel'),
+      vmem_limit_bytes=vmem + TEMP_VMEM_BYTES,
     ),
     cost_estimate=cost,
     interpret=interpret,
@@ -176,26 +220,42 @@ def _on_platform(make, *args):
   )
 
 
-def _forward_local(nv, folded_QD, buf_KND, rms_NK, *, eps, out_dtype):
-  """Per device: (max [N, Q], sum [N, Q], Q outputs [N, D])."""
-  num_slots, num_tokens, dim = buf_KND.shape
-  num_queries = folded_QD.shape[0]
-  isz, osz = buf_KND.dtype.itemsize, jnp.dtype(out_dtype).itemsize
-  tile = choose_tile(num_tokens, num_slots, num_queries, dim, isz, osz)
-  has_rms = rms_NK is not None
-  row = lambda i, nv: (i, 0)
-  in_specs = [
-    pl.BlockSpec((num_queries, dim), lambda i, nv: (0, 0)),
-    pl.BlockSpec((num_slots, tile, dim), lambda i, nv: (0, i, 0)),
-  ] + ([pl.BlockSpec((tile, num_slots), row)] if has_rms else [])
-  stat = jax.ShapeDtypeStruct((num_tokens, num_queries), jnp.float32)
-  out = jax.ShapeDtypeStruct((num_tokens, dim), out_dtype)
-  tokens = num_tokens * num_slots
+def _specs(buf_KBDT, num_queries, out_itemsize):
+  """(grid, tile, BlockSpecs by kind) for a buffer [K, B, D, T] (index maps get the
+  grid indices (b, t) and the scalar-prefetch operand)."""
+  num_slots, batch, dim, length = buf_KBDT.shape
+  tile = choose_tile(
+    length, num_slots, num_queries, dim, buf_KBDT.dtype.itemsize, out_itemsize
+  )
+  lanes = lambda b, t, nv: (b, 0, t)
+  specs = dict(
+    folded=pl.BlockSpec((num_queries, dim), lambda b, t, nv: (0, 0)),
+    buf=pl.BlockSpec((num_slots, _SQ, dim, tile), lambda b, t, nv: (0, b, 0, t)),
+    rms=pl.BlockSpec((_SQ, num_slots, 1, tile), lambda b, t, nv: (b, 0, 0, t)),
+    stat=pl.BlockSpec((_SQ, num_queries, tile), lanes),
+    out=pl.BlockSpec((_SQ, dim, tile), lanes),
+    fold=pl.BlockSpec((_SQ, _SQ, num_queries, dim), lambda b, t, nv: (b, t, 0, 0)),
+  )
+  vmem = block_bytes(
+    tile, num_slots, num_queries, dim, buf_KBDT.dtype.itemsize, out_itemsize
+  )
+  return (batch, length // tile), specs, vmem
+
+
+def _forward_local(nv, folded_QD, buf_KBDT, rms_BK1T, *, eps, out_dtype):
+  """Per device: (max [B, Q, T], sum [B, Q, T], Q outputs [B, D, T])."""
+  num_slots, batch, dim, length = buf_KBDT.shape
+  num_queries, has_rms = folded_QD.shape[0], rms_BK1T is not None
+  isz, osz = buf_KBDT.dtype.itemsize, jnp.dtype(out_dtype).itemsize
+  grid, specs, vmem = _specs(buf_KBDT, num_queries, osz)
+  stat = jax.ShapeDtypeStruct((batch, num_queries, length), jnp.float32)
+  out = jax.ShapeDtypeStruct((batch, dim, length), out_dtype)
+  tokens, elements = batch * length, batch * length * num_slots
   cost = pl.CostEstimate(
-    flops=tokens * dim * (4 * num_queries + 3),
-    transcendentals=tokens * (num_queries + 1),
-    bytes_accessed=tokens * dim * isz
-    + num_tokens * (num_queries * (dim * osz + 8) + 4 * num_slots * has_rms),
+    flops=elements * dim * (4 * num_queries + 3),
+    transcendentals=elements * (num_queries + 1),
+    bytes_accessed=elements * dim * isz
+    + tokens * (num_queries * (dim * osz + 8) + 4 * num_slots * has_rms),
   )
   kernel = functools.partial(
     _forward_kernel, num_queries=num_queries, eps=eps, has_rms=has_rms
@@ -203,48 +263,32 @@ def _forward_local(nv, folded_QD, buf_KND, rms_NK, *, eps, out_dtype):
   make = lambda interpret: _call(
     kernel,
     interpret,
-    grid=(num_tokens // tile,),
-    in_specs=in_specs,
-    out_specs=[pl.BlockSpec((tile, num_queries), row)] * 2
-    + [pl.BlockSpec((tile, dim), row)] * num_queries,
+    grid=grid,
+    in_specs=[specs['folded'], specs['buf']] + [specs['rms']] * has_rms,
+    out_specs=[specs['stat']] * 2 + [specs['out']] * num_queries,
     out_shape=[stat, stat] + [out] * num_queries,
     cost=cost,
+    vmem=vmem,
+    scratch=[(num_slots, num_queries, length // grid[1])],
   )
-  args = (nv, folded_QD, buf_KND) + ((rms_NK,) if has_rms else ())
+  args = (nv, folded_QD, buf_KBDT) + ((rms_BK1T,) if has_rms else ())
   return _on_platform(make, *args)
 
 
-def _backward_local(nv, folded_QD, buf_KND, rms_NK, dsum_NQ, douts, *, eps):
-  """Per device: (d buffer [K, N, D], d inverse RMS [N, K] or None, d folded [Q, D])."""
-  num_slots, num_tokens, dim = buf_KND.shape
-  num_queries = folded_QD.shape[0]
-  isz, osz = buf_KND.dtype.itemsize, douts[0].dtype.itemsize
-  tile = choose_tile(num_tokens, num_slots, num_queries, dim, isz, osz)
-  num_tiles, has_rms = num_tokens // tile, rms_NK is not None
-  row = lambda i, nv: (i, 0)
-  slab = pl.BlockSpec((num_slots, tile, dim), lambda i, nv: (0, i, 0))
-  in_specs = (
-    [pl.BlockSpec((num_queries, dim), lambda i, nv: (0, 0)), slab]
-    + ([pl.BlockSpec((tile, num_slots), row)] if has_rms else [])
-    + [pl.BlockSpec((tile, num_queries), row)]
-    + [pl.BlockSpec((tile, dim), row)] * num_queries
-  )
-  out_specs = (
-    [slab]
-    + ([pl.BlockSpec((tile, num_slots), row)] if has_rms else [])
-    + [pl.BlockSpec((1, num_queries, dim), lambda i, nv: (i, 0, 0))]
-  )
-  out_shape = (
-    [jax.ShapeDtypeStruct(buf_KND.shape, buf_KND.dtype)]
-    + ([jax.ShapeDtypeStruct((num_tokens, num_slots), jnp.float32)] if has_rms else [])
-    + [jax.ShapeDtypeStruct((num_tiles, num_queries, dim), jnp.float32)]
-  )
-  tokens = num_tokens * num_slots
+def _backward_local(nv, folded_QD, buf_KBDT, rms_BK1T, dsum_BQT, douts, *, eps):
+  """Per device: (d buffer [K, B, D, T], d inverse RMS [B, K, T] or None, d folded
+  [Q, D])."""
+  num_slots, batch, dim, length = buf_KBDT.shape
+  num_queries, has_rms = folded_QD.shape[0], rms_BK1T is not None
+  isz, osz = buf_KBDT.dtype.itemsize, douts[0].dtype.itemsize
+  grid, specs, vmem = _specs(buf_KBDT, num_queries, osz)
+  tile = length // grid[1]
+  tokens, elements = batch * length, batch * length * num_slots
   cost = pl.CostEstimate(
-    flops=tokens * dim * (12 * num_queries + 6),
-    transcendentals=tokens * (num_queries + 1),
-    bytes_accessed=2 * tokens * dim * isz
-    + num_tokens * (num_queries * (dim * osz + 4) + 8 * num_slots * has_rms),
+    flops=elements * dim * (12 * num_queries + 6),
+    transcendentals=elements * (num_queries + 1),
+    bytes_accessed=2 * elements * dim * isz
+    + tokens * (num_queries * (dim * osz + 4) + 8 * num_slots * has_rms),
   )
   kernel = functools.partial(
     _backward_kernel, num_queries=num_queries, eps=eps, has_rms=has_rms
@@ -252,16 +296,23 @@ def _backward_local(nv, folded_QD, buf_KND, rms_NK, dsum_NQ, douts, *, eps):
   make = lambda interpret: _call(
     kernel,
     interpret,
-    grid=(num_tiles,),
-    in_specs=in_specs,
-    out_specs=out_specs,
-    out_shape=out_shape,
+    grid=grid,
+    in_specs=[specs['folded'], specs['buf']]
+    + [specs['rms']] * has_rms
+    + [specs['stat']]
+    + [specs['out']] * num_queries,
+    out_specs=[specs['buf']] + [specs['rms']] * has_rms + [specs['fold']],
+    out_shape=[jax.ShapeDtypeStruct(buf_KBDT.shape, buf_KBDT.dtype)]
+    + [jax.ShapeDtypeStruct((batch, num_slots, 1, length), jnp.float32)] * has_rms
+    + [jax.ShapeDtypeStruct(grid + (num_queries, dim), jnp.float32)],
     cost=cost,
+    vmem=vmem,
+    scratch=[(num_slots, num_queries, tile)] * 2 + [(num_slots, 1, tile)],
   )
-  args = (nv, folded_QD, buf_KND) + ((rms_NK,) if has_rms else ()) + (dsum_NQ, *douts)
+  args = (nv, folded_QD, buf_KBDT) + ((rms_BK1T,) if has_rms else ()) + (dsum_BQT, *douts)
   outs = _on_platform(make, *args)
-  drms_NK = outs[1] if has_rms else None
-  return outs[0], drms_NK, jnp.sum(outs[-1], axis=0)
+  drms_BK1T = outs[1] if has_rms else None
+  return outs[0], drms_BK1T, jnp.sum(outs[-1], axis=(0, 1))
 
 
 # -- the device split and the custom VJP ----------------------------------------------
@@ -295,22 +346,17 @@ def _sharded(fn, shape, in_specs, out_specs):
   if found is None:
     return fn
   mesh, (_, b, t, _) = found
-  spec = lambda kind: {
-    'buf': P(None, b, t, None),
-    'stat': P(None, b, t),
-    'out': P(b, t, None),
-    'rep': P(),
-    None: None,
-  }[kind]
-  tokens_axes = tuple(
-    a for axes in (b, t) if axes for a in ((axes,) if isinstance(axes, str) else axes)
-  )
-
-  def per_device(*args):
-    return fn(*args, psum_axes=tokens_axes)
-
+  spec = dict(
+    buf=P(None, b, t, None),  # [K, B, T, D]
+    rms=P(None, b, t),  # [K, B, T]
+    stat=P(b, None, t),  # [B, Q, T]
+    out=P(b, t, None),  # [B, T, D]
+    rep=P(),
+  ).get
+  named = lambda axes: () if not axes else (axes,) if isinstance(axes, str) else axes
+  token_axes = named(b) + named(t)
   return jax.shard_map(
-    per_device,
+    functools.partial(fn, psum_axes=token_axes),
     mesh=mesh,
     in_specs=jax.tree.map(spec, in_specs),
     out_specs=jax.tree.map(spec, out_specs),
@@ -318,40 +364,39 @@ def _sharded(fn, shape, in_specs, out_specs):
   )
 
 
+# The kernels see tokens on lanes: the buffer as [K, B, D, T], the statistics as
+# [B, Q, T], the outputs as [B, D, T]. These are the layouts the TPU compiler picks
+# for the XLA version of Phase 1 (the buffer bf16[K, B, T, D]{2,3,1,0}), so the
+# transposes below are layout changes it can make free.
+_lanes = lambda x: jnp.swapaxes(x, -1, -2)
+
+
 def _forward_device(nv, folded_QD, buf_KBTD, rms_KBT, *, eps, out_dtype, psum_axes=()):
   del psum_axes
-  num_slots, batch, length, dim = buf_KBTD.shape
-  rms_NK = None if rms_KBT is None else rms_KBT.reshape(num_slots, -1).T
-  max_NQ, sum_NQ, *outs = _forward_local(
-    nv,
-    folded_QD,
-    buf_KBTD.reshape(num_slots, batch * length, dim),
-    rms_NK,
-    eps=eps,
-    out_dtype=out_dtype,
+  rms_BK1T = None if rms_KBT is None else jnp.swapaxes(rms_KBT, 0, 1)[:, :, None]
+  max_BQT, sum_BQT, *outs = _forward_local(
+    nv, folded_QD, _lanes(buf_KBTD), rms_BK1T, eps=eps, out_dtype=out_dtype
   )
-  stat = lambda x_NQ: x_NQ.T.reshape(-1, batch, length)
-  return stat(max_NQ), stat(sum_NQ), tuple(o.reshape(batch, length, dim) for o in outs)
+  return max_BQT, sum_BQT, tuple(_lanes(o) for o in outs)
 
 
 def _backward_device(
-  nv, folded_QD, buf_KBTD, rms_KBT, dsum_QBT, douts, *, eps, psum_axes=()
+  nv, folded_QD, buf_KBTD, rms_KBT, dsum_BQT, douts, *, eps, psum_axes=()
 ):
-  num_slots, batch, length, dim = buf_KBTD.shape
-  rms_NK = None if rms_KBT is None else rms_KBT.reshape(num_slots, -1).T
-  dbuf_KND, drms_NK, dfold_QD = _backward_local(
+  rms_BK1T = None if rms_KBT is None else jnp.swapaxes(rms_KBT, 0, 1)[:, :, None]
+  dbuf_KBDT, drms_BK1T, dfold_QD = _backward_local(
     nv,
     folded_QD,
-    buf_KBTD.reshape(num_slots, batch * length, dim),
-    rms_NK,
-    dsum_QBT.reshape(dsum_QBT.shape[0], -1).T,
-    [d.reshape(batch * length, dim) for d in douts],
+    _lanes(buf_KBTD),
+    rms_BK1T,
+    dsum_BQT,
+    [_lanes(d) for d in douts],
     eps=eps,
   )
   if psum_axes:
     dfold_QD = jax.lax.psum(dfold_QD, psum_axes)
-  drms_KBT = None if drms_NK is None else drms_NK.T.reshape(num_slots, batch, length)
-  return dbuf_KND.reshape(buf_KBTD.shape), drms_KBT, dfold_QD
+  drms_KBT = None if drms_BK1T is None else jnp.swapaxes(drms_BK1T[:, :, 0], 0, 1)
+  return _lanes(dbuf_KBDT), drms_KBT, dfold_QD
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
@@ -360,12 +405,12 @@ def _phase1(buf_KBTD, folded_QD, nv, rms_KBT, eps, out_dtype):
 
 
 def _phase1_fwd(buf_KBTD, folded_QD, nv, rms_KBT, eps, out_dtype):
-  num_queries = folded_QD.shape[0]
+  rms = None if rms_KBT is None else 'rms'
   fn = _sharded(
     functools.partial(_forward_device, eps=eps, out_dtype=out_dtype),
     buf_KBTD.shape,
-    ('rep', 'rep', 'buf', None if rms_KBT is None else 'stat'),
-    ('stat', 'stat', ('out',) * num_queries),
+    ('rep', 'rep', 'buf', rms),
+    ('stat', 'stat', ('out',) * folded_QD.shape[0]),
   )
   out = fn(nv, folded_QD, buf_KBTD, rms_KBT)
   return out, (buf_KBTD, folded_QD, nv, rms_KBT)
@@ -374,22 +419,16 @@ def _phase1_fwd(buf_KBTD, folded_QD, nv, rms_KBT, eps, out_dtype):
 def _phase1_bwd(eps, out_dtype, residuals, cotangents):
   del out_dtype
   buf_KBTD, folded_QD, nv, rms_KBT = residuals
-  _, dsum_QBT, douts = cotangents  # the max is stop-gradient
+  _, dsum_BQT, douts = cotangents  # the max is stop-gradient
+  rms = None if rms_KBT is None else 'rms'
   fn = _sharded(
     functools.partial(_backward_device, eps=eps),
     buf_KBTD.shape,
-    (
-      'rep',
-      'rep',
-      'buf',
-      None if rms_KBT is None else 'stat',
-      'stat',
-      ('out',) * len(douts),
-    ),
-    ('buf', None if rms_KBT is None else 'stat', 'rep'),
+    ('rep', 'rep', 'buf', rms, 'stat', ('out',) * len(douts)),
+    ('buf', rms, 'rep'),
   )
   dbuf_KBTD, drms_KBT, dfold_QD = fn(
-    nv, folded_QD, buf_KBTD, rms_KBT, dsum_QBT, tuple(douts)
+    nv, folded_QD, buf_KBTD, rms_KBT, dsum_BQT, tuple(douts)
   )
   return dbuf_KBTD, dfold_QD, None, drms_KBT
 
@@ -412,8 +451,8 @@ def phase1(
   num_slots = buffer_KBTD.shape[0]
   nv = jnp.asarray(num_slots if num_valid is None else num_valid, jnp.int32).reshape(1)
   folded_QD = queries_QD.astype(jnp.float32) * gains_QD.astype(jnp.float32)
-  max_QBT, sum_QBT, outs = _phase1(
+  max_BQT, sum_BQT, outs = _phase1(
     buffer_KBTD, folded_QD, nv, inv_rms_KBT, float(eps), jnp.dtype(out_dtype)
   )
-  max_QBT = jax.lax.stop_gradient(max_QBT)
-  return tuple((max_QBT[q], sum_QBT[q], out) for q, out in enumerate(outs))
+  max_BQT = jax.lax.stop_gradient(max_BQT)
+  return tuple((max_BQT[:, q], sum_BQT[:, q], out) for q, out in enumerate(outs))
