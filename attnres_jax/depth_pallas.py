@@ -13,10 +13,10 @@ splits it); each program DMAs its [K, D, tile] block of the buffer into VMEM onc
 and, in float32, with a loop over slots (one slot's temporaries live at a time):
 
   forward:   dot_qk = f_q . v_k (the MXU, f_q = w_q * g_q), r_k = 1 / RMS(v_k) (or the
-             carried r), l_qk = dot_qk r_k (-inf for k >= num_valid, a scalar-prefetch
-             operand), kept in VMEM scratch with their max m_q; then e_qk =
-             exp(l_qk - m_q), s_q = sum_k e_qk, o_q = sum_k e_qk v_k (each of the Q
-             outputs its own [B, D, T] result);
+             carried r), l_qk = dot_qk r_k for the slots k < num_valid only (a
+             scalar-prefetch operand), kept in VMEM scratch with their max m_q;
+             then e_qk = exp(l_qk - m_q), s_q = sum_k e_qk, o_q = sum_k e_qk v_k
+             (each of the Q outputs its own [B, D, T] result);
   backward:  the logits recomputed as above, then
              de_qk = <do_q, v_k> + ds_q,  dl_qk = e_qk de_qk,
              dv_k  = sum_q e_qk do_q + r_k sum_q dl_qk f_q - (r_k^3 / D) dr_k v_k
@@ -28,7 +28,8 @@ and, in float32, with a loop over slots (one slot's temporaries live at a time):
 HBM traffic from the BlockSpecs, per device: forward reads the buffer once (K B T D
 elements) and writes the Q outputs (Q B T D) and 2 Q B T float32 statistics;
 backward reads the buffer and the Q output cotangents once and writes the buffer's
-cotangent once (K B T D). Slots past num_valid are still read (the block holds all K).
+cotangent once (K B T D; zeros past num_valid). Slots past num_valid are still read
+(the block holds all K) but not computed on.
 VMEM: the tile is the largest multiple of 128 tokens dividing T whose double-buffered
 blocks fit BLOCK_VMEM_BYTES; at 128 tokens, K = 33 slots of D = 1024 in bfloat16 need
 about 35 MB of blocks (v5p has 64 MiB of VMEM).
@@ -88,10 +89,10 @@ def choose_tile(length, num_slots, num_queries, dim, itemsize, out_itemsize):
 def _logits_pass(
   nv, folded_QD, buf_ref, rms_ref, eps, logits_ref, dots_ref=None, r_ref=None
 ):
-  """Writes each slot's masked logits [Q, t] (and its dots [Q, t] and inverse RMS
-  [1, t] when asked) to VMEM scratch; returns their max over slots [Q, t]. Float32,
-  tokens on lanes, channels on sublanes; a loop over slots, so that one slot's
-  temporaries are live at a time."""
+  """Writes the logits [Q, t] of each of the first `nv` slots (and its dots [Q, t]
+  and inverse RMS [1, t] when asked) to VMEM scratch; returns their max over slots
+  [Q, t]. Float32, tokens on lanes, channels on sublanes; a loop over the valid slots
+  only (the others get weight zero: no work), one slot's temporaries live at a time."""
   num_slots, dim, tile = buf_ref.shape
 
   def slot(k, max_Qt):
@@ -103,14 +104,14 @@ def _logits_pass(
       r_1t = jax.lax.rsqrt(jnp.sum(v_Dt * v_Dt, axis=0, keepdims=True) / dim + eps)
     else:
       r_1t = rms_ref[k]
-    logits_Qt = jnp.where(k < nv, dots_Qt * r_1t, -jnp.inf)
+    logits_Qt = dots_Qt * r_1t
     logits_ref[k] = logits_Qt
     if dots_ref is not None:
       dots_ref[k], r_ref[k] = dots_Qt, r_1t
     return jnp.maximum(max_Qt, logits_Qt)
 
   init = jnp.full((folded_QD.shape[0], tile), -jnp.inf, jnp.float32)
-  return jax.lax.fori_loop(0, num_slots, slot, init)
+  return jax.lax.fori_loop(0, nv, slot, init)
 
 
 def _forward_kernel(nv_ref, folded_ref, buf_ref, *refs, num_queries, eps, has_rms):
@@ -118,7 +119,8 @@ def _forward_kernel(nv_ref, folded_ref, buf_ref, *refs, num_queries, eps, has_rm
   refs = refs[1:] if has_rms else refs
   max_ref, sum_ref, out_refs, logits_ref = refs[0], refs[1], refs[2:-1], refs[-1]
   num_slots, dim, tile = buf_ref.shape
-  max_Qt = _logits_pass(nv_ref[0], folded_ref[...], buf_ref, rms_ref, eps, logits_ref)
+  nv = jnp.minimum(nv_ref[0], num_slots)
+  max_Qt = _logits_pass(nv, folded_ref[...], buf_ref, rms_ref, eps, logits_ref)
 
   def slot(k, carry):
     sum_Qt, outs = carry
@@ -128,7 +130,7 @@ def _forward_kernel(nv_ref, folded_ref, buf_ref, *refs, num_queries, eps, has_rm
 
   zeros = jnp.zeros((dim, tile), jnp.float32)
   sum_Qt, outs = jax.lax.fori_loop(
-    0, num_slots, slot, (jnp.zeros_like(max_Qt), (zeros,) * num_queries)
+    0, nv, slot, (jnp.zeros_like(max_Qt), (zeros,) * num_queries)
   )
   max_ref[...] = max_Qt
   sum_ref[...] = sum_Qt
@@ -155,9 +157,8 @@ def _backward_kernel(nv_ref, folded_ref, buf_ref, *refs, num_queries, eps, has_r
   dfold_ref, logits_ref, dots_ref, r_ref = rest
   num_slots, dim, _ = buf_ref.shape
   folded_QD = folded_ref[...]
-  max_Qt = _logits_pass(
-    nv_ref[0], folded_QD, buf_ref, rms_ref, eps, logits_ref, dots_ref, r_ref
-  )
+  nv = jnp.minimum(nv_ref[0], num_slots)
+  max_Qt = _logits_pass(nv, folded_QD, buf_ref, rms_ref, eps, logits_ref, dots_ref, r_ref)
   dsum_Qt = dsum_ref[...]
 
   def slot(k, dfold_QD):
@@ -185,9 +186,15 @@ def _backward_kernel(nv_ref, folded_ref, buf_ref, *refs, num_queries, eps, has_r
       dlr_Qt, v_Dt, _NT, precision=_HIGHEST, preferred_element_type=jnp.float32
     )
 
-  dfold_ref[...] = jax.lax.fori_loop(
-    0, num_slots, slot, jnp.zeros(folded_QD.shape, jnp.float32)
-  )
+  dfold_ref[...] = jax.lax.fori_loop(0, nv, slot, jnp.zeros(folded_QD.shape, jnp.float32))
+
+  def invalid_slot(k, carry):  # weight zero: no gradient
+    dbuf_ref[k] = jnp.zeros(dbuf_ref.shape[1:], dbuf_ref.dtype)
+    if has_rms:
+      drms_ref[k] = jnp.zeros(drms_ref.shape[1:], jnp.float32)
+    return carry
+
+  jax.lax.fori_loop(nv, num_slots, invalid_slot, 0)
 
 
 def _call(
