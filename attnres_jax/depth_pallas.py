@@ -197,29 +197,6 @@ def _backward_kernel(nv_ref, folded_ref, buf_ref, *refs, num_queries, eps, has_r
   jax.lax.fori_loop(nv, num_slots, invalid_slot, 0)
 
 
-def _call(
-  kernel, interpret, *, grid, in_specs, out_specs, out_shape, cost, vmem, scratch
-):
-  spec = pltpu.PrefetchScalarGridSpec(
-    num_scalar_prefetch=1,
-    grid=grid,
-    in_specs=in_specs,
-    out_specs=out_specs,
-    scratch_shapes=[pltpu.VMEM(shape, jnp.float32) for shape in scratch],
-  )
-  return pl.pallas_call(
-    kernel,
-    out_shape=out_shape,
-    grid_spec=spec,
-    compiler_params=pltpu.CompilerParams(
-      dimension_semantics=('parallel', 'parallel'),
-      vmem_limit_bytes=vmem + TEMP_VMEM_BYTES,
-    ),
-    cost_estimate=cost,
-    interpret=interpret,
-  )
-
-
 def _on_platform(make, *args):
   """`make(interpret)(*args)`: Mosaic on TPU, interpret mode elsewhere."""
   return jax.lax.platform_dependent(
@@ -227,13 +204,15 @@ def _on_platform(make, *args):
   )
 
 
-def _specs(buf_KBDT, num_queries, out_itemsize):
-  """(grid, tile, BlockSpecs by kind) for a buffer [K, B, D, T] (index maps get the
-  grid indices (b, t) and the scalar-prefetch operand)."""
-  num_slots, batch, dim, length = buf_KBDT.shape
-  tile = choose_tile(
-    length, num_slots, num_queries, dim, buf_KBDT.dtype.itemsize, out_itemsize
-  )
+def _launch(kernel, args, in_kinds, outs, scratch, *, out_itemsize, flops, io_bytes):
+  """The pallas_call of `kernel` over a grid of (batch row, tile of T) on `args` (the
+  scalar-prefetch num_valid, then operands whose BlockSpecs `in_kinds` name); `outs`:
+  (kind, shape, dtype) per result; `scratch`: the leading dims of float32 VMEM scratch
+  (the tile appended). Cost: `flops` and the BlockSpecs' HBM bytes `io_bytes`."""
+  num_slots, batch, dim, length = args[2].shape
+  num_queries = args[1].shape[0]
+  isz = args[2].dtype.itemsize
+  tile = choose_tile(length, num_slots, num_queries, dim, isz, out_itemsize)
   lanes = lambda b, t, nv: (b, 0, t)
   specs = dict(
     folded=pl.BlockSpec((num_queries, dim), lambda b, t, nv: (0, 0)),
@@ -243,116 +222,123 @@ def _specs(buf_KBDT, num_queries, out_itemsize):
     out=pl.BlockSpec((_SQ, dim, tile), lanes),
     fold=pl.BlockSpec((_SQ, _SQ, num_queries, dim), lambda b, t, nv: (b, t, 0, 0)),
   )
-  vmem = block_bytes(
-    tile, num_slots, num_queries, dim, buf_KBDT.dtype.itemsize, out_itemsize
-  )
-  return (batch, length // tile), specs, vmem
+  grid = (batch, length // tile)
+  elements = batch * length * num_slots
 
+  def make(interpret):
+    return pl.pallas_call(
+      kernel,
+      out_shape=[jax.ShapeDtypeStruct(shape, dtype) for _, shape, dtype in outs],
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=1,
+        grid=grid,
+        in_specs=[specs[kind] for kind in in_kinds],
+        out_specs=[specs[kind] for kind, _, _ in outs],
+        scratch_shapes=[pltpu.VMEM(rows + (tile,), jnp.float32) for rows in scratch],
+      ),
+      compiler_params=pltpu.CompilerParams(
+        dimension_semantics=('parallel', 'parallel'),
+        vmem_limit_bytes=TEMP_VMEM_BYTES
+        + block_bytes(tile, num_slots, num_queries, dim, isz, out_itemsize),
+      ),
+      cost_estimate=pl.CostEstimate(
+        flops=elements * dim * flops,
+        transcendentals=elements * (num_queries + 1),
+        bytes_accessed=io_bytes,
+      ),
+      interpret=interpret,
+    )
 
-def _forward_local(nv, folded_QD, buf_KBDT, rms_BK1T, *, eps, out_dtype):
-  """Per device: (max [B, Q, T], sum [B, Q, T], Q outputs [B, D, T])."""
-  num_slots, batch, dim, length = buf_KBDT.shape
-  num_queries, has_rms = folded_QD.shape[0], rms_BK1T is not None
-  isz, osz = buf_KBDT.dtype.itemsize, jnp.dtype(out_dtype).itemsize
-  grid, specs, vmem = _specs(buf_KBDT, num_queries, osz)
-  stat = jax.ShapeDtypeStruct((batch, num_queries, length), jnp.float32)
-  out = jax.ShapeDtypeStruct((batch, dim, length), out_dtype)
-  tokens, elements = batch * length, batch * length * num_slots
-  cost = pl.CostEstimate(
-    flops=elements * dim * (4 * num_queries + 3),
-    transcendentals=elements * (num_queries + 1),
-    bytes_accessed=elements * dim * isz
-    + tokens * (num_queries * (dim * osz + 8) + 4 * num_slots * has_rms),
-  )
-  kernel = functools.partial(
-    _forward_kernel, num_queries=num_queries, eps=eps, has_rms=has_rms
-  )
-  make = lambda interpret: _call(
-    kernel,
-    interpret,
-    grid=grid,
-    in_specs=[specs['folded'], specs['buf']] + [specs['rms']] * has_rms,
-    out_specs=[specs['stat']] * 2 + [specs['out']] * num_queries,
-    out_shape=[stat, stat] + [out] * num_queries,
-    cost=cost,
-    vmem=vmem,
-    scratch=[(num_slots, num_queries, length // grid[1])],
-  )
-  args = (nv, folded_QD, buf_KBDT) + ((rms_BK1T,) if has_rms else ())
   return _on_platform(make, *args)
 
 
-def _backward_local(nv, folded_QD, buf_KBDT, rms_BK1T, dsum_BQT, douts, *, eps):
-  """Per device: (d buffer [K, B, D, T], d inverse RMS [B, K, T] or None, d folded
-  [Q, D])."""
-  num_slots, batch, dim, length = buf_KBDT.shape
-  num_queries, has_rms = folded_QD.shape[0], rms_BK1T is not None
-  isz, osz = buf_KBDT.dtype.itemsize, douts[0].dtype.itemsize
-  grid, specs, vmem = _specs(buf_KBDT, num_queries, osz)
-  tile = length // grid[1]
-  tokens, elements = batch * length, batch * length * num_slots
-  cost = pl.CostEstimate(
-    flops=elements * dim * (12 * num_queries + 6),
-    transcendentals=elements * (num_queries + 1),
-    bytes_accessed=2 * elements * dim * isz
-    + tokens * (num_queries * (dim * osz + 4) + 8 * num_slots * has_rms),
+# The kernels see tokens on lanes: the buffer as [K, B, D, T], the statistics as
+# [B, Q, T], the outputs as [B, D, T]. These are the layouts the TPU compiler picks
+# for the XLA version of Phase 1 (the buffer bf16[K, B, T, D]{2,3,1,0}), so the
+# transposes below are layout changes it can make free.
+_lanes = lambda x: jnp.swapaxes(x, -1, -2)
+_rms_lanes = lambda rms_KBT: (
+  None if rms_KBT is None else jnp.swapaxes(rms_KBT, 0, 1)[:, :, None]
+)
+
+
+def _forward_device(nv, folded_QD, buf_KBTD, rms_KBT, *, eps, out_dtype, psum_axes=()):
+  """Per device: (max [B, Q, T], sum [B, Q, T], the Q outputs [B, T, D])."""
+  del psum_axes
+  num_slots, batch, length, dim = buf_KBTD.shape
+  num_queries, has_rms = folded_QD.shape[0], rms_KBT is not None
+  osz = jnp.dtype(out_dtype).itemsize
+  stat = ('stat', (batch, num_queries, length), jnp.float32)
+  out = ('out', (batch, dim, length), out_dtype)
+  max_BQT, sum_BQT, *outs = _launch(
+    functools.partial(_forward_kernel, num_queries=num_queries, eps=eps, has_rms=has_rms),
+    (nv, folded_QD, _lanes(buf_KBTD)) + ((_rms_lanes(rms_KBT),) if has_rms else ()),
+    ['folded', 'buf'] + ['rms'] * has_rms,
+    [stat, stat] + [out] * num_queries,
+    [(num_slots, num_queries)],
+    out_itemsize=osz,
+    flops=4 * num_queries + 3,
+    io_bytes=buf_KBTD.size * buf_KBTD.dtype.itemsize
+    + batch * length * (num_queries * (dim * osz + 8) + 4 * num_slots * has_rms),
   )
-  kernel = functools.partial(
-    _backward_kernel, num_queries=num_queries, eps=eps, has_rms=has_rms
+  return max_BQT, sum_BQT, tuple(_lanes(o) for o in outs)
+
+
+def _backward_device(
+  nv, folded_QD, buf_KBTD, rms_KBT, dsum_BQT, douts, *, eps, psum_axes=()
+):
+  """Per device: (d buffer [K, B, T, D], d inverse RMS [K, B, T] or None, d folded
+  [Q, D] summed over the devices)."""
+  num_slots, batch, length, dim = buf_KBTD.shape
+  num_queries, has_rms = folded_QD.shape[0], rms_KBT is not None
+  osz = douts[0].dtype.itemsize
+  tile = choose_tile(length, num_slots, num_queries, dim, buf_KBTD.dtype.itemsize, osz)
+  outs = _launch(
+    functools.partial(
+      _backward_kernel, num_queries=num_queries, eps=eps, has_rms=has_rms
+    ),
+    (nv, folded_QD, _lanes(buf_KBTD))
+    + ((_rms_lanes(rms_KBT),) if has_rms else ())
+    + (dsum_BQT, *(_lanes(d) for d in douts)),
+    ['folded', 'buf'] + ['rms'] * has_rms + ['stat'] + ['out'] * num_queries,
+    [('buf', (num_slots, batch, dim, length), buf_KBTD.dtype)]
+    + [('rms', (batch, num_slots, 1, length), jnp.float32)] * has_rms
+    + [('fold', (batch, length // tile, num_queries, dim), jnp.float32)],
+    [(num_slots, num_queries)] * 2 + [(num_slots, 1)],
+    out_itemsize=osz,
+    flops=12 * num_queries + 6,
+    io_bytes=2 * buf_KBTD.size * buf_KBTD.dtype.itemsize
+    + batch * length * (num_queries * (dim * osz + 4) + 8 * num_slots * has_rms),
   )
-  make = lambda interpret: _call(
-    kernel,
-    interpret,
-    grid=grid,
-    in_specs=[specs['folded'], specs['buf']]
-    + [specs['rms']] * has_rms
-    + [specs['stat']]
-    + [specs['out']] * num_queries,
-    out_specs=[specs['buf']] + [specs['rms']] * has_rms + [specs['fold']],
-    out_shape=[jax.ShapeDtypeStruct(buf_KBDT.shape, buf_KBDT.dtype)]
-    + [jax.ShapeDtypeStruct((batch, num_slots, 1, length), jnp.float32)] * has_rms
-    + [jax.ShapeDtypeStruct(grid + (num_queries, dim), jnp.float32)],
-    cost=cost,
-    vmem=vmem,
-    scratch=[(num_slots, num_queries, tile)] * 2 + [(num_slots, 1, tile)],
-  )
-  args = (nv, folded_QD, buf_KBDT) + ((rms_BK1T,) if has_rms else ()) + (dsum_BQT, *douts)
-  outs = _on_platform(make, *args)
-  drms_BK1T = outs[1] if has_rms else None
-  return outs[0], drms_BK1T, jnp.sum(outs[-1], axis=(0, 1))
+  dfold_QD = jnp.sum(outs[-1], axis=(0, 1))
+  if psum_axes:
+    dfold_QD = jax.lax.psum(dfold_QD, psum_axes)
+  drms_KBT = jnp.swapaxes(outs[1][:, :, 0], 0, 1) if has_rms else None
+  return _lanes(outs[0]), drms_KBT, dfold_QD
 
 
 # -- the device split and the custom VJP ----------------------------------------------
 
 
-def _device_specs(shape):
-  """(mesh, buffer spec [K, B, T, D]) under the active sharding rules on several
-  devices, else None. Refuses a buffer split over its slots or its width."""
+def _sharded(fn, shape, in_specs, out_specs):
+  """`fn` per device under the active mesh, the buffer [K, B, T, D] split as the
+  sharding rules say over batch and length (a split over slots or width is refused),
+  or `fn` as is on one device."""
   active = sharding._ACTIVE.get()
   if active is None or active[0].size == 1:
-    return None
+    return fn
   mesh, rules = active
   spec = tuple(
     sharding.logical_to_spec(sharding.DEPTH_BUFFER, rules, mesh=mesh, shape=shape)
   )
-  spec += (None,) * (4 - len(spec))
-  if spec[0] is not None or spec[3] is not None:
+  k, b, t, d = spec + (None,) * (4 - len(spec))
+  if k is not None or d is not None:
     raise ValueError(
       f"depth_kernel='pallas' needs the depth buffer split over batch and length "
-      f'only; the sharding rules split it as {P(*spec)} (slots, batch, length, '
+      f'only; the sharding rules split it as {P(k, b, t, d)} (slots, batch, length, '
       f"width) on mesh {dict(mesh.shape)}: map 'depth' and 'hidden' to no mesh axis "
       f"or use depth_kernel='xla'."
     )
-  return mesh, spec
-
-
-def _sharded(fn, shape, in_specs, out_specs):
-  """`fn` per device under the active mesh (specs built from the buffer's batch and
-  length split), or as is on one device."""
-  found = _device_specs(shape)
-  if found is None:
-    return fn
-  mesh, (_, b, t, _) = found
   spec = dict(
     buf=P(None, b, t, None),  # [K, B, T, D]
     rms=P(None, b, t),  # [K, B, T]
@@ -361,49 +347,13 @@ def _sharded(fn, shape, in_specs, out_specs):
     rep=P(),
   ).get
   named = lambda axes: () if not axes else (axes,) if isinstance(axes, str) else axes
-  token_axes = named(b) + named(t)
   return jax.shard_map(
-    functools.partial(fn, psum_axes=token_axes),
+    functools.partial(fn, psum_axes=named(b) + named(t)),
     mesh=mesh,
     in_specs=jax.tree.map(spec, in_specs),
     out_specs=jax.tree.map(spec, out_specs),
     check_vma=False,
   )
-
-
-# The kernels see tokens on lanes: the buffer as [K, B, D, T], the statistics as
-# [B, Q, T], the outputs as [B, D, T]. These are the layouts the TPU compiler picks
-# for the XLA version of Phase 1 (the buffer bf16[K, B, T, D]{2,3,1,0}), so the
-# transposes below are layout changes it can make free.
-_lanes = lambda x: jnp.swapaxes(x, -1, -2)
-
-
-def _forward_device(nv, folded_QD, buf_KBTD, rms_KBT, *, eps, out_dtype, psum_axes=()):
-  del psum_axes
-  rms_BK1T = None if rms_KBT is None else jnp.swapaxes(rms_KBT, 0, 1)[:, :, None]
-  max_BQT, sum_BQT, *outs = _forward_local(
-    nv, folded_QD, _lanes(buf_KBTD), rms_BK1T, eps=eps, out_dtype=out_dtype
-  )
-  return max_BQT, sum_BQT, tuple(_lanes(o) for o in outs)
-
-
-def _backward_device(
-  nv, folded_QD, buf_KBTD, rms_KBT, dsum_BQT, douts, *, eps, psum_axes=()
-):
-  rms_BK1T = None if rms_KBT is None else jnp.swapaxes(rms_KBT, 0, 1)[:, :, None]
-  dbuf_KBDT, drms_BK1T, dfold_QD = _backward_local(
-    nv,
-    folded_QD,
-    _lanes(buf_KBTD),
-    rms_BK1T,
-    dsum_BQT,
-    [_lanes(d) for d in douts],
-    eps=eps,
-  )
-  if psum_axes:
-    dfold_QD = jax.lax.psum(dfold_QD, psum_axes)
-  drms_KBT = None if drms_BK1T is None else jnp.swapaxes(drms_BK1T[:, :, 0], 0, 1)
-  return _lanes(dbuf_KBDT), drms_KBT, dfold_QD
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
