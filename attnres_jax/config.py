@@ -40,6 +40,7 @@ EXECUTION_FIELDS = (
   'depth_read',
   'schedule_layers',
   'depth_dtype',
+  'depth_kernel',
 )
 # The read ablations (paper Section 5); off = the paper's read.
 ABLATION_FIELDS = (
@@ -82,6 +83,9 @@ class ModelConfig:
   # AttnRes storage of the depth buffer, partial sums and Phase 1 outputs: '' = the
   # compute dtype (Phase 1 outputs float32) | 'bfloat16' | 'float32'
   depth_dtype: str = ''
+  # AttnRes Phase 1 (the read of the completed slots) and its VJP: 'xla' (jnp) |
+  # 'pallas' (the TPU kernel of depth_pallas.py; interpret mode off the TPU)
+  depth_kernel: str = 'xla'
   depth_query_input: bool = False  # ablation: query += W RMSNorm(latest source) / sqrt(D)
   depth_normalizer: str = 'softmax'  # ablation: 'softmax' | 'sigmoid'
   depth_key_norm: bool = True  # ablation: False = logits from the raw sources

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from attnres_jax import depth
+from attnres_jax import depth_pallas
 from attnres_jax import sharding
 from attnres_jax.residuals import attnres_backward
 from attnres_jax.residuals import attnres_reads
@@ -217,7 +218,8 @@ class AttnResResidual(base.Residual):
     per-query statistics, kept apart (no [G, 2, ...] stacks to write and read)."""
     num_layers = params.query.shape[0]
     queries_QD, gains_QD = self.segment_queries(params, num_layers)
-    stats = depth.phase1(
+    kernel = depth_pallas if self.cfg.depth_kernel == 'pallas' else depth
+    stats = kernel.phase1(
       buffer_KBTD,
       queries_QD,
       gains_QD,

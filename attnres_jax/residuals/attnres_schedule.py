@@ -9,6 +9,7 @@ from attnres_jax import depth
 from attnres_jax.residuals import base
 
 READ_FLOPS_PER_SOURCE_AND_CHANNEL = 7  # key RMS 2d, logit 2d, weighted sum 2d, rest ~d
+DEPTH_KERNELS = ('xla', 'pallas')  # Phase 1: jnp, or the Pallas kernel (depth_pallas)
 
 
 def block_size_of(cfg) -> int:
@@ -63,6 +64,15 @@ def validate(cfg) -> None:
     base.invalid(
       f"depth_dtype must be '' (the compute dtype), 'bfloat16' or 'float32', got "
       f'{cfg.depth_dtype!r}.'
+    )
+  if cfg.depth_kernel not in DEPTH_KERNELS:
+    base.invalid(
+      f'depth_kernel must be one of {DEPTH_KERNELS}, got {cfg.depth_kernel!r}.'
+    )
+  if cfg.depth_kernel == 'pallas' and cfg.depth_read != 'two_phase':
+    base.invalid(
+      "depth_kernel='pallas' computes Phase 1 of the two-phase read; set "
+      "depth_read='two_phase' or depth_kernel='xla'."
     )
   layers = cfg.schedule_layers
   if (
