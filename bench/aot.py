@@ -36,6 +36,7 @@ SIZES = {
   '125m': (768, 12, 12, 2048, 'none', 2048, 8),
   '1b': (2048, 18, 16, 5632, 'layer', 4096, 4),
   'd1024': (1024, 8, 8, 4096, 'none', 1024, 8),  # the depth core's (docs/results.md)
+  'd2048': (2048, 16, 16, 8192, 'none', 1024, 8),  # the depth core's, wider and deeper
   '8b': (4096, 32, 32, 14336, 'layer', 8192, 1),
 }
 TOPOLOGIES = {
