@@ -283,9 +283,16 @@ def compile_report(
     except jax.errors.JaxRuntimeError as e:
       if 'RESOURCE_EXHAUSTED' not in str(e):
         raise
+      said = str(e).splitlines()[0]
+      if 'memory space vmem' in said:  # a kernel's on-chip blocks, not the program
+        raise ValueError(
+          f'The {step} step does not compile for {topology}: the TPU compiler says '
+          f'"{said}" (on-chip VMEM of one kernel, e.g. the Pallas depth kernel: '
+          f"model.depth_kernel='xla' avoids it)."
+        ) from None
       raise ValueError(
         f'The {step} step does not fit on {topology}: the TPU compiler says '
-        f'"{str(e).splitlines()[0]}" (HBM per device). Shard more (mesh.shape: fsdp, '
+        f'"{said}" (HBM per device). Shard more (mesh.shape: fsdp, '
         'tensor; mesh.stage), lower the batch or seq_len, raise grad_accum_steps, or '
         'set model.remat.'
       ) from None
