@@ -394,8 +394,8 @@ def test_linear_memory_backward_in_stages_equals_autodiff(children):
   # The same forward pass (the custom VJP's primal is the plain chunk).
   assert linear['metrics'][0]['loss'] == autodiff['metrics'][0]['loss']
   # The same gradients summed in another order: float32 rounding of the O(1)
-  # parameters after two steps (a dropped cotangent, e.g. the received inverse RMS'
-  # or a cached block's, moves the update by about the learning rate, 1e-2).
+  # parameters after two steps (measured 1.2e-7, 1 ulp). Dropping the cotangent of
+  # the received inverse RMS (Phase 1's key norms) moved them by 6.8e-4 (measured).
   diff = max(
     np.max(np.abs(np.asarray(a) - np.asarray(b)))
     for a, b in zip(linear['params'], autodiff['params'])
