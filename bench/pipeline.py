@@ -414,6 +414,7 @@ def tpu_rows() -> list[dict]:
           collectives=step['collectives'],
           flops=step['flops'],
           bytes_accessed=step['bytes_accessed'],
+          hbm_bytes=step.get('hbm_bytes'),  # from aot.py's HBM count, where it has one
           time_shares=step.get('time_shares'),  # what the estimate is made of
           load_average=os.getloadavg()[0],  # compile time depends on it, nothing else
         )
