@@ -12,7 +12,9 @@ waiting M - P iterations in a small storage when M > P). The whole schedule is o
 over `stage`); between iterations the stages' outgoing messages rotate by one stage
 (a collective-permute). The backward pass is autodiff of that scan (all forward
 microbatches, then all backward: GPipe order), which rotates the cotangents the other
-way; `remat` applies per stage as elsewhere.
+way; `remat` applies per stage as elsewhere, and a chunk that runs the residual's own
+schedule goes through its `custom_stack` (AttnRes: the linear-memory backward,
+resumed from the received carry).
 
 What crosses a stage boundary is the residual's carry (`Residual.carry_axes` names
 its leaves; `Residual.pipeline_chunk` gives the residual that runs one chunk): the
@@ -93,8 +95,13 @@ def run_chunk(
   *,
   model_config,
   layers_per_chunk: int,
+  custom_stack=None,
 ):
-  """The carry after one chunk's layers (`chunk_state`: their stacked parameters)."""
+  """The carry after one chunk's layers (`chunk_state`: their stacked parameters);
+  through the residual's `custom_stack` (its own backward pass, resumed from the
+  carry) when given."""
+  if custom_stack is not None:
+    return custom_stack(graphdef, chunk_state, carry, positions_BT, segment_offset)
   chunk_config = types.SimpleNamespace(
     num_layers=layers_per_chunk,
     remat=model_config.remat,
@@ -179,6 +186,10 @@ def pipeline_hidden(model, x_MBTD, positions_BT, pipe: PipelineConfig):
   num_micro, num_chunks = pipe.num_microbatches, pipe.num_chunks
   layers_per_chunk = cfg.num_layers // num_chunks
   residual, segments_per_chunk = model.residual.pipeline_chunk(layers_per_chunk)
+  # The residual's own backward pass (AttnRes's linear-memory one) runs a chunk when
+  # the chunk runs the residual's own schedule, re-segmented; not another one (a
+  # block spanning chunk boundaries: `attnres.BufferReads`).
+  custom_stack = residual.custom_stack if type(residual) is type(model.residual) else None
   cached = residual.cached_transfer and pipe.transfer == 'cached'
   transfer = (
     CachedTransfer(pipeline_plan.transfer_plan(cfg, pipe), num_stages)
@@ -261,6 +272,7 @@ def pipeline_hidden(model, x_MBTD, positions_BT, pipe: PipelineConfig):
       positions_BT,
       model_config=cfg,
       layers_per_chunk=layers_per_chunk,
+      custom_stack=custom_stack,
     )
     h_BTD, _ = residual.final(carry, final_params)  # used from the last chunk only
     return transfer.send(carry, chunk), h_BTD, wrap, cache

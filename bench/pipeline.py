@@ -90,7 +90,9 @@ flags.DEFINE_list(
 )
 flags.DEFINE_list('tpu_schedules', ['remat', 'gpipe'], 'Part tpu: pipeline schedules.')
 flags.DEFINE_integer('tpu_stages', 2, 'Part tpu: pipeline stages P (the rest data).')
-flags.DEFINE_integer('tpu_virtual_stages', 1, 'Part tpu: virtual stages V.')
+flags.DEFINE_list(
+  'tpu_virtual_stages', ['1'], 'Part tpu: virtual stages V, one row each.'
+)
 flags.DEFINE_integer('tpu_microbatches', 4, 'Part tpu: microbatches M.')
 flags.DEFINE_integer('tpu_d_model', 1024, 'Part tpu: model width (heads of 128).')
 flags.DEFINE_integer('tpu_layers', 8, 'Part tpu: layers.')
@@ -337,7 +339,7 @@ def step_times() -> list[dict]:
   return rows
 
 
-def tpu_config(mode: str, chips: int, stages: int, schedule: str):
+def tpu_config(mode: str, chips: int, stages: int, virtual: int, schedule: str):
   """The bf16 model of part tpu: FSDP over all chips (stages = 1) or the pipeline."""
   config = default_config.get_config()
   d_model = FLAGS.tpu_d_model
@@ -357,7 +359,7 @@ def tpu_config(mode: str, chips: int, stages: int, schedule: str):
     config.mesh.update(
       shape=(-1, 1, 1),
       stage=stages,
-      virtual_stages=FLAGS.tpu_virtual_stages,
+      virtual_stages=virtual,
       num_microbatches=FLAGS.tpu_microbatches,
       pipeline_schedule=schedule,
     )
@@ -373,22 +375,23 @@ def tpu_rows() -> list[dict]:
   )
   for topology in FLAGS.topology:
     chips = aot.get_topology(topology).num_chips
-    configurations = [('FSDP', 1, None)] + [
+    configurations = [('FSDP', 1, 1, None)] + [
       (
-        f'P={FLAGS.tpu_stages} V={FLAGS.tpu_virtual_stages} '
-        f'M={FLAGS.tpu_microbatches} {schedule}',
+        f'P={FLAGS.tpu_stages} V={virtual} M={FLAGS.tpu_microbatches} {schedule}',
         FLAGS.tpu_stages,
+        int(virtual),
         schedule,
       )
+      for virtual in FLAGS.tpu_virtual_stages
       for schedule in FLAGS.tpu_schedules
     ]
     standard, fsdp_temp = {}, {}
     for mode in FLAGS.tpu_modes:
-      for label, stages, schedule in configurations:
-        config = tpu_config(mode, chips, stages, schedule or 'remat')
+      for label, stages, virtual, schedule in configurations:
+        config = tpu_config(mode, chips, stages, virtual, schedule or 'remat')
         pipe = pipeline_plan.from_mesh_config(config.mesh)
         row = dict(part='tpu', topology=topology, model=mode, configuration=label)
-        row.update(stages=stages, schedule=schedule)
+        row.update(stages=stages, virtual_stages=virtual, schedule=schedule)
         row['num_microbatches'] = pipe.num_microbatches if pipe else 1
         row['bubble'] = pipeline_plan.bubble_fraction(pipe) if pipe else 0.0
         row.update(d_model=FLAGS.tpu_d_model, num_layers=FLAGS.tpu_layers)
@@ -409,6 +412,11 @@ def tpu_rows() -> list[dict]:
           while_trip_counts=step['while_trip_counts'],
           unknown_trip_counts=step['unknown_trip_counts'],
           collectives=step['collectives'],
+          flops=step['flops'],
+          bytes_accessed=step['bytes_accessed'],
+          hbm_bytes=step.get('hbm_bytes'),  # from aot.py's HBM count, where it has one
+          time_shares=step.get('time_shares'),  # what the estimate is made of
+          load_average=os.getloadavg()[0],  # compile time depends on it, nothing else
         )
         if stages == 1:
           fsdp_temp[mode] = row['temp_bytes']

@@ -11,9 +11,17 @@ the sublayer read. The backward pass runs the segments in reverse: Phase 1 is
 recomputed and differentiated once per segment (its cotangents summed over the
 segment's sublayers), Phase 2 once per sublayer. Contract: gradients equal plain
 autodiff of the same schedule (tests/test_memory.py).
+
+The same backward runs a pipeline chunk (`pipeline.py`): layers in the middle of the
+model, resumed from the carry the chunk received (buffer and inverse RMS), whose
+cotangents it returns (tests/test_pipeline.py).
 """
 
 from __future__ import annotations
+
+import dataclasses
+import types
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -40,14 +48,51 @@ def keeping_float_residuals(fn):
   return jax.checkpoint(fn, policy=_saveable, prevent_cse=False)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Resumed:
+  """`base` run from a received carry (handed to `stack.run_layers` where it takes the
+  embedding), its segments numbered from `offset` on. `pipeline._Resume` does the
+  same job, holding the carry; this module cannot import the pipeline."""
+
+  base: Any
+  offset: Any
+
+  @property
+  def segment_layers(self):
+    return self.base.segment_layers
+
+  def init(self, carry):
+    return carry
+
+  def begin_segment(self, carry, params, segment):
+    return self.base.begin_segment(carry, params, segment + self.offset)
+
+  def sublayer(self, *args):
+    return self.base.sublayer(*args)
+
+  def end_segment(self, carry, inner, segment):
+    return self.base.end_segment(carry, inner, segment + self.offset)
+
+
 def make_stack(residual):
-  """fn(graphdef, layer_state, x_BTD, positions_BT) -> the residual's final (buffer,
-  inverse RMS); `residual` is an `attnres.AttnResResidual` (two-phase reads)."""
+  """fn(graphdef, layer_state, start, positions_BT, segment_offset=None) -> (buffer,
+  inverse RMS) after the layers of `layer_state` ([n, ...]); `residual` is an
+  `attnres.AttnResResidual` (two-phase reads). `start`: the embedding [B, T, D] (all
+  layers, `segment_offset` None), or the carry a pipeline chunk received (a
+  `DepthCarry`, the chunk starting on a block boundary at model segment
+  `segment_offset`, which may be traced); then its cotangent is the carry's."""
   cfg = residual.cfg
   eps = cfg.attn_res_eps
 
-  def run(graphdef, layer_state, x_BTD, positions_BT):
-    """The final buffer and its inverse RMS after all layers."""
+  def run(graphdef, layer_state, start, positions_BT, segment_offset=None):
+    resumed = segment_offset is not None
+    num_layers = jax.tree.leaves(layer_state)[0].shape[0]
+    if resumed and (2 * num_layers) % residual.block_size:
+      raise ValueError(f'A chunk of {num_layers} layers does not cover whole blocks.')
+    stack_cfg = types.SimpleNamespace(
+      num_layers=num_layers, remat=cfg.remat, scan_layers=cfg.scan_layers
+    )
+    carry_type = type(start)
     functions = [
       stack_lib.sublayer_function(graphdef, which, cfg.remat == 'sublayer')
       for which in stack_lib.SUBLAYERS
@@ -61,7 +106,7 @@ def make_stack(residual):
         apply = keeping_float_residuals(apply)
       return jax.vjp(apply, state_k, h_BTD)
 
-    def forward(layer_state, x_BTD, positions_BT):
+    def forward(layer_state, start, segment_offset, positions_BT):
       def apply_sublayer(which, layer_in_segment, state_k, h_BTD, inner, extra):
         del extra
         index, _ = residual.local_index(layer_in_segment, which)
@@ -72,33 +117,47 @@ def make_stack(residual):
         return out_BTD, (partial_BTD, vjp_fn)
 
       carry, (full_ys, tail_ys) = stack_lib.run_layers(
-        residual,
+        runner(segment_offset),
         graphdef,
         layer_state,
-        x_BTD,
+        start,
         positions_BT,
-        cfg=cfg,
+        cfg=stack_cfg,
         apply_sublayer=apply_sublayer,
       )
       buffer_KBTD = carry.buffer_KBTD
       saved = tuple(
         None if ys is None else tuple(y[0] for y in ys) for ys in (full_ys, tail_ys)
       )
-      return buffer_KBTD, (layer_state, buffer_KBTD, positions_BT, saved)
+      # Resumed: what the chunk received of the inverse RMS (Phase 1 read it).
+      inv_rms_in_KBT = start.inv_rms_KBT if resumed else None
+      residuals = (layer_state, buffer_KBTD, inv_rms_in_KBT, segment_offset)
+      return (carry if resumed else buffer_KBTD), (*residuals, positions_BT, saved)
 
     def segment_backward(
-      buffer_KBTD, d_buffer_KBTD, layer_states, segment, saved, positions_BT
+      buffer_KBTD, d_buffer_KBTD, received, layer_states, segment, saved, positions_BT
     ):
-      """Cotangents through one segment: (d_buffer before it, d_layer_states)."""
+      """Cotangents through one segment: (d_buffer before it, d_layer_states, and
+      resumed, the received inverse RMS' cotangent). `received`: None, or (the
+      received inverse RMS, its cotangent so far, the chunk's first slot)."""
       num_layers = len(layer_states)
       first = residual.first_local_slot(segment)
       num_local = residual.local_slots(num_layers)
 
-      def phase1(buffer_KBTD, layer_states):
+      def phase1(buffer_KBTD, layer_states, *inv_rms_in_KBT):
         params = stack_lib.stacked_residual_params(graphdef, layer_states)
-        return residual.phase1(buffer_KBTD, params, first)
+        inv_rms_KBT = None  # from the buffer, as the forward computed it
+        if inv_rms_in_KBT:  # the received slots' as the forward read them
+          received_K = jnp.arange(buffer_KBTD.shape[0]) < received[2]
+          inv_rms_KBT = jnp.where(
+            received_K[:, None, None],
+            inv_rms_in_KBT[0],
+            depth.rms_inverse(buffer_KBTD, eps),
+          )
+        return residual.phase1(buffer_KBTD, params, first, inv_rms_KBT)
 
-      stats, phase1_vjp = jax.vjp(phase1, buffer_KBTD, layer_states)
+      primals = (buffer_KBTD, layer_states) + (received[:1] if received else ())
+      stats, phase1_vjp = jax.vjp(phase1, *primals)
       # The segment's slots: final values, and the cotangent they got after it ended.
       local_JBTD = jax.lax.dynamic_slice_in_dim(buffer_KBTD, first, num_local, 0)
       d_local_JBTD = jax.lax.dynamic_slice_in_dim(d_buffer_KBTD, first, num_local, 0)
@@ -155,34 +214,71 @@ def make_stack(residual):
               else jax.tree.map(jnp.add, d_layer_states[j], d)
             )
         d_stats[j] = tuple(d_stats_j)  # as Phase 1 returned them: nothing stacked
-      d_buffer_phase1, d_states_phase1 = phase1_vjp(d_stats)
+      d_buffer_phase1, d_states_phase1, *d_inv_rms_phase1 = phase1_vjp(d_stats)
       d_layer_states = jax.tree.map(jnp.add, tuple(d_layer_states), d_states_phase1)
       d_buffer_KBTD = d_buffer_KBTD + d_buffer_phase1
       d_buffer_KBTD = sharding.constrain(
         d_buffer_KBTD.at[0].add(d_embedding_sum_BTD.astype(d_buffer_KBTD.dtype)),
         sharding.DEPTH_BUFFER,
       )
-      return d_buffer_KBTD, d_layer_states
+      d_inv_rms_KBT = received[1] + d_inv_rms_phase1[0] if received else None
+      return d_buffer_KBTD, d_layer_states, d_inv_rms_KBT
 
-    def backward(residuals, d_buffer_KBTD):
-      layer_state, buffer_KBTD, positions_BT, (full_saved, tail_saved) = residuals
-      size = residual.segment_layers
-      num_full = cfg.num_layers // size
-      full_states, tail_states = stack_lib.group_segments(
-        layer_state, cfg.num_layers, size
+    def through_written_inv_rms(buffer_KBTD, d_carry, chunk_first):
+      """Resumed: the output carry's cotangents split into the buffer's (the chunk's
+      slots also get their inverse RMS's, computed from them) and the received
+      inverse RMS' (the slots the chunk passes on unchanged)."""
+      d_buffer_KBTD, d_inv_rms_KBT = d_carry
+      num_written = residual.local_slots(num_layers)
+      written = lambda x: jax.lax.dynamic_slice_in_dim(x, chunk_first, num_written, 0)
+      _, rms_vjp = jax.vjp(lambda x: depth.rms_inverse(x, eps), written(buffer_KBTD))
+      (d_written_JBTD,) = rms_vjp(written(d_inv_rms_KBT))
+      d_buffer_KBTD = jax.lax.dynamic_update_slice_in_dim(
+        d_buffer_KBTD,
+        written(d_buffer_KBTD) + d_written_JBTD.astype(d_buffer_KBTD.dtype),
+        chunk_first,
+        0,
       )
+      d_inv_rms_KBT = jax.lax.dynamic_update_slice_in_dim(
+        d_inv_rms_KBT, jnp.zeros_like(written(d_inv_rms_KBT)), chunk_first, 0
+      )
+      return d_buffer_KBTD, d_inv_rms_KBT
+
+    def backward(residuals, d_out):
+      layer_state, buffer_KBTD, inv_rms_in_KBT, segment_offset = residuals[:4]
+      positions_BT, (full_saved, tail_saved) = residuals[4:]
+      offset = segment_offset if resumed else 0
+      d_buffer_KBTD, d_inv_rms_KBT, chunk_first = d_out, None, None
+      if resumed:
+        chunk_first = residual.first_local_slot(offset)
+        d_buffer_KBTD, d_inv_rms_KBT = through_written_inv_rms(
+          buffer_KBTD, d_out, chunk_first
+        )
+      received = lambda d_inv_rms_KBT: (
+        (inv_rms_in_KBT, d_inv_rms_KBT, chunk_first) if resumed else None
+      )
+      size = residual.segment_layers
+      num_full = num_layers // size
+      full_states, tail_states = stack_lib.group_segments(layer_state, num_layers, size)
       d_full = d_tail = None
       if tail_states is not None:
-        d_buffer_KBTD, d_tail = segment_backward(
-          buffer_KBTD, d_buffer_KBTD, tail_states, num_full, tail_saved, positions_BT
+        d_buffer_KBTD, d_tail, d_inv_rms_KBT = segment_backward(
+          buffer_KBTD,
+          d_buffer_KBTD,
+          received(d_inv_rms_KBT),
+          tail_states,
+          offset + num_full,
+          tail_saved,
+          positions_BT,
         )
       if full_states is not None:
 
-        def body(d_buffer_KBTD, xs):
+        def body(d_carry, xs):
           grouped_states, segment, saved = xs
-          d_buffer_KBTD, d_states = segment_backward(
+          d_buffer_KBTD, d_states, d_inv_rms_KBT = segment_backward(
             buffer_KBTD,
-            d_buffer_KBTD,
+            d_carry[0],
+            received(d_carry[1]),
             stack_lib.segment_layers_of(grouped_states, size),
             segment,
             saved,
@@ -190,32 +286,41 @@ def make_stack(residual):
           )
           # Stacked over the segment's layers: the scan writes them in the grouped
           # layout, which is the stacked one [L, ...] reshaped (no copy to regroup).
-          return d_buffer_KBTD, jax.tree.map(lambda *d: jnp.stack(d), *d_states)
+          d_states = jax.tree.map(lambda *d: jnp.stack(d), *d_states)
+          return (d_buffer_KBTD, d_inv_rms_KBT), d_states
 
-        d_buffer_KBTD, d_full = jax.lax.scan(
+        (d_buffer_KBTD, d_inv_rms_KBT), d_full = jax.lax.scan(
           body,
-          d_buffer_KBTD,
-          (full_states, jnp.arange(num_full), full_saved),
+          (d_buffer_KBTD, d_inv_rms_KBT),
+          (full_states, offset + jnp.arange(num_full), full_saved),
           reverse=True,
         )
       d_layer_state = stack_lib.ungroup_layers((d_full, d_tail))
       d_layer_state = jax.tree.map(
         lambda d, x: d.astype(x.dtype), d_layer_state, layer_state
       )
-      # The embedding's cotangent in its own dtype (the buffer may store another).
-      return d_layer_state, d_buffer_KBTD[0].astype(x_BTD.dtype), None
+      if resumed:  # the received carry's cotangent
+        d_start = carry_type(d_buffer_KBTD.astype(buffer_KBTD.dtype), d_inv_rms_KBT)
+      else:  # the embedding's, in its own dtype (the buffer may store another)
+        d_start = d_buffer_KBTD[0].astype(start.dtype)
+      return d_layer_state, d_start, None, None
+
+    def runner(segment_offset):
+      return _Resumed(residual, segment_offset) if resumed else residual
 
     @jax.custom_vjp
-    def buffer_after_layers(layer_state, x_BTD, positions_BT):
+    def after_layers(layer_state, start, segment_offset, positions_BT):
       carry, _ = stack_lib.run_layers(
-        residual, graphdef, layer_state, x_BTD, positions_BT, cfg=cfg
+        runner(segment_offset), graphdef, layer_state, start, positions_BT, cfg=stack_cfg
       )
-      return carry.buffer_KBTD
+      return carry if resumed else carry.buffer_KBTD
 
-    buffer_after_layers.defvjp(forward, backward)
-    buffer_KBTD = buffer_after_layers(layer_state, x_BTD, positions_BT)
+    after_layers.defvjp(forward, backward)
+    out = after_layers(layer_state, start, segment_offset, positions_BT)
+    if resumed:
+      return out
     # The final read takes each slot's inverse RMS from the carry; computing it here,
     # outside the custom VJP, lets autodiff carry its cotangent into the buffer.
-    return buffer_KBTD, depth.rms_inverse(buffer_KBTD, eps)
+    return out, depth.rms_inverse(out, eps)
 
   return run
