@@ -38,10 +38,8 @@ Shape suffixes as in `depth.py`, plus M: microbatches (`x_MBTD` is [M, B / M, T,
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import types
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -49,40 +47,12 @@ import optax
 from flax import nnx
 
 from attnres_jax import pipeline_plan
-from attnres_jax import residuals
 from attnres_jax import sharding
 from attnres_jax.pipeline_plan import PipelineConfig, TransferPlan
 from attnres_jax import stack as stack_lib
 
 
 # -- running one chunk of layers from a carry -----------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class _Resume(residuals.Residual):
-  """`base` resumed from `carry`, its segments numbered from `segment_offset` on: lets
-  `stack.run_layers` run a chunk of the layers in the middle of the model."""
-
-  base: Any
-  carry: Any
-  segment_offset: Any
-
-  @property
-  def segment_layers(self):
-    return self.base.segment_layers
-
-  def init(self, x_BTD):
-    del x_BTD
-    return self.carry
-
-  def begin_segment(self, carry, params, segment):
-    return self.base.begin_segment(carry, params, segment + self.segment_offset)
-
-  def sublayer(self, inner, params, per_layer, layer_in_segment, which, branch):
-    return self.base.sublayer(inner, params, per_layer, layer_in_segment, which, branch)
-
-  def end_segment(self, carry, inner, segment):
-    return self.base.end_segment(carry, inner, segment + self.segment_offset)
 
 
 def run_chunk(
@@ -107,9 +77,9 @@ def run_chunk(
     remat=model_config.remat,
     scan_layers=model_config.scan_layers,
   )
-  resumed = _Resume(residual, carry, segment_offset)
+  resumed = stack_lib.Resumed(residual, segment_offset)
   carry, _ = stack_lib.run_layers(
-    resumed, graphdef, chunk_state, None, positions_BT, cfg=chunk_config
+    resumed, graphdef, chunk_state, carry, positions_BT, cfg=chunk_config
   )
   return carry
 

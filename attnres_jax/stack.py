@@ -12,6 +12,7 @@ calls, unrolled over per-layer weights and KV caches (`docs/inference.md`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Callable
 
@@ -137,6 +138,32 @@ def stacked_residual_params(graphdef, layer_states):
   return nnx.merge(
     graph, jax.tree.map(lambda *x: jnp.stack(x), *[nnx.state(m) for m in modules])
   )
+
+
+@dataclasses.dataclass(frozen=True)
+class Resumed:
+  """`base` run by `run_layers` from a received carry, which it passes where it
+  would pass the embedding, its segments numbered from `segment_offset` (may be
+  traced) on: a chunk of the layers in the middle of the model (a pipeline stage's)."""
+
+  base: Any
+  segment_offset: Any
+
+  @property
+  def segment_layers(self):
+    return self.base.segment_layers
+
+  def init(self, carry):
+    return carry
+
+  def begin_segment(self, carry, params, segment):
+    return self.base.begin_segment(carry, params, segment + self.segment_offset)
+
+  def sublayer(self, *args):
+    return self.base.sublayer(*args)
+
+  def end_segment(self, carry, inner, segment):
+    return self.base.end_segment(carry, inner, segment + self.segment_offset)
 
 
 def run_layers(

@@ -19,9 +19,7 @@ cotangents it returns (tests/test_pipeline.py).
 
 from __future__ import annotations
 
-import dataclasses
 import types
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -46,32 +44,6 @@ def _saveable(primitive, *avals, **params) -> bool:
 def keeping_float_residuals(fn):
   """`fn` whose VJP keeps what `_saveable` allows and recomputes the rest."""
   return jax.checkpoint(fn, policy=_saveable, prevent_cse=False)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Resumed:
-  """`base` run from a received carry (handed to `stack.run_layers` where it takes the
-  embedding), its segments numbered from `offset` on. `pipeline._Resume` does the
-  same job, holding the carry; this module cannot import the pipeline."""
-
-  base: Any
-  offset: Any
-
-  @property
-  def segment_layers(self):
-    return self.base.segment_layers
-
-  def init(self, carry):
-    return carry
-
-  def begin_segment(self, carry, params, segment):
-    return self.base.begin_segment(carry, params, segment + self.offset)
-
-  def sublayer(self, *args):
-    return self.base.sublayer(*args)
-
-  def end_segment(self, carry, inner, segment):
-    return self.base.end_segment(carry, inner, segment + self.offset)
 
 
 def make_stack(residual):
@@ -306,7 +278,7 @@ def make_stack(residual):
       return d_layer_state, d_start, None, None
 
     def runner(segment_offset):
-      return _Resumed(residual, segment_offset) if resumed else residual
+      return stack_lib.Resumed(residual, segment_offset) if resumed else residual
 
     @jax.custom_vjp
     def after_layers(layer_state, start, segment_offset, positions_BT):

@@ -83,7 +83,10 @@ class Residual:
   figures: ClassVar[tuple[str, ...]] = ()
   # Whether the pipeline may send only the new part of the carry ('cached' transfer).
   cached_transfer: ClassVar[bool] = False
-  custom_stack = None  # optional: fn(graphdef, layer_state, x, positions) -> carry
+  # Optional, its own backward pass over the layers: fn(graphdef, layer_state, start,
+  # positions, segment_offset=None) -> carry; `start` the embedding, or with a segment
+  # offset the carry a pipeline chunk received (then the carry's cotangent flows back).
+  custom_stack = None
 
   # -- configuration and names ------------------------------------------------------
 
