@@ -30,6 +30,7 @@ Scalar counts are spelled out (block_size, num_blocks), never a bare letter.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -215,12 +216,26 @@ def phase2(
   (those of `valid_J` only) by online softmax. Returns h in the local sources' dtype.
 
   At least one source must be valid across both phases (Phase 1 always has the
-  embedding).
+  embedding). With several local sources (Full) the VJP is written out (`_merge_bwd`):
+  autodiff of the merge left the TPU compiler float32 [B, T, D] intermediates to write
+  and read back (`bench/aot.py`, d1024 v5p:2x2x1, full/pallas: 111.4 -> 109.8 GB a
+  step). With one (Block) autodiff's fuses as well or better (block:4/pallas 91.03 vs
+  91.09 GB, block:8/pallas 90.89 vs 91.0 GB), so it stays.
   """
   max_BT, sum_BT, out_BTD = phase1_stats
-  dots_JBT, inv_rms_JBT = _source_logits(
-    local_JBTD, _folded_query(query_D, gain_D), eps, local_inv_rms_JBT
-  )
+  folded_D = _folded_query(query_D, gain_D)
+  if local_JBTD.shape[0] > 1:
+    return _merge(
+      max_BT,
+      sum_BT,
+      out_BTD,
+      local_JBTD,
+      valid_J,
+      folded_D,
+      local_inv_rms_JBT,
+      float(eps),
+    )
+  dots_JBT, inv_rms_JBT = _source_logits(local_JBTD, folded_D, eps, local_inv_rms_JBT)
   logits_JBT = jnp.where(valid_J[:, None, None], dots_JBT * inv_rms_JBT, -jnp.inf)
   new_max_BT = jax.lax.stop_gradient(jnp.maximum(max_BT, jnp.max(logits_JBT, axis=0)))
   old_scale_BT = jnp.exp(max_BT - new_max_BT)
@@ -230,6 +245,100 @@ def phase2(
     local_weights_JBT[..., None] * local_JBTD.astype(jnp.float32), axis=0
   )
   return (h_BTD / total_BT[..., None]).astype(local_JBTD.dtype)
+
+
+def _merge_parts(max_BT, sum_BT, local_JBTD, valid_J, folded_D, local_inv_rms_JBT, eps):
+  """Per token: the old statistics' scale c = s / total (s = exp(m - m')), each local
+  source's weight alpha_j = w_j / total, its dot and inverse RMS, and the total."""
+  dots_JBT, inv_rms_JBT = _source_logits(local_JBTD, folded_D, eps, local_inv_rms_JBT)
+  logits_JBT = jnp.where(valid_J[:, None, None], dots_JBT * inv_rms_JBT, -jnp.inf)
+  new_max_BT = jnp.maximum(max_BT, jnp.max(logits_JBT, axis=0))
+  old_scale_BT = jnp.exp(max_BT - new_max_BT)
+  local_weights_JBT = jnp.exp(logits_JBT - new_max_BT[None])  # 0 where not valid
+  total_BT = sum_BT * old_scale_BT + jnp.sum(local_weights_JBT, axis=0)
+  inv_total_BT = 1 / total_BT
+  return (
+    old_scale_BT * inv_total_BT,
+    local_weights_JBT * inv_total_BT[None],
+    dots_JBT,
+    inv_rms_JBT,
+    total_BT,
+  )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _merge(
+  max_BT, sum_BT, out_BTD, local_JBTD, valid_J, folded_D, local_inv_rms_JBT, eps
+):
+  return _merge_fwd(
+    max_BT, sum_BT, out_BTD, local_JBTD, valid_J, folded_D, local_inv_rms_JBT, eps
+  )[0]
+
+
+def _merge_fwd(
+  max_BT, sum_BT, out_BTD, local_JBTD, valid_J, folded_D, local_inv_rms_JBT, eps
+):
+  scale_BT, alpha_JBT, dots_JBT, inv_rms_JBT, total_BT = _merge_parts(
+    max_BT, sum_BT, local_JBTD, valid_J, folded_D, local_inv_rms_JBT, eps
+  )
+  h_BTD = out_BTD.astype(jnp.float32) * scale_BT[..., None] + jnp.sum(
+    alpha_JBT[..., None] * local_JBTD.astype(jnp.float32), axis=0
+  )
+  saved = (sum_BT, out_BTD, local_JBTD, folded_D, local_inv_rms_JBT)
+  return h_BTD.astype(local_JBTD.dtype), saved + (
+    scale_BT,
+    alpha_JBT,
+    dots_JBT,
+    inv_rms_JBT,
+    total_BT,
+  )
+
+
+def _merge_bwd(eps, saved, d_h_BTD):
+  """h = c o + sum_j alpha_j v_j (c = s / total, alpha_j = w_j / total). With g = dh:
+  <g, h> = c <g, o> + sum_j alpha_j <g, v_j> (reductions over D of g against the
+  inputs; h is not rebuilt), dl_j = alpha_j (<g, v_j> - <g, h>), do = c g,
+  d sum = -c <g, h>, d max = c (<g, o> - sum <g, h>) (through s; the new max is
+  stop-gradient), dv_j = alpha_j g + dl_j r_j f - (r_j^3 / D) dl_j dot_j v_j (the last
+  term when r is computed here; a given r gets dl_j dot_j), df = sum dl_j r_j v_j."""
+  sum_BT, out_BTD, local_JBTD, folded_D, local_inv_rms_JBT = saved[:5]
+  scale_BT, alpha_JBT, dots_JBT, inv_rms_JBT, _ = saved[5:]
+  g_BTD = d_h_BTD.astype(jnp.float32)
+  g_out_BT = jnp.sum(g_BTD * out_BTD.astype(jnp.float32), axis=-1)
+  g_local_JBT = jnp.sum(g_BTD[None] * local_JBTD.astype(jnp.float32), axis=-1)
+  g_h_BT = scale_BT * g_out_BT + jnp.sum(alpha_JBT * g_local_JBT, axis=0)
+  d_logits_JBT = alpha_JBT * (g_local_JBT - g_h_BT[None])
+  d_max_BT = scale_BT * (g_out_BT - sum_BT * g_h_BT)
+  d_sum_BT = -scale_BT * g_h_BT
+  d_out_BTD = (g_BTD * scale_BT[..., None]).astype(out_BTD.dtype)
+  d_dots_JBT = d_logits_JBT * inv_rms_JBT
+  d_inv_rms_JBT = d_logits_JBT * dots_JBT
+  coef_JBT = alpha_JBT
+  d_local_JBTD = coef_JBT[..., None] * g_BTD[None] + d_dots_JBT[..., None] * lead(
+    folded_D, 4
+  )
+  if local_inv_rms_JBT is None:  # r = rsqrt(mean v^2 + eps): dr/dv = -(r^3 / D) v
+    dim = local_JBTD.shape[-1]
+    shrink_JBT = inv_rms_JBT**3 * d_inv_rms_JBT / dim
+    d_local_JBTD -= shrink_JBT[..., None] * local_JBTD.astype(jnp.float32)
+    d_given_rms = None
+  else:
+    d_given_rms = d_inv_rms_JBT
+  d_folded_D = jnp.sum(
+    d_dots_JBT[..., None] * local_JBTD.astype(jnp.float32), axis=(0, 1, 2)
+  )
+  return (
+    d_max_BT,
+    d_sum_BT,
+    d_out_BTD,
+    d_local_JBTD.astype(local_JBTD.dtype),
+    None,
+    d_folded_D,
+    d_given_rms,
+  )
+
+
+_merge.defvjp(_merge_fwd, _merge_bwd)
 
 
 # -- the paper's ablations (Section 5) as variants of the same read ------------------
