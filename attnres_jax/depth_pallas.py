@@ -56,6 +56,9 @@ from attnres_jax import sharding
 # VMEM for one program's double-buffered blocks (the tile is the largest that fits,
 # at least 128 tokens), and the headroom asked of Mosaic for the float32 temporaries.
 BLOCK_VMEM_BYTES = 24 * 2**20
+# The on-chip vector memory the kernels may assume a core has (v5p's 64 MiB; v5e and
+# v6e have more): a config whose narrowest tile needs more is refused by validation.
+VMEM_BYTES = 64 * 2**20
 TEMP_VMEM_BYTES = 32 * 2**20
 LANES = 128
 _NT = (((1,), (1,)), ((), ()))  # a . b^T
@@ -68,6 +71,15 @@ def block_bytes(tile, num_slots, num_queries, dim, itemsize, out_itemsize):
   """VMEM of the backward's double-buffered blocks for `tile` tokens: the buffer in,
   its cotangent out, the Q output cotangents in."""
   return 2 * tile * dim * (2 * num_slots * itemsize + num_queries * out_itemsize)
+
+
+def least_vmem_bytes(num_slots, num_queries, dim, itemsize, out_itemsize):
+  """On-chip memory the backward needs at its narrowest tile (128 tokens): its
+  blocks, the float32 scratch (logits, dots, inverse RMS of every slot) and about
+  Q + 3 float32 [D, tile] temporaries (a slot, its cotangent, the outputs)."""
+  blocks = block_bytes(LANES, num_slots, num_queries, dim, itemsize, out_itemsize)
+  scratch = 4 * LANES * num_slots * (2 * num_queries + 1)
+  return blocks + scratch + 4 * LANES * dim * (num_queries + 3)
 
 
 def choose_tile(length, num_slots, num_queries, dim, itemsize, out_itemsize):

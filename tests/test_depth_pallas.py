@@ -239,6 +239,16 @@ def test_pallas_kernel_needs_the_two_phase_read():
     tiny_model_config(depth_kernel='triton')
 
 
+def test_pallas_kernel_that_cannot_fit_on_chip_memory_is_refused():
+  """Full AttnRes over 16 layers (33 slots) at width 2048 needs about 81 MiB at the
+  narrowest tile (the TPU compiler measured 77.6 MB of blocks and ran out of v5p's
+  64 MiB): refused by validation; the same model at width 1024 (41 MiB) is accepted."""
+  full16 = dict(residual='full', num_layers=16, dtype='bfloat16', depth_kernel='pallas')
+  with pytest.raises(ValueError, match="needs 81.1 MiB.*depth_kernel='xla'"):
+    tiny_model_config(**full16, d_model=2048, num_heads=16, mlp_dim=64)
+  tiny_model_config(**full16, d_model=1024, num_heads=8, mlp_dim=64)
+
+
 # -- on a device mesh (a child process with 4 CPU devices) ------------------------------
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -5,7 +5,10 @@ sublayer reads and writes, the least extra traffic; `docs/method.md`).
 
 from __future__ import annotations
 
+import jax.numpy as jnp
+
 from attnres_jax import depth
+from attnres_jax import depth_pallas
 from attnres_jax.residuals import base
 
 READ_FLOPS_PER_SOURCE_AND_CHANNEL = 7  # key RMS 2d, logit 2d, weighted sum 2d, rest ~d
@@ -85,6 +88,29 @@ def validate(cfg) -> None:
       f'schedule_layers={layers} layers ({2 * layers} sublayers) does not cover '
       f'whole blocks of block_size={cfg.block_size} sublayers; use a multiple of '
       f'{whole_block_layers(cfg.block_size)} layers, num_layers, or 0.'
+    )
+  if cfg.depth_kernel == 'pallas':
+    _check_kernel_fits_vmem(cfg)
+
+
+def _check_kernel_fits_vmem(cfg) -> None:
+  """The Phase 1 kernel holds all K slots of a tile of tokens in on-chip memory (its
+  backward: the slots in, their cotangents out, the outputs' cotangents in, double
+  buffered): at its narrowest tile that must fit, or the TPU compiler fails late."""
+  size = block_size_of(cfg)
+  num_slots = depth.num_slots(2 * cfg.num_layers, size)
+  layers = cfg.schedule_layers or default_segment_layers(cfg.num_layers, size)
+  queries = 2 * min(layers, cfg.num_layers)
+  storage = jnp.dtype(cfg.depth_dtype or cfg.dtype).itemsize
+  outputs = jnp.dtype(cfg.depth_dtype or jnp.float32).itemsize
+  need = depth_pallas.least_vmem_bytes(num_slots, queries, cfg.d_model, storage, outputs)
+  if need > depth_pallas.VMEM_BYTES:
+    base.invalid(
+      f"depth_kernel='pallas' needs {need / 2**20:.1f} MiB of on-chip memory for "
+      f'{num_slots} depth slots of width {cfg.d_model} at its narrowest tile of '
+      f'{depth_pallas.LANES} tokens, more than the {depth_pallas.VMEM_BYTES // 2**20} '
+      f"MiB it may assume (v5p's VMEM): use depth_kernel='xla', fewer blocks "
+      '(a larger block_size) or shorter schedule segments.'
     )
 
 
