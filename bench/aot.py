@@ -71,7 +71,8 @@ def main(argv=None):
   parser.add_argument(
     '--hlo_dir',
     default=None,
-    help="Also write each row's optimized HLO to <dir>/<mode>_<size>_<topology>/.",
+    help="Also write each row's optimized HLO to <dir>/<mode>_<size>_<topology>/ "
+    "('/' in a mode written '+').",
   )
   args = parser.parse_args(argv)
   try:
@@ -109,7 +110,7 @@ def main(argv=None):
         )
         try:
           hlo_dir = args.hlo_dir and os.path.join(
-            args.hlo_dir, f'{mode}_{size}_{topo_label}'
+            args.hlo_dir, f'{mode.replace("/", "+")}_{size}_{topo_label}'
           )
           step = aot.compile_report(config, topology, steps=('train',), hlo_dir=hlo_dir)[
             'steps'
