@@ -187,6 +187,22 @@ def compilation_cache():
     compilation_cache_lib.reset_cache()
 
 
+def child_result(test_file: str, num_devices: int, *args: str, timeout: float = 600):
+  """Runs `test_file` as a child process on `num_devices` CPU devices (its `__main__`
+  prints a JSON line last) and returns that JSON; a non-zero exit fails the test with
+  the child's stderr."""
+  proc = subprocess.run(
+    [sys.executable, os.path.abspath(test_file), *args],
+    cwd=ROOT,
+    env=child_env(num_devices),
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+  )
+  assert proc.returncode == 0, proc.stderr[-5000:]
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def run_script(script: str, *args: str, timeout: float, **kwargs):
   """Runs a repository script (e.g. 'bench/memory.py') with this Python from the
   repository root, as the README does; a non-zero exit fails the test."""

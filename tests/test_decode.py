@@ -6,9 +6,6 @@ child process as in tests/test_sharding.py)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -19,9 +16,8 @@ from flax import nnx
 from attnres_jax import model_config
 from attnres_jax import sampling
 from attnres_jax import Transformer
-from conftest import assert_greedy_choices, assert_same_greedy_run, child_env
+from conftest import assert_greedy_choices, assert_same_greedy_run, child_result
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 VOCAB = 256
 # (residual, block_size, depth_read): Block S=3 of 4 sublayers has a partial last block;
@@ -282,16 +278,7 @@ def run_sharded_checks() -> dict:
 
 @pytest.fixture(scope='module')
 def sharded_result():
-  proc = subprocess.run(
-    [sys.executable, os.path.abspath(__file__)],
-    cwd=ROOT,
-    env=child_env(8),
-    capture_output=True,
-    text=True,
-    timeout=600,
-  )
-  assert proc.returncode == 0, proc.stderr[-5000:]
-  return json.loads(proc.stdout.strip().splitlines()[-1])
+  return child_result(__file__, 8)
 
 
 @pytest.mark.parametrize('residual', ['standard', 'block'])

@@ -10,7 +10,6 @@ import functools
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 
 import jax
@@ -25,6 +24,7 @@ from attnres_jax import depth_pallas
 from attnres_jax import residuals
 from attnres_jax import sharding
 from configs import default as default_config
+from conftest import child_result
 from conftest import tiny_model
 from conftest import tiny_model_config
 from conftest import with_config
@@ -251,7 +251,6 @@ def test_pallas_kernel_that_cannot_fit_on_chip_memory_is_refused():
 
 # -- on a device mesh (a child process with 4 CPU devices) ------------------------------
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The buffer split over batch on 4 devices, and over batch and length (the query
 # gradient then sums per-device partials over two mesh axes).
 MESH_RULES = {
@@ -300,18 +299,7 @@ def sharded_errors():
 
 
 def test_kernel_on_a_mesh_equals_xla():
-  from conftest import child_env  # pylint: disable=g-import-not-at-top
-
-  proc = subprocess.run(
-    [sys.executable, os.path.abspath(__file__), 'sharded'],
-    cwd=ROOT,
-    env=child_env(4),
-    capture_output=True,
-    text=True,
-    timeout=600,
-  )
-  assert proc.returncode == 0, proc.stderr[-5000:]
-  errors = json.loads(proc.stdout.strip().splitlines()[-1])
+  errors = child_result(__file__, 4, 'sharded')
   assert len(errors) == 3 * len(MESH_RULES) + 1
   for name, error in errors.items():
     if name.endswith(('per_device', 'refused')):

@@ -163,13 +163,16 @@ def run_checks(group: str) -> dict:
       hlo=compiled.as_text(),
     )
 
-  def forward_loss(model_config, mesh_overrides, params):
-    mesh_config, layout = setup(model_config, mesh_overrides)
-    loss_fn = functools.partial(
+  def pipelined_loss(model_config, mesh_config):
+    return functools.partial(
       pipeline.loss_sums,
       graphdef=checkpointing.abstract_model(model_config)[0],
       pipe=pipeline_plan.from_mesh_config(mesh_config),
     )
+
+  def forward_loss(model_config, mesh_overrides, params):
+    mesh_config, layout = setup(model_config, mesh_overrides)
+    loss_fn = pipelined_loss(model_config, mesh_config)
     with sharding.logical_rules(layout.mesh, layout.rules):
       sums = jax.jit(loss_fn)(
         jax.device_put(params, layout.state.params), layout.to_global(batch)
@@ -180,11 +183,7 @@ def run_checks(group: str) -> dict:
     """Whether the pipelined loss runs its chunks through a custom VJP (the
     non-pipelined path, which has its own, is not in this loss)."""
     mesh_config, layout = setup(model_config, mesh_overrides)
-    loss_fn = functools.partial(
-      pipeline.loss_sums,
-      graphdef=checkpointing.abstract_model(model_config)[0],
-      pipe=pipeline_plan.from_mesh_config(mesh_config),
-    )
+    loss_fn = pipelined_loss(model_config, mesh_config)
     with sharding.logical_rules(layout.mesh, layout.rules):
       jaxpr = jax.make_jaxpr(loss_fn)(params, batch)
     return 'custom_vjp_call' in str(jaxpr)
