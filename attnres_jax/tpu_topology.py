@@ -9,6 +9,7 @@ that keeps it quiet off Cloud TPU); the host's own backend stays what it was.
 from __future__ import annotations
 
 import dataclasses
+import glob
 import importlib.util
 import math
 import os
@@ -68,6 +69,30 @@ class Topology:
     return self.chip.peak_flops / self.devices_per_chip
 
 
+def _describe_no_tpu_host() -> None:
+  # libtpu otherwise asks a metadata server (absent off Cloud) and warns at start-up
+  # about the local host it will never run on; these describe no hardware.
+  os.environ.setdefault('TPU_SKIP_MDS_QUERY', '1')
+  os.environ.setdefault('TPU_WORKER_HOSTNAMES', 'localhost')
+  os.environ.setdefault('TPU_ACCELERATOR_TYPE', 'v5litepod-1')
+
+
+def host_has_tpu() -> bool:
+  """Whether this host has TPU chips: the device files libtpu opens (/dev/accel* on
+  v2-v4 and v6e VMs, /dev/vfio/<n> on v5e and v5p)."""
+  return bool(glob.glob('/dev/accel[0-9]*') or glob.glob('/dev/vfio/[0-9]*'))
+
+
+def quiet_backend_probe() -> None:
+  """On a host without TPU chips, JAX's backend start-up still probes the installed
+  libtpu, which prints five lines of warnings about metadata it cannot find before
+  JAX falls back to the CPU or GPU. Describing the absent TPU host silences them; a
+  TPU VM and a run that chose its platforms (JAX_PLATFORMS) are left alone. Must run
+  before JAX's first device query (`import attnres_jax` does it)."""
+  if not os.environ.get('JAX_PLATFORMS') and not host_has_tpu():
+    _describe_no_tpu_host()
+
+
 def require_libtpu() -> None:
   if importlib.util.find_spec('libtpu') is None:
     raise AotError(
@@ -85,11 +110,7 @@ def get_topology(name: str, num_slices: int = 1) -> Topology:
   if not isinstance(num_slices, int) or num_slices < 1:
     raise AotError(f'--num_slices must be a positive integer, got {num_slices!r}.')
   require_libtpu()
-  # libtpu otherwise asks a metadata server (absent off Cloud) and warns at start-up
-  # about the local host it will never run on; these describe no hardware.
-  os.environ.setdefault('TPU_SKIP_MDS_QUERY', '1')
-  os.environ.setdefault('TPU_WORKER_HOSTNAMES', 'localhost')
-  os.environ.setdefault('TPU_ACCELERATOR_TYPE', 'v5litepod-1')
+  _describe_no_tpu_host()
   # Compile-only: no chip is opened, so several processes (tests, a benchmark) may
   # load libtpu at once; its lockfile would refuse all but the first.
   os.environ.setdefault('ALLOW_MULTIPLE_LIBTPU_LOAD', '1')

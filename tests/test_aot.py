@@ -21,6 +21,7 @@ from attnres_jax import aot
 from attnres_jax import hlo_cost
 from attnres_jax import hlo_hbm
 from attnres_jax import sharding
+from attnres_jax import tpu_topology
 from configs import default as default_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -56,6 +57,23 @@ def test_missing_libtpu_names_the_fix(monkeypatch):
   )
   with pytest.raises(aot.AotError, match='libtpu.*pip install -r requirements.txt'):
     aot.get_topology('v5e:2x2')
+
+
+@needs_libtpu
+@pytest.mark.skipif(tpu_topology.host_has_tpu(), reason='the probe finds chips here')
+def test_backend_start_up_is_quiet_without_tpu_chips():
+  # JAX probes the installed libtpu at its first device query; importing the package
+  # first describes the absent TPU host, so libtpu's five warning lines never appear.
+  env = {
+    k: v for k, v in os.environ.items() if not k.startswith(('JAX_PLATFORMS', 'TPU_'))
+  }
+  probe = 'import attnres_jax, jax; print(jax.default_backend())'
+  done = subprocess.run(
+    [sys.executable, '-c', probe], env=env, capture_output=True, text=True, timeout=300
+  )
+  assert done.returncode == 0, done.stderr
+  assert done.stdout.strip() == 'cpu'
+  assert 'TPU' not in done.stderr, done.stderr
 
 
 @needs_libtpu
