@@ -10,6 +10,7 @@ import functools
 import importlib.util
 import json
 import os
+import re
 import sys
 
 import jax
@@ -174,6 +175,32 @@ def test_many_slots_few_valid():
   and add nothing (Full over 16 layers has 33 slots; its first segment reads 1)."""
   check_equal(33, 4, 1, jnp.float32, jnp.float32, False)
   check_equal(33, 2, 3, jnp.bfloat16, jnp.float32, True)
+
+
+def forward_cost_bytes(num_slots, num_valid, traced):
+  """The forward kernel's CostEstimate bytes for a [K, 2, 128, 32] float32 buffer."""
+  buffer_KBTD = jnp.zeros((num_slots, 2, 128, 32))
+  queries_QD = jnp.ones((4, 32))
+
+  def fn(buffer_KBTD, num_valid):
+    return depth_pallas.phase1(
+      buffer_KBTD, queries_QD, queries_QD, eps=EPS, num_valid=num_valid
+    )
+
+  fn = fn if traced else functools.partial(fn, num_valid=num_valid)
+  args = (buffer_KBTD, jnp.int32(num_valid)) if traced else (buffer_KBTD,)
+  counts = re.findall(r'bytes_accessed=(\d+)', str(jax.make_jaxpr(fn)(*args)))
+  assert counts and len(set(counts)) == 1  # the TPU and the interpreted version
+  return int(counts[0])
+
+
+def test_cost_estimate_counts_the_valid_slots_only_when_static():
+  """A Python int num_valid bounds the slots the forward reads (the CostEstimate the
+  TPU compiler charges the call); a traced one (the layer scan) counts all K."""
+  slot = 2 * 128 * 32 * 4
+  static = forward_cost_bytes(33, 2, traced=False)
+  assert forward_cost_bytes(33, 33, traced=False) - static == 31 * slot
+  assert forward_cost_bytes(33, 2, traced=True) - static == 31 * slot
 
 
 def test_tile_is_lane_aligned_divides_the_length_and_fits_the_budget():
