@@ -24,6 +24,7 @@ from attnres_jax import depth
 from attnres_jax import depth_pallas
 from attnres_jax import residuals
 from attnres_jax import sharding
+from attnres_jax import tpu_topology
 from configs import default as default_config
 from conftest import child_result
 from conftest import tiny_model
@@ -369,6 +370,30 @@ def test_tiny_model_train_step_compiles_for_tpu_with_the_kernel(tmp_path):
   with open(os.path.join(tmp_path, 'train.hlo.txt'), encoding='utf-8') as f:
     text = f.read()
   assert text.count('custom_call_target="tpu_custom_call"') >= 2  # forward, backward
+
+
+@needs_libtpu
+def test_full_attnres_over_16_layers_at_width_2048_compiles_for_v5p():
+  """The shape whose all-slot block (33 slots) ran v5p out of VMEM: one device's
+  Phase 1 of Full AttnRes at d2048 (8 rows of 1024 tokens, 4 queries, bfloat16),
+  forward and backward, now compiles (one slot per step)."""
+  device = tpu_topology.get_topology('v5p:2x2x1').devices[0]
+  placed = jax.sharding.SingleDeviceSharding(device)
+
+  def loss(buffer_KBTD, queries_QD, num_valid):
+    stats = depth_pallas.phase1(
+      buffer_KBTD, queries_QD, queries_QD, eps=EPS, num_valid=num_valid
+    )
+    return sum(jnp.sum(s) + jnp.sum(o) for _, s, o in stats)
+
+  shapes = [
+    ((33, 8, 1024, 2048), jnp.bfloat16),
+    ((4, 2048), jnp.float32),
+    ((), jnp.int32),
+  ]
+  args = [jax.ShapeDtypeStruct(s, d, sharding=placed) for s, d in shapes]
+  compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(*args).compile()
+  assert compiled.as_text().count('custom_call_target="tpu_custom_call"') == 2
 
 
 if __name__ == '__main__' and sys.argv[1:] == ['sharded']:
