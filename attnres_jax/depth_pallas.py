@@ -20,10 +20,11 @@ HBM traffic from the BlockSpecs, per device: forward reads the num_valid slots o
 (num_valid B T D elements) and writes the Q outputs (Q B T D) and 2 Q B T float32
 statistics; backward reads the num_valid slots, the Q output cotangents and 2 Q B T
 statistics once and writes the buffer's cotangent once (K B T D; zeros past
-num_valid). The counter of the compile-only report charges each call its
-CostEstimate, which counts num_valid slots where num_valid is a Python int and all
-K where it is traced (the layer scan's case): a skipped DMA shows on the hardware,
-not in that count.
+num_valid). The TPU compiler's own estimates (cost_analysis, its step time) take
+each call's CostEstimate, which counts num_valid slots where num_valid is a Python int
+and all K where it is traced (the layer scan's case); hlo_cost counts a custom call by
+its operand and result shapes (all K). Neither shows the skipped DMAs: a hardware
+effect.
 VMEM holds one slot, not K: the tile is the largest multiple of 128 tokens dividing
 T whose blocks, scratch and float32 temporaries fit TILE_VMEM_BYTES (`vmem_bytes`);
 what a tile needs grows with Q and D only.
