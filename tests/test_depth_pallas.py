@@ -10,6 +10,7 @@ import functools
 import importlib.util
 import json
 import os
+import re
 import sys
 
 import jax
@@ -23,6 +24,7 @@ from attnres_jax import depth
 from attnres_jax import depth_pallas
 from attnres_jax import residuals
 from attnres_jax import sharding
+from attnres_jax import tpu_topology
 from configs import default as default_config
 from conftest import child_result
 from conftest import tiny_model
@@ -169,20 +171,53 @@ def test_all_slots_valid_and_a_single_query():
   check_equal(4, 2, None, jnp.float32, jnp.float32, True)
 
 
+def test_many_slots_few_valid():
+  """K large relative to the valid slots: the steps past num_valid read nothing new
+  and add nothing (Full over 16 layers has 33 slots; its first segment reads 1)."""
+  check_equal(33, 4, 1, jnp.float32, jnp.float32, False)
+  check_equal(33, 2, 3, jnp.bfloat16, jnp.float32, True)
+
+
+def forward_cost_bytes(num_slots, num_valid, traced):
+  """The forward kernel's CostEstimate bytes for a [K, 2, 128, 32] float32 buffer."""
+  buffer_KBTD = jnp.zeros((num_slots, 2, 128, 32))
+  queries_QD = jnp.ones((4, 32))
+
+  def fn(buffer_KBTD, num_valid):
+    return depth_pallas.phase1(
+      buffer_KBTD, queries_QD, queries_QD, eps=EPS, num_valid=num_valid
+    )
+
+  fn = fn if traced else functools.partial(fn, num_valid=num_valid)
+  args = (buffer_KBTD, jnp.int32(num_valid)) if traced else (buffer_KBTD,)
+  counts = re.findall(r'bytes_accessed=(\d+)', str(jax.make_jaxpr(fn)(*args)))
+  assert counts and len(set(counts)) == 1  # the TPU and the interpreted version
+  return int(counts[0])
+
+
+def test_cost_estimate_counts_the_valid_slots_only_when_static():
+  """A Python int num_valid bounds the slots the forward reads (the CostEstimate the
+  TPU compiler charges the call); a traced one (the layer scan) counts all K."""
+  slot = 2 * 128 * 32 * 4
+  static = forward_cost_bytes(33, 2, traced=False)
+  assert forward_cost_bytes(33, 33, traced=False) - static == 31 * slot
+  assert forward_cost_bytes(33, 2, traced=True) - static == 31 * slot
+
+
 def test_tile_is_lane_aligned_divides_the_length_and_fits_the_budget():
-  for length, slots, dim, itemsize in [
-    (1024, 5, 1024, 2),
-    (1024, 17, 1024, 2),
-    (2048, 33, 2048, 4),  # over budget even at 128: the least tile
-    (8, 7, 32, 4),  # shorter than a lane row: the whole length
-    (200, 3, 32, 4),  # no multiple of 128 divides it: the whole length
+  for length, queries, dim, itemsize in [
+    (1024, 4, 1024, 2),
+    (1024, 16, 1024, 2),
+    (2048, 32, 2048, 4),  # over budget even at 128: the least tile
+    (8, 4, 32, 4),  # shorter than a lane row: the whole length
+    (200, 4, 32, 4),  # no multiple of 128 divides it: the whole length
   ]:
-    tile = depth_pallas.choose_tile(length, slots, 4, dim, itemsize, 2)
+    tile = depth_pallas.choose_tile(length, queries, dim, itemsize, 2)
     assert length % tile == 0
     if length % 128 == 0:
       assert tile % 128 == 0
-      budget = depth_pallas.block_bytes(tile, slots, 4, dim, itemsize, 2)
-      assert tile == 128 or budget <= depth_pallas.BLOCK_VMEM_BYTES
+      need = depth_pallas.vmem_bytes(tile, queries, dim, itemsize, 2)
+      assert tile == 128 or need <= depth_pallas.TILE_VMEM_BYTES
     else:
       assert tile == length
 
@@ -240,13 +275,18 @@ def test_pallas_kernel_needs_the_two_phase_read():
 
 
 def test_pallas_kernel_that_cannot_fit_on_chip_memory_is_refused():
-  """Full AttnRes over 16 layers (33 slots) at width 2048 needs about 81 MiB at the
-  narrowest tile (the TPU compiler measured 77.6 MB of blocks and ran out of v5p's
-  64 MiB): refused by validation; the same model at width 1024 (41 MiB) is accepted."""
-  full16 = dict(residual='full', num_layers=16, dtype='bfloat16', depth_kernel='pallas')
-  with pytest.raises(ValueError, match="needs 81.1 MiB.*depth_kernel='xla'"):
-    tiny_model_config(**full16, d_model=2048, num_heads=16, mlp_dim=64)
-  tiny_model_config(**full16, d_model=1024, num_heads=8, mlp_dim=64)
+  """The kernels hold one slot at a time, so what they need does not grow with the
+  slots: Full AttnRes over 16 or 64 layers (33 or 129 slots; refused at width 2048
+  when the whole buffer sat in VMEM) is accepted. It grows with a segment's queries:
+  one segment of 16 layers (32 queries, float32 outputs) at width 2048 needs about
+  102 MiB at the narrowest tile, more than v5p's 64 MiB, and is refused."""
+  full = dict(residual='full', dtype='bfloat16', depth_kernel='pallas', mlp_dim=64)
+  wide = dict(d_model=2048, num_heads=16)
+  for layers in (16, 64):
+    tiny_model_config(**full, **wide, num_layers=layers)
+  with pytest.raises(ValueError, match="needs 101.6 MiB.*depth_kernel='xla'"):
+    tiny_model_config(**full, **wide, num_layers=16, schedule_layers=16)
+  tiny_model_config(**full, d_model=1024, num_heads=8, num_layers=16, schedule_layers=4)
 
 
 # -- on a device mesh (a child process with 4 CPU devices) ------------------------------
@@ -330,6 +370,30 @@ def test_tiny_model_train_step_compiles_for_tpu_with_the_kernel(tmp_path):
   with open(os.path.join(tmp_path, 'train.hlo.txt'), encoding='utf-8') as f:
     text = f.read()
   assert text.count('custom_call_target="tpu_custom_call"') >= 2  # forward, backward
+
+
+@needs_libtpu
+def test_full_attnres_over_16_layers_at_width_2048_compiles_for_v5p():
+  """The shape whose all-slot block (33 slots) ran v5p out of VMEM: one device's
+  Phase 1 of Full AttnRes at d2048 (8 rows of 1024 tokens, 4 queries, bfloat16),
+  forward and backward, now compiles (one slot per step)."""
+  device = tpu_topology.get_topology('v5p:2x2x1').devices[0]
+  placed = jax.sharding.SingleDeviceSharding(device)
+
+  def loss(buffer_KBTD, queries_QD, num_valid):
+    stats = depth_pallas.phase1(
+      buffer_KBTD, queries_QD, queries_QD, eps=EPS, num_valid=num_valid
+    )
+    return sum(jnp.sum(s) + jnp.sum(o) for _, s, o in stats)
+
+  shapes = [
+    ((33, 8, 1024, 2048), jnp.bfloat16),
+    ((4, 2048), jnp.float32),
+    ((), jnp.int32),
+  ]
+  args = [jax.ShapeDtypeStruct(s, d, sharding=placed) for s, d in shapes]
+  compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(*args).compile()
+  assert compiled.as_text().count('custom_call_target="tpu_custom_call"') == 2
 
 
 if __name__ == '__main__' and sys.argv[1:] == ['sharded']:

@@ -94,23 +94,23 @@ def validate(cfg) -> None:
 
 
 def _check_kernel_fits_vmem(cfg) -> None:
-  """The Phase 1 kernel holds all K slots of a tile of tokens in on-chip memory (its
-  backward: the slots in, their cotangents out, the outputs' cotangents in, double
-  buffered): at its narrowest tile that must fit, or the TPU compiler fails late."""
+  """The Phase 1 kernel holds one depth slot of a tile of tokens in on-chip memory at
+  a time, with the Q outputs of its segment (their float32 accumulators, or their
+  cotangents): at its narrowest tile that must fit, or the TPU compiler fails late.
+  The need grows with the segment's queries and the width, not with the slots."""
   size = block_size_of(cfg)
-  num_slots = depth.num_slots(2 * cfg.num_layers, size)
   layers = cfg.schedule_layers or default_segment_layers(cfg.num_layers, size)
   queries = 2 * min(layers, cfg.num_layers)
   storage = jnp.dtype(cfg.depth_dtype or cfg.dtype).itemsize
   outputs = jnp.dtype(cfg.depth_dtype or jnp.float32).itemsize
-  need = depth_pallas.least_vmem_bytes(num_slots, queries, cfg.d_model, storage, outputs)
+  need = depth_pallas.least_vmem_bytes(queries, cfg.d_model, storage, outputs)
   if need > depth_pallas.VMEM_BYTES:
     base.invalid(
       f"depth_kernel='pallas' needs {need / 2**20:.1f} MiB of on-chip memory for "
-      f'{num_slots} depth slots of width {cfg.d_model} at its narrowest tile of '
-      f'{depth_pallas.LANES} tokens, more than the {depth_pallas.VMEM_BYTES // 2**20} '
-      f"MiB it may assume (v5p's VMEM): use depth_kernel='xla', fewer blocks "
-      '(a larger block_size) or shorter schedule segments.'
+      f'the {queries} queries of a schedule segment at width {cfg.d_model} at its '
+      f'narrowest tile of {depth_pallas.LANES} tokens, more than the '
+      f"{depth_pallas.VMEM_BYTES // 2**20} MiB it may assume (v5p's VMEM): use "
+      "depth_kernel='xla' or shorter schedule segments (schedule_layers)."
     )
 
 

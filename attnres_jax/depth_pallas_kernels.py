@@ -1,0 +1,143 @@
+"""The Pallas kernels of AttnRes Phase 1 (`depth_pallas`): one depth slot a step.
+
+Each program of the grid (batch row, tile of T, slot) sees one slot [D, t] of the
+buffer (tokens on lanes, channels on sublanes); the slot axis is the innermost and
+sequential one. Its BlockSpec clamps the slot index to num_valid - 1, so the steps
+past the valid slots keep the block already in VMEM (no DMA) and skip their work
+(`pl.when`). Blocks whose index does not depend on the slot (the queries, the
+statistics, the outputs and their cotangents) stay in VMEM across a tile's steps.
+
+  forward:   per valid slot k, in float32: dot_qk = f_q . v_k (the MXU, f_q = w_q *
+             g_q), r_k = 1 / RMS(v_k) (or the carried r), l_qk = dot_qk r_k; online
+             softmax: m_q' = max(m_q, l_qk), a_q = exp(m_q - m_q'),
+             e_qk = exp(l_qk - m_q'), s_q = a_q s_q + e_qk, o_q = a_q o_q + e_qk v_k
+             (m_q and s_q in the statistics' output blocks, o_q in float32 scratch,
+             stored in the output dtype at the last step);
+  backward:  given the forward's final max m_q, each slot is independent:
+             e_qk = exp(l_qk - m_q) (l_qk recomputed as above),
+             dl_qk = e_qk (<do_q, v_k> + ds_q),
+             dv_k  = sum_q e_qk do_q + r_k sum_q dl_qk f_q - (r_k^3 / D) dr_k v_k
+                     with dr_k = sum_q dl_qk dot_qk (the last term only when r is
+                     recomputed; a carried r gets dr as its cotangent instead),
+             df_q += sum_tokens dl_qk r_k v_k (accumulated over the slot steps in its
+             output block: one partial per (batch row, tile), summed outside).
+             The outputs are unnormalised (s_q and o_q apart), so the flash-attention
+             delta = <do, o> is not needed: ds_q plays its part.
+             Slots past num_valid get zero cotangents (written, not computed).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+_NT = (((1,), (1,)), ((), ()))  # a . b^T
+_TN = (((0,), (0,)), ((), ()))  # a^T . b
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def _logits(folded_QD, v_Dt, rms_ref, eps):
+  """(dots [Q, t], inverse RMS [1, t], logits [Q, t]) of one slot, float32."""
+  dots_Qt = jax.lax.dot(
+    folded_QD, v_Dt, precision=_HIGHEST, preferred_element_type=jnp.float32
+  )
+  if rms_ref is None:
+    dim = v_Dt.shape[0]
+    r_1t = jax.lax.rsqrt(jnp.sum(v_Dt * v_Dt, axis=0, keepdims=True) / dim + eps)
+  else:
+    r_1t = rms_ref[...]
+  return dots_Qt, r_1t, dots_Qt * r_1t
+
+
+def forward_kernel(nv_ref, folded_ref, buf_ref, *refs, num_queries, eps, has_rms):
+  """One slot step of the forward: refs are (inverse RMS [1, t] if carried), max and
+  sum [Q, t], the Q outputs [D, t], the float32 accumulators [Q, D, t] (scratch)."""
+  rms_ref = refs[0] if has_rms else None
+  refs = refs[1:] if has_rms else refs
+  max_ref, sum_ref, out_refs, acc_ref = refs[0], refs[1], refs[2:-1], refs[-1]
+  k, num_slots = pl.program_id(2), pl.num_programs(2)
+
+  @pl.when(k == 0)
+  def _():
+    max_ref[...] = jnp.full(max_ref.shape, -jnp.inf, jnp.float32)
+    sum_ref[...] = jnp.zeros(sum_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+  @pl.when(k < nv_ref[0])
+  def _():
+    v_Dt = buf_ref[...].astype(jnp.float32)
+    _, _, logits_Qt = _logits(folded_ref[...], v_Dt, rms_ref, eps)
+    old_Qt = max_ref[...]
+    new_Qt = jnp.maximum(old_Qt, logits_Qt)
+    scale_Qt = jnp.exp(old_Qt - new_Qt)  # 0 at the first slot (old = -inf)
+    e_Qt = jnp.exp(logits_Qt - new_Qt)
+    max_ref[...] = new_Qt
+    sum_ref[...] = sum_ref[...] * scale_Qt + e_Qt
+    for q in range(num_queries):
+      acc_ref[q] = acc_ref[q] * scale_Qt[q : q + 1] + e_Qt[q : q + 1] * v_Dt
+
+  @pl.when(k == num_slots - 1)
+  def _():
+    for q, out_ref in enumerate(out_refs):
+      out_ref[...] = acc_ref[q].astype(out_ref.dtype)
+
+
+def _rows(rows, height):
+  """[height, t] from `height` rows [1, t] (sublane selects; no concatenation)."""
+  shape = (height, rows[0].shape[1])
+  index = jax.lax.broadcasted_iota(jnp.int32, shape, 0)
+  out = jnp.zeros(shape, jnp.float32)
+  for i, row in enumerate(rows):
+    out = jnp.where(index == i, row, out)
+  return out
+
+
+def backward_kernel(nv_ref, folded_ref, buf_ref, *refs, num_queries, eps, has_rms):
+  """One slot step of the backward: refs are (inverse RMS [1, t] if carried), the
+  forward's max [Q, t], the sum's cotangent [Q, t], the Q outputs' cotangents [D, t];
+  then the slot's cotangent [D, t], (its inverse RMS's [1, t]), the queries' [Q, D]."""
+  rms_ref = refs[0] if has_rms else None
+  refs = refs[1:] if has_rms else refs
+  max_ref, dsum_ref, dout_refs = refs[0], refs[1], refs[2 : 2 + num_queries]
+  dbuf_ref, *rest = refs[2 + num_queries :]
+  drms_ref = rest.pop(0) if has_rms else None
+  (dfold_ref,) = rest
+  k = pl.program_id(2)
+
+  @pl.when(k == 0)
+  def _():
+    dfold_ref[...] = jnp.zeros(dfold_ref.shape, jnp.float32)
+
+  @pl.when(k < nv_ref[0])
+  def _():
+    folded_QD = folded_ref[...]
+    v_Dt = buf_ref[...].astype(jnp.float32)
+    dots_Qt, r_1t, logits_Qt = _logits(folded_QD, v_Dt, rms_ref, eps)
+    e_Qt = jnp.exp(logits_Qt - max_ref[...])
+    de_rows = [
+      jnp.sum(ref[...].astype(jnp.float32) * v_Dt, axis=0, keepdims=True)
+      for ref in dout_refs
+    ]
+    dl_Qt = e_Qt * (dsum_ref[...] + _rows(de_rows, num_queries))
+    dlr_Qt = dl_Qt * r_1t
+    dv_Dt = jax.lax.dot_general(
+      folded_QD, dlr_Qt, _TN, precision=_HIGHEST, preferred_element_type=jnp.float32
+    )
+    for q, ref in enumerate(dout_refs):
+      dv_Dt = dv_Dt + e_Qt[q : q + 1, :] * ref[...].astype(jnp.float32)
+    dr_1t = jnp.sum(dl_Qt * dots_Qt, axis=0, keepdims=True)
+    if has_rms:
+      drms_ref[...] = dr_1t
+    else:
+      dv_Dt = dv_Dt - (r_1t * r_1t * r_1t * dr_1t / v_Dt.shape[0]) * v_Dt
+    dbuf_ref[...] = dv_Dt.astype(dbuf_ref.dtype)
+    dfold_ref[...] += jax.lax.dot_general(
+      dlr_Qt, v_Dt, _NT, precision=_HIGHEST, preferred_element_type=jnp.float32
+    )
+
+  @pl.when(k >= nv_ref[0])
+  def _():  # weight zero: no gradient
+    dbuf_ref[...] = jnp.zeros(dbuf_ref.shape, dbuf_ref.dtype)
+    if has_rms:
+      drms_ref[...] = jnp.zeros(drms_ref.shape, jnp.float32)
