@@ -38,6 +38,7 @@ from flax import nnx
 from attnres_jax import depth
 from attnres_jax import sharding
 from attnres_jax.residuals import base
+from attnres_jax.residuals import hyper_streams
 
 STREAMS = sharding.DEPTH_BUFFER  # [m, B, T, D]: the streams shard like the depth buffer
 STREAM_AXIS = STREAMS[0]  # the logical name of a stream axis in parameters (never split)
@@ -239,13 +240,25 @@ class HyperConnectionResidual(base.Residual):
     mix_MMBT = jnp.broadcast_to(mix_MM[..., None, None], mix_MM.shape + batch)
     write_MBT = jnp.broadcast_to(write_M[:, None, None], write_M.shape + batch)
     if params.read_proj is not None:  # dynamic: from each stream's own normalised state
-      normed_MBTD = _rms_normalize(streams_MBTD, self.cfg.norm_eps)
+      m = self.num_streams
       s_alpha, s_beta = _row(params.read_scale, which), _row(params.write_scale, which)
-      # Per-token maps with the tokens minor: [m, B, T] and [m, n, B, T].
-      gate = lambda rule, proj: jnp.tanh(jnp.einsum(rule, normed_MBTD, _row(proj, which)))
-      read_MBT += s_alpha * gate('mbtd,d->mbt', params.read_proj)
-      mix_MMBT += s_alpha * gate('mbtd,dn->mnbt', params.mix_proj)
-      write_MBT += s_beta * gate('mbtd,d->mbt', params.write_proj)
+      # W_m, W_r and W_beta as one [D, m + 2] projection; gates [m + 2, m, B, T].
+      proj = jnp.concatenate(
+        [
+          _row(params.read_proj, which)[:, None],
+          _row(params.mix_proj, which),
+          _row(params.write_proj, which)[:, None],
+        ],
+        axis=-1,
+      )
+      gates = jnp.tanh(
+        hyper_streams.normed_projection(
+          proj, streams_MBTD, self.cfg.norm_eps, per_stream=True
+        )
+      )
+      read_MBT += s_alpha * gates[0]
+      mix_MMBT += s_alpha * jnp.swapaxes(gates[1 : m + 1], 0, 1)  # [from i, to n]
+      write_MBT += s_beta * gates[m + 1]
     return Coefficients(read_MBT, mix_MMBT, write_MBT)
 
   def _mhc_coefficients(self, streams_MBTD, params, selected_M, which):
@@ -258,23 +271,23 @@ class HyperConnectionResidual(base.Residual):
     post_MBT = per_token(_row(params.post_bias, which))
     res_MMBT = per_token(_row(params.res_bias, which))  # [i, j]: to i from j
     if params.pre_proj is not None:  # dynamic: from all streams, flattened and normed
-      # RMSNorm(vec(H)) over the m * D features of a token (no gain: phi absorbs it).
-      inv_rms_BT = jax.lax.rsqrt(
-        jnp.mean(jnp.square(streams_MBTD.astype(jnp.float32)), axis=(0, 3))
-        + self.cfg.norm_eps
-      )
-      normed_MBTD = streams_MBTD.astype(jnp.float32) * inv_rms_BT[None, ..., None]
-      # One dot for the three projections, its outputs leading: [m + m + m^2, B, T].
+      # RMSNorm(vec(H)) over the m * D features of a token (no gain: phi absorbs
+      # it); one dot for the three projections, its outputs leading: [2m + m^2, B, T].
       phi = jnp.concatenate(
         [_row(p, which) for p in (params.pre_proj, params.post_proj, params.res_proj)],
         axis=-1,
       )
-      projected_KBT = jnp.einsum('mdk,mbtd->kbt', phi, normed_MBTD)
+      projected_KBT = hyper_streams.normed_projection(
+        phi, streams_MBTD, self.cfg.norm_eps, per_stream=False
+      )
       pre_KBT, post_KBT, res_KBT = jnp.split(projected_KBT, [m, 2 * m])
       pre_MBT = pre_MBT + _row(params.pre_scale, which) * pre_KBT
       post_MBT = post_MBT + _row(params.post_scale, which) * post_KBT
       res_MMBT = res_MMBT + _row(params.res_scale, which) * res_KBT.reshape(m, m, *batch)
-    h_res_MMBT = sinkhorn(res_MMBT, self.cfg.sinkhorn_iters, axes=(0, 1))
+    # Recomputed in the backward pass: only the logits are kept, not 20 iterations.
+    h_res_MMBT = jax.checkpoint(sinkhorn, static_argnums=(1, 2))(
+      res_MMBT, self.cfg.sinkhorn_iters, (0, 1)
+    )
     return Coefficients(
       read_MBT=jax.nn.sigmoid(pre_MBT),
       mix_MMBT=jnp.swapaxes(h_res_MMBT, 0, 1),  # [from, to, B, T]
@@ -286,24 +299,14 @@ class HyperConnectionResidual(base.Residual):
   ):
     streams_MBTD = inner.streams_MBTD
     coeffs = self.coefficients(inner, params, layer_in_segment, which)
-    # Sums over the m streams as m scaled adds (elementwise, in float32, fused with
-    # the reads of the streams), not as dots: a dot contracting m per token would be a
-    # batch of B T tiny m x m products with m padded to a tile.
-    streams = [x.astype(jnp.float32) for x in streams_MBTD]
-    h_BTD = _weighted_sum(coeffs.read_MBT, streams)
-    h_BTD = sharding.constrain(h_BTD.astype(streams_MBTD.dtype), sharding.HIDDEN)
+    # float32 inside the fusions, the streams' dtype in memory (`hyper_streams`).
+    h_BTD = hyper_streams.read(coeffs.read_MBT, streams_MBTD)
+    h_BTD = sharding.constrain(h_BTD, sharding.HIDDEN)
     out_BTD, saved = branch(h_BTD)
-    out_f32 = out_BTD.astype(jnp.float32)
-    new_MBTD = jnp.stack(
-      [
-        _weighted_sum(coeffs.mix_MMBT[:, j], streams)
-        + coeffs.write_MBT[j][..., None] * out_f32
-        for j in range(self.num_streams)
-      ]
+    new_MBTD = hyper_streams.write(
+      coeffs.mix_MMBT, coeffs.write_MBT, streams_MBTD, out_BTD
     )
-    inner = inner._replace(
-      streams_MBTD=sharding.constrain(new_MBTD.astype(streams_MBTD.dtype), STREAMS)
-    )
+    inner = inner._replace(streams_MBTD=sharding.constrain(new_MBTD, STREAMS))
     weights = dict(
       coeffs=coeffs, stream_rms_MBT=1.0 / depth.rms_inverse(streams_MBTD, 0.0)
     )
@@ -383,15 +386,3 @@ def stream_statistics(model, tokens_BT, weights_BT=None) -> dict[str, jax.Array]
   _, stats = model(tokens_BT, collect_stats=True, stats_weights_BT=weights_BT)
   keys = 'stream_rms read_weights mix_weights write_weights final_stream_rms'.split()
   return {k: stats[k] for k in keys}
-
-
-def _weighted_sum(weights_MBT, streams):
-  """sum_i weights[i] * streams[i] over the m streams ([B, T, D] each), per token."""
-  total = weights_MBT[0][..., None] * streams[0]
-  for weight_BT, stream_BTD in zip(weights_MBT[1:], streams[1:]):
-    total = total + weight_BT[..., None] * stream_BTD
-  return total
-
-
-def _rms_normalize(x, eps):
-  return x.astype(jnp.float32) * depth.rms_inverse(x, eps)[..., None]
