@@ -212,6 +212,8 @@ def pipeline_hidden(model, x_MBTD, positions_BT, pipe: PipelineConfig):
     valid = (k >= 0) & (k < num_micro * num_virtual)
     k = jnp.clip(k, 0, num_micro * num_virtual - 1)
     micro, virtual = k % num_micro, k // num_micro
+    if num_virtual == 1:  # a static index: the chunk's parameters are not gathered
+      micro, virtual = k, 0
     chunk = virtual * num_stages + stage
     first = (stage == 0) & (virtual == 0)
     message = inbox
@@ -221,11 +223,14 @@ def pipeline_hidden(model, x_MBTD, positions_BT, pipe: PipelineConfig):
         lambda w, x: w.at[arrived].set(jnp.where(stage == 0, x, w[arrived])), wrap, inbox
       )
       message = _select(stage == 0, jax.tree.map(lambda w: w[micro], wrap), inbox)
+    # The first chunk starts from the embedding: its message is the initial carry's
+    # window (one select of W slots, not of the whole carry). The window lands at
+    # slot 0 on a base that is zero there and above (nothing cached yet).
+    message = _select(first, transfer.send(residual.init(x_MBTD[micro]), 0), message)
     base = zero_carry
     if keeps_cache:
       base = transfer.from_cache(jax.tree.map(lambda c: c[micro], cache), zero_carry)
-    received = transfer.receive(message, base, jnp.maximum(chunk - 1, 0))
-    carry = _select(first, residual.init(x_MBTD[micro]), received)
+    carry = transfer.receive(message, base, jnp.maximum(chunk - 1, 0))
     if keeps_cache:  # what this stage had of the microbatch, for its next visit
       cache = jax.tree.map(
         lambda c, x: c.at[micro].set(jnp.where(valid, x, c[micro])),
@@ -244,15 +249,32 @@ def pipeline_hidden(model, x_MBTD, positions_BT, pipe: PipelineConfig):
       layers_per_chunk=layers_per_chunk,
       custom_stack=custom_stack,
     )
-    h_BTD, _ = residual.final(carry, final_params)  # used from the last chunk only
-    return transfer.send(carry, chunk), h_BTD, wrap, cache
+    return transfer.send(carry, chunk), carry, wrap, cache
 
   stages_step = jax.vmap(
     stage_step, in_axes=(0, 0, 0, 0, 0, None), spmd_axis_name=sharding.STAGE_AXIS
   )
 
+  final_read = jax.vmap(
+    lambda carry: residual.final(carry, final_params)[0],
+    spmd_axis_name=sharding.STAGE_AXIS,
+  )
+  # The last stage finishes microbatch m's last chunk at iteration (V - 1) M + m + P - 1.
+  first_output = (num_virtual - 1) * num_micro + num_stages - 1
+
+  def outputs(t, carry_P):
+    """The final read of what every stage holds, only in the iterations whose last
+    stage finishes a microbatch (the others' results are dropped)."""
+    h_shape = jax.eval_shape(final_read, carry_P)
+    return jax.lax.cond(
+      t >= first_output,
+      final_read,
+      lambda _: jnp.zeros(h_shape.shape, h_shape.dtype),
+      carry_P,
+    )
+
   def iteration(state, t):
-    sent, h_PBTD, wrap, cache = stages_step(
+    sent, carry_P, wrap, cache = stages_step(
       jnp.arange(num_stages),
       stage_state,
       state['inbox'],
@@ -260,6 +282,7 @@ def pipeline_hidden(model, x_MBTD, positions_BT, pipe: PipelineConfig):
       state['cache'],
       t,
     )
+    h_PBTD = outputs(t, carry_P)
     # Stage p's message goes to stage p + 1 (and stage P - 1's to stage 0).
     inbox = jax.tree.map(lambda x: jnp.roll(x, 1, axis=0), sent)
     state = constrain_state(dict(inbox=inbox, wrap=wrap, cache=cache))
@@ -276,8 +299,7 @@ def pipeline_hidden(model, x_MBTD, positions_BT, pipe: PipelineConfig):
   _, h_IPBTD = jax.lax.scan(
     iteration, constrain_state(state), jnp.arange(pipe.num_iterations)
   )
-  # The last stage finishes microbatch m's last chunk at iteration (V - 1) M + m + P - 1.
-  return h_IPBTD[(num_virtual - 1) * num_micro + num_stages - 1 :, num_stages - 1]
+  return h_IPBTD[first_output:, num_stages - 1]
 
 
 def split_microbatches(tree, num_microbatches: int):

@@ -98,6 +98,12 @@ flags.DEFINE_integer('tpu_d_model', 1024, 'Part tpu: model width (heads of 128).
 flags.DEFINE_integer('tpu_layers', 8, 'Part tpu: layers.')
 flags.DEFINE_integer('tpu_seq_len', 1024, 'Part tpu: sequence length.')
 flags.DEFINE_integer('tpu_per_chip', 8, 'Part tpu: sequences per chip.')
+flags.DEFINE_bool(
+  'tpu_fsdp', True, 'Part tpu: also the FSDP rows (no pipeline; temp / FSDP needs them).'
+)
+flags.DEFINE_string(
+  'tpu_hlo_dir', None, 'Part tpu: write the optimized HLO of each row under this folder.'
+)
 
 NUM_DEVICES = 8
 
@@ -375,7 +381,7 @@ def tpu_rows() -> list[dict]:
   )
   for topology in FLAGS.topology:
     chips = aot.get_topology(topology).num_chips
-    configurations = [('FSDP', 1, 1, None)] + [
+    configurations = [('FSDP', 1, 1, None)] * FLAGS.tpu_fsdp + [
       (
         f'P={FLAGS.tpu_stages} V={virtual} M={FLAGS.tpu_microbatches} {schedule}',
         FLAGS.tpu_stages,
@@ -397,7 +403,13 @@ def tpu_rows() -> list[dict]:
         row.update(d_model=FLAGS.tpu_d_model, num_layers=FLAGS.tpu_layers)
         row.update(seq_len=FLAGS.tpu_seq_len, batch_size=config.train.batch_size)
         try:
-          report = aot.compile_report(config, topology, steps=('train',), check_hbm=False)
+          hlo_dir = FLAGS.tpu_hlo_dir and os.path.join(
+            FLAGS.tpu_hlo_dir,
+            f'{topology}_{mode}_{label}'.replace('/', '+').replace(' ', '_'),
+          )
+          report = aot.compile_report(
+            config, topology, steps=('train',), check_hbm=False, hlo_dir=hlo_dir
+          )
         except ValueError as e:  # the compiler's out-of-memory, said as a row
           row['error'] = str(e)
           rows.append(row)
@@ -422,7 +434,9 @@ def tpu_rows() -> list[dict]:
           fsdp_temp[mode] = row['temp_bytes']
         if mode == 'standard':
           standard[label] = row['est_step_seconds']
-        row['temp_vs_fsdp'] = row['temp_bytes'] / fsdp_temp[mode]
+        row['temp_vs_fsdp'] = (
+          row['temp_bytes'] / fsdp_temp[mode] if mode in fsdp_temp else None
+        )
         row['step_vs_standard'] = (
           row['est_step_seconds'] / standard[label] if label in standard else None
         )
@@ -430,7 +444,8 @@ def tpu_rows() -> list[dict]:
         ratio = row['step_vs_standard']
         print(
           f'{topology:<11}{mode:<9}{label:<26}{row["bubble"]:>7.3f}'
-          f'{row["temp_bytes"] / gib:>9.2f}{row["temp_vs_fsdp"]:>10.2f}'
+          f'{row["temp_bytes"] / gib:>9.2f}'
+          f'{row["temp_vs_fsdp"] or float("nan"):>10.2f}'
           f'{row["est_step_seconds"] * 1e3:>9.1f}'
           f'{ratio if ratio is not None else float("nan"):>7.3f}'
           f'{row["compile_seconds"]:>10.0f}',
