@@ -212,8 +212,6 @@ def pipeline_hidden(model, x_MBTD, positions_BT, pipe: PipelineConfig):
     valid = (k >= 0) & (k < num_micro * num_virtual)
     k = jnp.clip(k, 0, num_micro * num_virtual - 1)
     micro, virtual = k % num_micro, k // num_micro
-    if num_virtual == 1:  # a static index: the chunk's parameters are not gathered
-      micro, virtual = k, 0
     chunk = virtual * num_stages + stage
     first = (stage == 0) & (virtual == 0)
     message = inbox
@@ -249,32 +247,15 @@ def pipeline_hidden(model, x_MBTD, positions_BT, pipe: PipelineConfig):
       layers_per_chunk=layers_per_chunk,
       custom_stack=custom_stack,
     )
-    return transfer.send(carry, chunk), carry, wrap, cache
+    h_BTD, _ = residual.final(carry, final_params)  # used from the last chunk only
+    return transfer.send(carry, chunk), h_BTD, wrap, cache
 
   stages_step = jax.vmap(
     stage_step, in_axes=(0, 0, 0, 0, 0, None), spmd_axis_name=sharding.STAGE_AXIS
   )
 
-  final_read = jax.vmap(
-    lambda carry: residual.final(carry, final_params)[0],
-    spmd_axis_name=sharding.STAGE_AXIS,
-  )
-  # The last stage finishes microbatch m's last chunk at iteration (V - 1) M + m + P - 1.
-  first_output = (num_virtual - 1) * num_micro + num_stages - 1
-
-  def outputs(t, carry_P):
-    """The final read of what every stage holds, only in the iterations whose last
-    stage finishes a microbatch (the others' results are dropped)."""
-    h_shape = jax.eval_shape(final_read, carry_P)
-    return jax.lax.cond(
-      t >= first_output,
-      final_read,
-      lambda _: jnp.zeros(h_shape.shape, h_shape.dtype),
-      carry_P,
-    )
-
   def iteration(state, t):
-    sent, carry_P, wrap, cache = stages_step(
+    sent, h_PBTD, wrap, cache = stages_step(
       jnp.arange(num_stages),
       stage_state,
       state['inbox'],
@@ -282,7 +263,6 @@ def pipeline_hidden(model, x_MBTD, positions_BT, pipe: PipelineConfig):
       state['cache'],
       t,
     )
-    h_PBTD = outputs(t, carry_P)
     # Stage p's message goes to stage p + 1 (and stage P - 1's to stage 0).
     inbox = jax.tree.map(lambda x: jnp.roll(x, 1, axis=0), sent)
     state = constrain_state(dict(inbox=inbox, wrap=wrap, cache=cache))
@@ -299,7 +279,8 @@ def pipeline_hidden(model, x_MBTD, positions_BT, pipe: PipelineConfig):
   _, h_IPBTD = jax.lax.scan(
     iteration, constrain_state(state), jnp.arange(pipe.num_iterations)
   )
-  return h_IPBTD[first_output:, num_stages - 1]
+  # The last stage finishes microbatch m's last chunk at iteration (V - 1) M + m + P - 1.
+  return h_IPBTD[(num_virtual - 1) * num_micro + num_stages - 1 :, num_stages - 1]
 
 
 def split_microbatches(tree, num_microbatches: int):
