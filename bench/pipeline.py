@@ -18,7 +18,8 @@
    device temp memory and the estimated step time (loops counted with their trip
    counts) of the train step for standard, Block S=4 and Full AttnRes, FSDP over all
    chips (no pipeline) against stage x data with M microbatches, each pipeline
-   schedule ('remat', 'gpipe'), with the bubble fraction.
+   schedule ('remat', 'gpipe'), with the bubble fraction; with --tpu_hlo_dir, each
+   row's optimized HLO and its estimate split by loop and kind (`time_by_loop`).
 
   python bench/pipeline.py                               # parts comm and time
   python bench/pipeline.py --parts=comm --stages=2 --virtual_stages=2 --out=/tmp/pp.jsonl
@@ -39,9 +40,7 @@ if 'xla_force_host_platform_device_count' not in os.environ.get('XLA_FLAGS', '')
     os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=8'
   )
 
-import collections
 import functools
-import re
 import statistics
 import time
 
@@ -50,9 +49,6 @@ import jax
 import numpy as np
 
 from attnres_jax import aot
-from attnres_jax import hlo_cost
-from attnres_jax import hlo_loops
-from attnres_jax import hlo_text
 from attnres_jax import checkpointing
 from attnres_jax import config as config_lib
 from attnres_jax import metrics as metrics_lib
@@ -350,49 +346,6 @@ def step_times() -> list[dict]:
   return rows
 
 
-# Where the estimate goes, by loop of the pipelined step: the schedule's loop
-# ('outer': receiving, sending, the final read, the parameters' gradients) and the
-# chunk's loops inside it, in the forward pass, the `remat` rerun and the backward.
-_LOOP_KINDS = ('matmul', 'other', 'copies', 'async copies', 'collectives')
-
-
-def loop_split(text: str, est_seconds: float, peak_flops: float, bandwidth: float):
-  """{loop: {kind: estimated seconds}} of one device's optimized HLO: per kernel the
-  roofline (as `hlo_cost.analyze`), loops counted, scaled to the step's estimate.
-  Loops are named by their op_name (fwd / rerun / bwd, outer / chunk); kinds as
-  `hlo_cost`'s, with the asynchronous copies (copy-start: the compiler's moves
-  between HBM and on-chip memory, which overlap compute) apart from the others."""
-  computations, entry = hlo_text.parse_module(text)
-  counts, _ = hlo_loops.multiplicities(computations, entry)
-  names = {}
-  for match in re.finditer(r'while\(.*?body=%(\S+?)[,\s].*?op_name="([^"]*)"', text):
-    op_name = match.group(2)
-    where = (
-      'rerun' if 'rematted' in op_name else 'bwd' if 'transpose' in op_name else 'fwd'
-    )
-    names[match.group(1)] = where + ('/chunk' if op_name.count('while') > 1 else '/outer')
-  split = collections.defaultdict(lambda: dict.fromkeys(_LOOP_KINDS, 0.0))
-  total = 0.0
-  for name, times in counts.items():
-    computation = hlo_text.Computation(computations[name])
-    loop = names.get(name, 'entry' if name == entry else 'called')
-    for instruction in computation.instructions:
-      flops, _ = hlo_cost.arithmetic(instruction, computation, computations)
-      reads, written = hlo_cost.kernel_bytes(instruction, computation, computations)
-      seconds = times * max(flops / peak_flops, (sum(reads) + written) / bandwidth)
-      kind = hlo_cost._kind(instruction, computations)  # pylint: disable=protected-access
-      if instruction.opcode == 'copy-start':
-        kind = 'async copies'
-      split[loop][kind] += seconds
-      total += seconds
-  scale = est_seconds / total if total else 0.0
-  return {
-    loop: {kind: seconds * scale for kind, seconds in kinds.items()}
-    for loop, kinds in sorted(split.items())
-    if any(kinds.values())
-  }
-
-
 def tpu_config(mode: str, chips: int, stages: int, virtual: int, schedule: str):
   """The bf16 model of part tpu: FSDP over all chips (stages = 1) or the pipeline."""
   config = default_config.get_config()
@@ -481,7 +434,7 @@ def tpu_rows() -> list[dict]:
         if hlo_dir:
           topo = aot.get_topology(topology)
           with open(os.path.join(hlo_dir, 'train.hlo.txt'), encoding='utf-8') as f:
-            row['time_by_loop'] = loop_split(
+            row['time_by_loop'] = pipeline_plan.time_by_loop(
               f.read(),
               row['est_step_seconds'],
               topo.device_peak_flops,
