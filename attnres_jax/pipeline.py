@@ -221,11 +221,14 @@ def pipeline_hidden(model, x_MBTD, positions_BT, pipe: PipelineConfig):
         lambda w, x: w.at[arrived].set(jnp.where(stage == 0, x, w[arrived])), wrap, inbox
       )
       message = _select(stage == 0, jax.tree.map(lambda w: w[micro], wrap), inbox)
+    # The first chunk starts from the embedding: its message is the initial carry's
+    # window (one select of W slots, not of the whole carry). The window lands at
+    # slot 0 on a base that is zero there and above (nothing cached yet).
+    message = _select(first, transfer.send(residual.init(x_MBTD[micro]), 0), message)
     base = zero_carry
     if keeps_cache:
       base = transfer.from_cache(jax.tree.map(lambda c: c[micro], cache), zero_carry)
-    received = transfer.receive(message, base, jnp.maximum(chunk - 1, 0))
-    carry = _select(first, residual.init(x_MBTD[micro]), received)
+    carry = transfer.receive(message, base, jnp.maximum(chunk - 1, 0))
     if keeps_cache:  # what this stage had of the microbatch, for its next visit
       cache = jax.tree.map(
         lambda c, x: c.at[micro].set(jnp.where(valid, x, c[micro])),

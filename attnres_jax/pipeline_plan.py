@@ -6,12 +6,16 @@ of the collective-permutes in compiled HLO. Design and measurements: docs/pipeli
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import re
 from typing import Any
 
 from attnres_jax import depth
+from attnres_jax import hlo_cost
+from attnres_jax import hlo_loops
+from attnres_jax import hlo_text
 from attnres_jax import residuals
 from attnres_jax import sharding
 from attnres_jax.residuals import attnres
@@ -225,3 +229,46 @@ def transition_bytes(hlo_text: str) -> int:
   """Bytes one device sends per stage transition: the collective-permutes inside the
   loop bodies of a forward-only module (one loop: the schedule)."""
   return sum(c['bytes'] for c in collective_permutes(hlo_text) if c['in_loop'])
+
+
+# Where the estimate goes, by loop of the pipelined step: the schedule's loop
+# ('outer': receiving, sending, the final read, the parameters' gradients) and the
+# chunk's loops inside it, in the forward pass, the `remat` rerun and the backward.
+LOOP_KINDS = ('matmul', 'other', 'copies', 'async copies', 'collectives')
+
+
+def time_by_loop(text: str, est_seconds: float, peak_flops: float, bandwidth: float):
+  """{loop: {kind: estimated seconds}} of one device's optimized HLO: per kernel the
+  roofline (as `hlo_cost.analyze`), loops counted, scaled to the step's estimate.
+  Loops are named by their op_name (fwd / rerun / bwd, outer / chunk); kinds as
+  `hlo_cost`'s, with the asynchronous copies (copy-start: the compiler's moves
+  between HBM and on-chip memory, which overlap compute) apart from the others."""
+  computations, entry = hlo_text.parse_module(text)
+  counts, _ = hlo_loops.multiplicities(computations, entry)
+  names = {}
+  for match in re.finditer(r'while\(.*?body=%(\S+?)[,\s].*?op_name="([^"]*)"', text):
+    op_name = match.group(2)
+    where = (
+      'rerun' if 'rematted' in op_name else 'bwd' if 'transpose' in op_name else 'fwd'
+    )
+    names[match.group(1)] = where + ('/chunk' if op_name.count('while') > 1 else '/outer')
+  split = collections.defaultdict(lambda: dict.fromkeys(LOOP_KINDS, 0.0))
+  total = 0.0
+  for name, times in counts.items():
+    computation = hlo_text.Computation(computations[name])
+    loop = names.get(name, 'entry' if name == entry else 'called')
+    for instruction in computation.instructions:
+      flops, _ = hlo_cost.arithmetic(instruction, computation, computations)
+      reads, written = hlo_cost.kernel_bytes(instruction, computation, computations)
+      seconds = times * max(flops / peak_flops, (sum(reads) + written) / bandwidth)
+      kind = hlo_cost._kind(instruction, computations)  # pylint: disable=protected-access
+      if instruction.opcode == 'copy-start':
+        kind = 'async copies'
+      split[loop][kind] += seconds
+      total += seconds
+  scale = est_seconds / total if total else 0.0
+  return {
+    loop: {kind: seconds * scale for kind, seconds in kinds.items()}
+    for loop, kinds in sorted(split.items())
+    if any(kinds.values())
+  }

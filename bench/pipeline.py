@@ -18,7 +18,8 @@
    device temp memory and the estimated step time (loops counted with their trip
    counts) of the train step for standard, Block S=4 and Full AttnRes, FSDP over all
    chips (no pipeline) against stage x data with M microbatches, each pipeline
-   schedule ('remat', 'gpipe'), with the bubble fraction.
+   schedule ('remat', 'gpipe'), with the bubble fraction; with --tpu_hlo_dir, each
+   row's optimized HLO and its estimate split by loop and kind (`time_by_loop`).
 
   python bench/pipeline.py                               # parts comm and time
   python bench/pipeline.py --parts=comm --stages=2 --virtual_stages=2 --out=/tmp/pp.jsonl
@@ -98,6 +99,12 @@ flags.DEFINE_integer('tpu_d_model', 1024, 'Part tpu: model width (heads of 128).
 flags.DEFINE_integer('tpu_layers', 8, 'Part tpu: layers.')
 flags.DEFINE_integer('tpu_seq_len', 1024, 'Part tpu: sequence length.')
 flags.DEFINE_integer('tpu_per_chip', 8, 'Part tpu: sequences per chip.')
+flags.DEFINE_bool(
+  'tpu_fsdp', True, 'Part tpu: also the FSDP rows (no pipeline; temp / FSDP needs them).'
+)
+flags.DEFINE_string(
+  'tpu_hlo_dir', None, 'Part tpu: write the optimized HLO of each row under this folder.'
+)
 
 NUM_DEVICES = 8
 
@@ -375,7 +382,7 @@ def tpu_rows() -> list[dict]:
   )
   for topology in FLAGS.topology:
     chips = aot.get_topology(topology).num_chips
-    configurations = [('FSDP', 1, 1, None)] + [
+    configurations = [('FSDP', 1, 1, None)] * FLAGS.tpu_fsdp + [
       (
         f'P={FLAGS.tpu_stages} V={virtual} M={FLAGS.tpu_microbatches} {schedule}',
         FLAGS.tpu_stages,
@@ -397,7 +404,13 @@ def tpu_rows() -> list[dict]:
         row.update(d_model=FLAGS.tpu_d_model, num_layers=FLAGS.tpu_layers)
         row.update(seq_len=FLAGS.tpu_seq_len, batch_size=config.train.batch_size)
         try:
-          report = aot.compile_report(config, topology, steps=('train',), check_hbm=False)
+          hlo_dir = FLAGS.tpu_hlo_dir and os.path.join(
+            FLAGS.tpu_hlo_dir,
+            f'{topology}_{mode}_{label}'.replace('/', '+').replace(' ', '_'),
+          )
+          report = aot.compile_report(
+            config, topology, steps=('train',), check_hbm=False, hlo_dir=hlo_dir
+          )
         except ValueError as e:  # the compiler's out-of-memory, said as a row
           row['error'] = str(e)
           rows.append(row)
@@ -418,11 +431,22 @@ def tpu_rows() -> list[dict]:
           time_shares=step.get('time_shares'),  # what the estimate is made of
           load_average=os.getloadavg()[0],  # compile time depends on it, nothing else
         )
+        if hlo_dir:
+          topo = aot.get_topology(topology)
+          with open(os.path.join(hlo_dir, 'train.hlo.txt'), encoding='utf-8') as f:
+            row['time_by_loop'] = pipeline_plan.time_by_loop(
+              f.read(),
+              row['est_step_seconds'],
+              topo.device_peak_flops,
+              topo.chip.hbm_bandwidth / topo.devices_per_chip,
+            )
         if stages == 1:
           fsdp_temp[mode] = row['temp_bytes']
         if mode == 'standard':
           standard[label] = row['est_step_seconds']
-        row['temp_vs_fsdp'] = row['temp_bytes'] / fsdp_temp[mode]
+        row['temp_vs_fsdp'] = (
+          row['temp_bytes'] / fsdp_temp[mode] if mode in fsdp_temp else None
+        )
         row['step_vs_standard'] = (
           row['est_step_seconds'] / standard[label] if label in standard else None
         )
@@ -430,7 +454,8 @@ def tpu_rows() -> list[dict]:
         ratio = row['step_vs_standard']
         print(
           f'{topology:<11}{mode:<9}{label:<26}{row["bubble"]:>7.3f}'
-          f'{row["temp_bytes"] / gib:>9.2f}{row["temp_vs_fsdp"]:>10.2f}'
+          f'{row["temp_bytes"] / gib:>9.2f}'
+          f'{row["temp_vs_fsdp"] or float("nan"):>10.2f}'
           f'{row["est_step_seconds"] * 1e3:>9.1f}'
           f'{ratio if ratio is not None else float("nan"):>7.3f}'
           f'{row["compile_seconds"]:>10.0f}',

@@ -541,6 +541,54 @@ def test_transfer_plan_window_covers_every_new_slot():
       assert plan.starts[c] + plan.width <= plan.num_slots
 
 
+# A loop of 5 trips (the schedule's, forward: one `while` in its op_name) whose body
+# prefetches a 4 MiB array into on-chip memory (S(1)) and negates it, and a negate
+# after it, in the TPU compiler's shapes.
+_LOOP_HLO = """
+HloModule m
+
+%body (p: (s32[], f32[1024,1024])) -> (s32[], f32[1024,1024]) {
+  %p = (s32[], f32[1024,1024]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = f32[1024,1024]{1,0} get-tuple-element(%p), index=1
+  %cs = (f32[1024,1024]{1,0}, f32[1024,1024]{1,0:S(1)}, u32[]) copy-start(%x)
+  %cd = f32[1024,1024]{1,0:S(1)} copy-done(%cs)
+  %n = f32[1024,1024]{1,0} negate(%cd)
+  %one = s32[] constant(1)
+  %j = s32[] add(%i, %one)
+  ROOT %t = (s32[], f32[1024,1024]{1,0}) tuple(%j, %n)
+}
+
+%cond (p: (s32[], f32[1024,1024])) -> pred[] {
+  %p = (s32[], f32[1024,1024]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %n = s32[] constant(5)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+ENTRY %main (x: f32[1024,1024]) -> f32[1024,1024] {
+  %x = f32[1024,1024]{1,0} parameter(0)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[1024,1024]{1,0}) tuple(%zero, %x)
+  %w = (s32[], f32[1024,1024]{1,0}) while(%init), condition=%cond, body=%body, metadata={op_name="jit(f)/jvp()/while"}, backend_config={"known_trip_count":{"n":"5"}}
+  %y = f32[1024,1024]{1,0} get-tuple-element(%w), index=1
+  ROOT %z = f32[1024,1024]{1,0} negate(%y)
+}
+"""
+
+
+def test_time_by_loop_splits_the_estimate_by_loop_and_kind():
+  """Bytes-bound kernels: the loop's prefetch (async copies) and negate (other) count
+  5 times each, the entry's negate once; the parts add up to the estimate."""
+  split = pipeline_plan.time_by_loop(_LOOP_HLO, 1.0, peak_flops=1e30, bandwidth=1.0)
+  loop, entry = split['fwd/outer'], split['entry']
+  assert loop['async copies'] == pytest.approx(5 * entry['other'])
+  # The loop's negate and its counter's add (12 bytes a trip, of 8 MiB).
+  assert loop['other'] == pytest.approx(5 * entry['other'], rel=1e-5)
+  assert loop['matmul'] == loop['copies'] == entry['async copies'] == 0
+  assert sum(sum(kinds.values()) for kinds in split.values()) == pytest.approx(1.0)
+
+
 def test_invalid_pipelines_fail_before_compiling():
   model = config_lib.model_config(num_layers=4)
   with pytest.raises(ValueError, match='not divisible by stage x virtual_stages'):
