@@ -331,7 +331,7 @@ def _contains_dot(instruction: hlo_text.Instruction, computations) -> bool:
   )
 
 
-def _kind(instruction: hlo_text.Instruction, computations) -> str:
+def kind_of(instruction: hlo_text.Instruction, computations) -> str:
   """What a kernel's roofline time goes to: matmul (a dot or convolution in it),
   copies (copies and transposes: relayouts and moves between memories), collectives,
   or other (elementwise, reductions, slices)."""
@@ -348,7 +348,7 @@ def analyze(
   """Costs of one device's optimized HLO, loops counted (see the module docstring):
   flops, transcendentals, bytes (`bytes_async_copies`: the share of copy-start, async
   moves between memories), cycles, roofline seconds (per kernel the larger of flops /
-  `peak_flops` and bytes / `hbm_bandwidth`; `roofline_<kind>` by `_kind`, and
+  `peak_flops` and bytes / `hbm_bandwidth`; `roofline_<kind>` by `kind_of`, and
   `roofline_matmul_bytes_bound` of matmul kernels limited by bytes), each also
   `<name>_once` (every computation once, as XLA's totals count), collectives by kind,
   and the trip counts found."""
@@ -365,7 +365,7 @@ def analyze(
       cycles = re.search(r'"estimated_cycles":"(\d+)"', instruction.attrs)
       cycles = float(cycles.group(1)) if cycles else 0.0
       roofline = max(flops / peak_flops, moved / hbm_bandwidth)
-      kind = _kind(instruction, computations)
+      kind = kind_of(instruction, computations)
       totals['roofline_' + kind] += times * roofline
       if kind == 'matmul' and moved / hbm_bandwidth > flops / peak_flops:
         totals['roofline_matmul_bytes_bound'] += times * roofline

@@ -261,7 +261,7 @@ def time_by_loop(text: str, est_seconds: float, peak_flops: float, bandwidth: fl
       flops, _ = hlo_cost.arithmetic(instruction, computation, computations)
       reads, written = hlo_cost.kernel_bytes(instruction, computation, computations)
       seconds = times * max(flops / peak_flops, (sum(reads) + written) / bandwidth)
-      kind = hlo_cost._kind(instruction, computations)  # pylint: disable=protected-access
+      kind = hlo_cost.kind_of(instruction, computations)
       if instruction.opcode == 'copy-start':
         kind = 'async copies'
       split[loop][kind] += seconds
