@@ -1,0 +1,102 @@
+"""depth_accumulate: the in-place sum of Phase 1's buffer cotangent (Pallas interpret
+mode off the TPU), alone and on a mesh."""
+
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from attnres_jax import depth_accumulate
+from attnres_jax import sharding
+from conftest import child_result
+
+
+def operands(dtype, num_valid, shape=(5, 2, 256, 128)):
+  """A carry and a Phase 1 cotangent, zero from slot `num_valid` on, and their sum."""
+  acc_KBTD, d_KBTD = (
+    jax.random.normal(jax.random.key(i), shape).astype(dtype) for i in (3, 4)
+  )
+  d_KBTD = d_KBTD.at[num_valid:].set(0)
+  # The kernel adds in float32 and rounds once to `dtype`, as XLA's add does (an
+  # exact float32 add for float32 operands): equal bit for bit.
+  expected = (acc_KBTD.astype(jnp.float32) + d_KBTD.astype(jnp.float32)).astype(dtype)
+  return acc_KBTD, d_KBTD, expected
+
+
+@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize('num_valid', [None, 1, 3, 5])
+def test_accumulate_adds_the_cotangent(dtype, num_valid):
+  acc_KBTD, d_KBTD, expected = operands(dtype, num_valid)
+  got = jax.jit(depth_accumulate.accumulate)(acc_KBTD, d_KBTD, num_valid)
+  np.testing.assert_array_equal(got, expected)
+
+
+def test_accumulate_leaves_the_slots_past_num_valid():
+  # What the alias keeps: the carry's own values, whatever `d` holds there.
+  acc_KBTD, d_KBTD, expected = operands(jnp.float32, None)
+  got = jax.jit(depth_accumulate.accumulate)(acc_KBTD, d_KBTD, jnp.int32(2))
+  np.testing.assert_array_equal(got[:2], expected[:2])
+  np.testing.assert_array_equal(got[2:], acc_KBTD[2:])
+
+
+def test_accumulate_of_unaligned_tokens_is_xla_add():
+  acc_KBTD, d_KBTD, expected = operands(jnp.float32, 3, shape=(5, 2, 12, 128))
+  jaxpr = jax.make_jaxpr(depth_accumulate.accumulate)(acc_KBTD, d_KBTD, 3)
+  assert 'pallas_call' not in str(jaxpr)
+  np.testing.assert_array_equal(
+    depth_accumulate.accumulate(acc_KBTD, d_KBTD, 3), expected
+  )
+
+
+@pytest.mark.parametrize(
+  'length, dim, itemsize, tile',
+  [(1024, 1024, 2, 512), (1024, 1024, 4, 256), (384, 128, 4, 128)],
+)
+def test_tile_fits_the_block_budget(length, dim, itemsize, tile):
+  assert depth_accumulate.choose_tile(length, dim, itemsize, itemsize) == tile
+
+
+# -- on a mesh (a child process on 4 CPU devices) -------------------------------------
+
+
+def sharded_results():
+  """The child: under batch / batch-and-length splits of the buffer, the kernel runs
+  per device and equals the add; a split over slots falls back to the add."""
+  mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 2, 1), sharding.AXIS_NAMES)
+  out = {}
+  for name, rules in {
+    'batch': dict(batch=('data', 'fsdp')),
+    'batch_length': dict(batch=('data',), length=('fsdp',)),
+    'slots': dict(batch=('data',), depth=('fsdp',)),
+  }.items():
+    rules = {**sharding.DEFAULT_RULES, **rules}
+    acc_KBTD, d_KBTD, expected = operands(jnp.float32, 3, shape=(4, 4, 512, 128))
+
+    @jax.jit
+    def fn(acc_KBTD, d_KBTD):
+      with sharding.logical_rules(mesh, rules):
+        return depth_accumulate.accumulate(acc_KBTD, d_KBTD, 3)
+
+    got = fn(acc_KBTD, d_KBTD)
+    out[f'{name}_equal'] = bool(np.array_equal(got, expected))
+    out[f'{name}_per_device'] = 'shard_map' in str(jax.make_jaxpr(fn)(acc_KBTD, d_KBTD))
+  return out
+
+
+def test_accumulate_on_a_mesh():
+  results = child_result(__file__, 4, 'sharded')
+  assert results == dict(
+    batch_equal=True,
+    batch_per_device=True,
+    batch_length_equal=True,
+    batch_length_per_device=True,
+    slots_equal=True,
+    slots_per_device=False,
+  )
+
+
+if __name__ == '__main__' and sys.argv[1:] == ['sharded']:
+  print(json.dumps(sharded_results()))
