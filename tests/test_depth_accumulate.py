@@ -1,6 +1,7 @@
 """depth_accumulate: the in-place sum of Phase 1's buffer cotangent (Pallas interpret
 mode off the TPU), alone, on a mesh, and inside the linear-memory backward."""
 
+import functools
 import json
 import sys
 
@@ -11,6 +12,7 @@ import pytest
 from flax import nnx
 
 from attnres_jax import depth_accumulate
+from attnres_jax import pipeline
 from attnres_jax import sharding
 from conftest import child_result, tiny_model, with_config
 
@@ -131,6 +133,53 @@ def test_full_linear_memory_backward_with_the_kernels_equals_autodiff(schedule_l
   # longer sums. Measured: 6.1e-5 (the MLP's up projection, schedule_layers=2), the
   # same to all digits without the accumulate kernel and the slices outside the scan
   # (main before them): the Phase 1 kernel's order of sums, not this path's.
+  for (path, a), b in zip(
+    jax.tree_util.tree_leaves_with_path(linear), jax.tree.leaves(plain)
+  ):
+    scale = float(jnp.abs(b).max()) + 1e-30
+    np.testing.assert_allclose(a / scale, b / scale, atol=1e-4, err_msg=str(path))
+
+
+def test_resumed_chunk_with_the_kernels_equals_autodiff():
+  """A pipeline chunk (layers 2-3 of 4, resumed from the carry at segment 2, traced)
+  through the linear-memory backward with both kernels: the cotangents of its layers
+  and of the received carry equal plain autodiff of the chunk."""
+  model = tiny_model(
+    'full',
+    1,
+    random_depth=True,
+    d_model=128,
+    num_heads=1,
+    num_layers=4,
+    depth_kernel='pallas',
+    schedule_layers=1,
+  )
+  residual, cfg = model.residual, model.cfg
+  graphdef, layer_state = nnx.split(model.layers)
+  tokens = jax.random.randint(jax.random.key(2), (2, 128), 0, 256)
+  positions_BT = jnp.broadcast_to(jnp.arange(128), tokens.shape)
+  run = functools.partial(
+    pipeline.run_chunk, residual, graphdef, model_config=cfg, layers_per_chunk=2
+  )
+  head, chunk = (
+    jax.tree.map(lambda x, s=s: x[s], layer_state) for s in (slice(2), slice(2, 4))
+  )
+  carry = run(head, residual.init(model.embed(tokens)), 0, positions_BT)
+  weights = jax.tree.map(
+    lambda x: jax.random.normal(jax.random.key(x.ndim), x.shape), carry
+  )
+
+  def grads(custom_stack):
+    def loss(chunk, carry):
+      out = run(chunk, carry, jnp.int32(2), positions_BT, custom_stack=custom_stack)
+      return sum(jnp.sum(o * w) for o, w in zip(out, weights))
+
+    grad_fn = jax.grad(loss, argnums=(0, 1))
+    return grad_fn(chunk, carry), str(jax.make_jaxpr(grad_fn)(chunk, carry))
+
+  (plain, _), (linear, jaxpr) = grads(None), grads(residual.custom_stack)
+  assert 'input_output_aliases=((1, 0),)' in jaxpr  # the accumulate kernel ran
+  # Tolerance as in the test above (the same float32 sums in another order).
   for (path, a), b in zip(
     jax.tree_util.tree_leaves_with_path(linear), jax.tree.leaves(plain)
   ):
