@@ -13,11 +13,15 @@ the carry's own buffer (`input_output_aliases`).
 Only the first `num_valid` slots are read and written: Phase 1 reads the slots
 before the segment, so its cotangent is zero past them, and the carry's later slots
 keep their values through the alias. The grid runs over (batch row, tile of T, slot)
-with the slot innermost; its block index stops at the last valid slot, so the later
+with the slot innermost; its block index stops at the last slot written, so the later
 steps revisit the block just written (no copy in or out, no arithmetic).
 
-HBM traffic per call (BlockSpecs): 3 num_valid B T D elements (the carry and the
-cotangent read, the sum written); an XLA add moves 3 K B T D.
+It also zeroes the `num_zeroed` slots from `num_valid` on (the segment's own slots,
+whose carried cotangent the backward took before the sum), so that no XLA update
+of the carry comes between two of these calls.
+
+HBM traffic per call (BlockSpecs): 3 (num_valid + num_zeroed) B T D elements (the
+carry and the cotangent read, the sum written); an XLA add moves 3 K B T D.
 Off the TPU the kernel runs in Pallas interpret mode; `jax.lax.platform_dependent`
 picks Mosaic when a TPU program is lowered (as `depth_pallas` does).
 """
@@ -43,11 +47,19 @@ VMEM_LIMIT_BYTES = 32 * 2**20
 _SQ = pl.squeezed
 
 
-def _kernel(nv_ref, acc_ref, d_ref, out_ref):
-  @pl.when(pl.program_id(2) < nv_ref[0])
+def _kernel(nv_ref, acc_ref, d_ref, out_ref, *, num_zeroed):
+  k = pl.program_id(2)
+
+  @pl.when(k < nv_ref[0])
   def _():
     d_tD = d_ref[...].astype(jnp.float32).T  # tokens on the lanes -> width
     out_ref[...] = (acc_ref[...].astype(jnp.float32) + d_tD).astype(out_ref.dtype)
+
+  if num_zeroed:
+
+    @pl.when((k >= nv_ref[0]) & (k < nv_ref[0] + num_zeroed))
+    def _():
+      out_ref[...] = jnp.zeros(out_ref.shape, out_ref.dtype)
 
 
 def choose_tile(length, dim, acc_itemsize, d_itemsize):
@@ -58,18 +70,18 @@ def choose_tile(length, dim, acc_itemsize, d_itemsize):
   return next((t for t in fits if t * per_token <= BLOCK_VMEM_BYTES), fits[-1])
 
 
-def _device(nv, acc_KBTD, d_KBTD, *, expected_valid):
+def _device(nv, acc_KBTD, d_KBTD, *, expected_valid, num_zeroed):
   num_slots, batch, length, dim = acc_KBTD.shape
   tile = choose_tile(length, dim, acc_KBTD.dtype.itemsize, d_KBTD.dtype.itemsize)
-  slot = lambda k, nv: jnp.minimum(k, nv[0] - 1)
+  slot = lambda k, nv: jnp.minimum(k, jnp.minimum(nv[0] + num_zeroed, num_slots) - 1)
   rows = pl.BlockSpec((_SQ, _SQ, tile, dim), lambda b, t, k, nv: (slot(k, nv), b, t, 0))
   lanes = pl.BlockSpec((_SQ, _SQ, dim, tile), lambda b, t, k, nv: (slot(k, nv), b, 0, t))
   itemsizes = 2 * acc_KBTD.dtype.itemsize + d_KBTD.dtype.itemsize
-  elements = round(acc_KBTD.size * expected_valid / num_slots)
+  elements = round(acc_KBTD.size * (expected_valid + num_zeroed) / num_slots)
 
   def make(interpret):
     return pl.pallas_call(
-      _kernel,
+      functools.partial(_kernel, num_zeroed=num_zeroed),
       out_shape=jax.ShapeDtypeStruct(acc_KBTD.shape, acc_KBTD.dtype),
       grid_spec=pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=1,
@@ -121,21 +133,28 @@ def _per_device(fn, shape):
   return fn, local
 
 
-def accumulate(acc_KBTD, d_KBTD, num_valid=None, expected_valid=None):
+def accumulate(acc_KBTD, d_KBTD, num_valid=None, expected_valid=None, num_zeroed=0):
   """`acc + d` (in acc's dtype) for [K, B, T, D] depth buffer cotangents, where `d`
   (Phase 1's cotangent) is zero from slot `num_valid` on (None: all K; may be
   traced, at least 1): the sum written in place of `acc` (module docstring). Tokens
   or width per device not a multiple of 128, or the slots split over devices: an
   XLA add. `expected_valid`: the valid slots the kernel's cost estimate (for the
   compiler's step time) assumes, e.g. the mean over a loop's calls; default
-  `num_valid` where static, else K."""
+  `num_valid` where static, else K. `num_zeroed`: that many slots from `num_valid`
+  on are set to zero (static)."""
   num_slots = acc_KBTD.shape[0]
   if expected_valid is None:
     expected_valid = num_valid if isinstance(num_valid, int) else num_slots
   fn, (_, _, length, dim) = _per_device(
-    functools.partial(_device, expected_valid=expected_valid), acc_KBTD.shape
+    functools.partial(_device, expected_valid=expected_valid, num_zeroed=num_zeroed),
+    acc_KBTD.shape,
   )
   if fn is None or length % LANES or dim % LANES:
-    return acc_KBTD + d_KBTD.astype(acc_KBTD.dtype)
+    out_KBTD = acc_KBTD + d_KBTD.astype(acc_KBTD.dtype)
+    if not num_zeroed:
+      return out_KBTD
+    slot_K = jnp.arange(num_slots)
+    zeroed_K = (slot_K >= num_valid) & (slot_K < num_valid + num_zeroed)
+    return jnp.where(zeroed_K[:, None, None, None], 0, out_KBTD).astype(out_KBTD.dtype)
   nv = jnp.asarray(num_slots if num_valid is None else num_valid, jnp.int32)
   return fn(jnp.clip(nv, 1, num_slots).reshape(1), acc_KBTD, d_KBTD)

@@ -45,6 +45,17 @@ def test_accumulate_leaves_the_slots_past_num_valid():
   np.testing.assert_array_equal(got[2:], acc_KBTD[2:])
 
 
+@pytest.mark.parametrize('shape', [(6, 2, 256, 128), (6, 2, 12, 128)])  # kernel, XLA
+@pytest.mark.parametrize('num_valid', [1, 4])
+def test_accumulate_zeroes_the_slots_after_num_valid(shape, num_valid):
+  # The segment's own slots: their carried cotangent is taken before the sum.
+  acc_KBTD, d_KBTD, expected = operands(jnp.float32, num_valid, shape)
+  expected = expected.at[num_valid : num_valid + 3].set(0)
+  fn = functools.partial(depth_accumulate.accumulate, num_zeroed=3)
+  got = jax.jit(fn)(acc_KBTD, d_KBTD, jnp.int32(num_valid))
+  np.testing.assert_array_equal(got, expected)
+
+
 def test_accumulate_of_unaligned_tokens_is_xla_add():
   acc_KBTD, d_KBTD, expected = operands(jnp.float32, 3, shape=(5, 2, 12, 128))
   jaxpr = jax.make_jaxpr(depth_accumulate.accumulate)(acc_KBTD, d_KBTD, 3)

@@ -157,9 +157,10 @@ def make_stack(residual):
         else sliced[0]
       )
       d_local_JBTD = jax.lax.dynamic_slice_in_dim(d_buffer_KBTD, first, num_local, 0)
-      d_buffer_KBTD = jax.lax.dynamic_update_slice_in_dim(
-        d_buffer_KBTD, jnp.zeros_like(d_local_JBTD), first, 0
-      )
+      if not kernel_layout:  # there, the accumulate zeroes them
+        d_buffer_KBTD = jax.lax.dynamic_update_slice_in_dim(
+          d_buffer_KBTD, jnp.zeros_like(d_local_JBTD), first, 0
+        )
       d_layer_states, d_stats = [None] * num_layers, [None] * num_layers
       d_embedding_sum_BTD = None  # the first sublayer's read (see AttnResResidual.merge)
       for j in reversed(range(num_layers)):
@@ -215,7 +216,7 @@ def make_stack(residual):
       d_layer_states = jax.tree.map(jnp.add, tuple(d_layer_states), d_states_phase1)
       if kernel_layout:  # Phase 1's cotangent is zero from slot `first` on
         d_buffer_KBTD = depth_accumulate.accumulate(
-          d_buffer_KBTD, d_buffer_phase1, first, expected_valid
+          d_buffer_KBTD, d_buffer_phase1, first, expected_valid, num_local
         )
       else:
         d_buffer_KBTD = d_buffer_KBTD + d_buffer_phase1
