@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from attnres_jax import depth
+from attnres_jax import depth_accumulate
 from attnres_jax import sharding
 from attnres_jax import stack as stack_lib
 
@@ -70,6 +71,14 @@ def make_stack(residual):
       for which in stack_lib.SUBLAYERS
     ]
     keeps_partial = residual.block_size > 1  # Full: a sublayer's own slot starts empty
+    # Full AttnRes with the Phase 1 kernel: the buffer and Phase 1's cotangent of it
+    # have the kernel's layout (tokens on the lanes), and a slice of the buffer in the
+    # segments' reverse scan relayouts all of it once per segment. There, Phase 2's
+    # slots of the final buffer are sliced once outside the scan, and Phase 1's
+    # cotangent is summed into the carried one by `depth_accumulate` (width on the
+    # lanes, in place). Both or nothing: either alone moves more bytes, and the XLA
+    # path (no relayouts to remove) or Block gain copies (bench/aot.py, d1024 v5p-8).
+    kernel_layout = cfg.depth_kernel == 'pallas' and residual.block_size == 1
     recompute_sublayers = cfg.remat == 'layer'
 
     def sublayer_vjp(which, state_k, h_BTD, positions_BT):
@@ -107,11 +116,22 @@ def make_stack(residual):
       return (carry if resumed else buffer_KBTD), (*residuals, positions_BT, saved)
 
     def segment_backward(
-      buffer_KBTD, d_buffer_KBTD, received, layer_states, segment, saved, positions_BT
+      buffer_KBTD,
+      d_buffer_KBTD,
+      received,
+      layer_states,
+      segment,
+      saved,
+      positions_BT,
+      sliced=None,
+      expected_valid=None,
     ):
       """Cotangents through one segment: (d_buffer before it, d_layer_states, and
       resumed, the received inverse RMS' cotangent). `received`: None, or (the
-      received inverse RMS, its cotangent so far, the chunk's first slot)."""
+      received inverse RMS, its cotangent so far, the chunk's first slot). With
+      `kernel_layout`: `sliced`, the segment's slots of the final buffer and its slot
+      0, sliced by the caller, and `expected_valid`, what `depth_accumulate`'s cost
+      estimate assumes for `first` (the mean over the scan's segments)."""
       num_layers = len(layer_states)
       first = residual.first_local_slot(segment)
       num_local = residual.local_slots(num_layers)
@@ -131,11 +151,16 @@ def make_stack(residual):
       primals = (buffer_KBTD, layer_states) + (received[:1] if received else ())
       stats, phase1_vjp = jax.vjp(phase1, *primals)
       # The segment's slots: final values, and the cotangent they got after it ended.
-      local_JBTD = jax.lax.dynamic_slice_in_dim(buffer_KBTD, first, num_local, 0)
-      d_local_JBTD = jax.lax.dynamic_slice_in_dim(d_buffer_KBTD, first, num_local, 0)
-      d_buffer_KBTD = jax.lax.dynamic_update_slice_in_dim(
-        d_buffer_KBTD, jnp.zeros_like(d_local_JBTD), first, 0
+      local_JBTD = (
+        jax.lax.dynamic_slice_in_dim(buffer_KBTD, first, num_local, 0)
+        if sliced is None
+        else sliced[0]
       )
+      d_local_JBTD = jax.lax.dynamic_slice_in_dim(d_buffer_KBTD, first, num_local, 0)
+      if not kernel_layout:  # there, the accumulate zeroes them
+        d_buffer_KBTD = jax.lax.dynamic_update_slice_in_dim(
+          d_buffer_KBTD, jnp.zeros_like(d_local_JBTD), first, 0
+        )
       d_layer_states, d_stats = [None] * num_layers, [None] * num_layers
       d_embedding_sum_BTD = None  # the first sublayer's read (see AttnResResidual.merge)
       for j in reversed(range(num_layers)):
@@ -163,7 +188,8 @@ def make_stack(residual):
             )
 
           mine = stats[j][which]
-          h_BTD, read_vjp = jax.vjp(read, mine, view_JBTD, state_j, buffer_KBTD[0])
+          embedding_BTD = buffer_KBTD[0] if sliced is None else sliced[1]
+          h_BTD, read_vjp = jax.vjp(read, mine, view_JBTD, state_j, embedding_BTD)
           if vjp_fn is None:
             _, vjp_fn = sublayer_vjp(which, state_j, h_BTD, positions_BT)
           # The write's cotangent, in the dtype of the sublayer's output.
@@ -188,7 +214,12 @@ def make_stack(residual):
         d_stats[j] = tuple(d_stats_j)  # as Phase 1 returned them: nothing stacked
       d_buffer_phase1, d_states_phase1, *d_inv_rms_phase1 = phase1_vjp(d_stats)
       d_layer_states = jax.tree.map(jnp.add, tuple(d_layer_states), d_states_phase1)
-      d_buffer_KBTD = d_buffer_KBTD + d_buffer_phase1
+      if kernel_layout:  # Phase 1's cotangent is zero from slot `first` on
+        d_buffer_KBTD = depth_accumulate.accumulate(
+          d_buffer_KBTD, d_buffer_phase1, first, expected_valid, num_local
+        )
+      else:
+        d_buffer_KBTD = d_buffer_KBTD + d_buffer_phase1
       d_buffer_KBTD = sharding.constrain(
         d_buffer_KBTD.at[0].add(d_embedding_sum_BTD.astype(d_buffer_KBTD.dtype)),
         sharding.DEPTH_BUFFER,
@@ -233,7 +264,15 @@ def make_stack(residual):
       num_full = num_layers // size
       full_states, tail_states = stack_lib.group_segments(layer_state, num_layers, size)
       d_full = d_tail = None
+      # `kernel_layout`: a segment's slots, [J, ...], or for the full segments
+      # [segments, J, ...] (consecutive in the buffer: segments start on block
+      # boundaries), and slot 0.
+      local_slots = lambda segment, num: jax.lax.dynamic_slice_in_dim(
+        buffer_KBTD, residual.first_local_slot(segment), num, 0
+      )
+      embedding_BTD = buffer_KBTD[0] if kernel_layout else None
       if tail_states is not None:
+        tail_slots = residual.local_slots(num_layers % size)
         d_buffer_KBTD, d_tail, d_inv_rms_KBT = segment_backward(
           buffer_KBTD,
           d_buffer_KBTD,
@@ -242,11 +281,23 @@ def make_stack(residual):
           offset + num_full,
           tail_saved,
           positions_BT,
+          (local_slots(offset + num_full, tail_slots), embedding_BTD)
+          if kernel_layout
+          else None,
         )
       if full_states is not None:
+        full_local_SJBTD = expected_valid = None
+        if kernel_layout:
+          if not resumed:  # the segments' first slots are known here
+            firsts = [residual.first_local_slot(s) for s in range(num_full)]
+            expected_valid = sum(firsts) / num_full
+          num_local = residual.local_slots(size)
+          full_local_SJBTD = local_slots(offset, num_full * num_local).reshape(
+            (num_full, num_local) + buffer_KBTD.shape[1:]
+          )
 
         def body(d_carry, xs):
-          grouped_states, segment, saved = xs
+          grouped_states, segment, saved, local_JBTD = xs
           d_buffer_KBTD, d_states, d_inv_rms_KBT = segment_backward(
             buffer_KBTD,
             d_carry[0],
@@ -255,6 +306,10 @@ def make_stack(residual):
             segment,
             saved,
             positions_BT,
+            None
+            if local_JBTD is None
+            else (sharding.constrain(local_JBTD, sharding.DEPTH_BUFFER), embedding_BTD),
+            expected_valid,
           )
           # Stacked over the segment's layers: the scan writes them in the grouped
           # layout, which is the stacked one [L, ...] reshaped (no copy to regroup).
@@ -264,7 +319,7 @@ def make_stack(residual):
         (d_buffer_KBTD, d_inv_rms_KBT), d_full = jax.lax.scan(
           body,
           (d_buffer_KBTD, d_inv_rms_KBT),
-          (full_states, offset + jnp.arange(num_full), full_saved),
+          (full_states, offset + jnp.arange(num_full), full_saved, full_local_SJBTD),
           reverse=True,
         )
       d_layer_state = stack_lib.ungroup_layers((d_full, d_tail))
