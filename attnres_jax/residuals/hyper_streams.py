@@ -26,6 +26,15 @@ import jax.numpy as jnp
 F32 = jnp.float32
 
 
+def _stored(x_BTD):
+  """x as stored, in its own dtype: an optimization barrier, so that XLA neither
+  hoists a float32 convert of the consumer into the producer's fusion nor sinks the
+  producer's into the consumer. On TPU the streams are laid out tokens-minor and the
+  attention and MLP arrays d-minor; h, f(h) and their cotangents cross between the
+  two by a relayout copy, and without the barrier that copy moved float32."""
+  return jax.lax.optimization_barrier(x_BTD)
+
+
 def weighted_sum(weights_MBT, streams_MBTD):
   """sum_i weights[i] streams[i] ([B, T, D], float32): m scaled adds."""
   total = weights_MBT[0][..., None] * streams_MBTD[0].astype(F32)
@@ -45,7 +54,7 @@ def _dots(x_MBTD, y_BTD):
 @jax.custom_vjp
 def read(read_MBT, streams_MBTD):
   """h [B, T, D] in the streams' dtype."""
-  return weighted_sum(read_MBT, streams_MBTD).astype(streams_MBTD.dtype)
+  return _stored(weighted_sum(read_MBT, streams_MBTD).astype(streams_MBTD.dtype))
 
 
 def _read_fwd(read_MBT, streams_MBTD):
@@ -54,7 +63,7 @@ def _read_fwd(read_MBT, streams_MBTD):
 
 def _read_bwd(saved, dh_BTD):
   read_MBT, streams_MBTD = saved
-  dh_f32 = dh_BTD.astype(F32)
+  dh_f32 = _stored(dh_BTD).astype(F32)
   d_streams = (read_MBT[..., None] * dh_f32[None]).astype(streams_MBTD.dtype)
   return _dots(streams_MBTD, dh_f32), d_streams
 
@@ -68,7 +77,7 @@ read.defvjp(_read_fwd, _read_bwd)
 @jax.custom_vjp
 def write(mix_MMBT, write_MBT, streams_MBTD, out_BTD):
   """The new streams [m, B, T, D] in the streams' dtype; mix[i, j]: from i to j."""
-  out_f32 = out_BTD.astype(F32)
+  out_f32 = _stored(out_BTD).astype(F32)
   new = [
     weighted_sum(mix_MMBT[:, j], streams_MBTD) + write_MBT[j][..., None] * out_f32
     for j in range(streams_MBTD.shape[0])
@@ -96,7 +105,7 @@ def _write_bwd(saved, d_new_MBTD):
     d_mix,
     d_write,
     d_streams.astype(streams_MBTD.dtype),
-    d_out.astype(out_BTD.dtype),
+    _stored(d_out.astype(out_BTD.dtype)),
   )
 
 
