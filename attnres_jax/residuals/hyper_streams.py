@@ -93,6 +93,7 @@ def _write_fwd(mix_MMBT, write_MBT, streams_MBTD, out_BTD):
 def _write_bwd(saved, d_new_MBTD):
   mix_MMBT, write_MBT, streams_MBTD, out_BTD = saved
   m = streams_MBTD.shape[0]
+  d_new_MBTD = _stored(d_new_MBTD)
   # dR_ij = <H_i, dH'_j>, db_j = <f(h), dH'_j>: reductions over d, per token.
   # m reductions of rank-4 products (the streams' layout), not one of a rank-5
   # broadcast: for that XLA copied both operands, in float32, into another layout.
@@ -124,13 +125,18 @@ def _dot(rule, x, y, dtype):
 
 
 def _project_parts(phi, streams_MBTD, eps, per_stream):
-  """(P, r): the projection of the raw streams and the inverse RMS, float32."""
+  """(P, r): the projection of the raw streams with the outputs minor, [m, B, T, K]
+  (HC) or [B, T, K] (mHC: one dot per stream, batched over m, then summed), and the
+  inverse RMS [m, B, T] (HC) or [B, T] (mHC), float32. Each dot is a plain
+  [tokens, D] x [D, K] product whose output keeps the streams' token order, so it
+  asks nothing of the streams' layout."""
   h_f32 = streams_MBTD.astype(F32)
-  if per_stream:  # HC: each stream over its d features; phi [D, K] -> [K, m, B, T]
-    projected = _dot('dk,mbtd->kmbt', phi, streams_MBTD, streams_MBTD.dtype)
+  if per_stream:  # HC: each stream over its d features; phi [D, K]
+    projected = _dot('mbtd,dk->mbtk', streams_MBTD, phi, streams_MBTD.dtype)
     inv_rms = jax.lax.rsqrt(jnp.mean(jnp.square(h_f32), axis=-1) + eps)
-  else:  # mHC: vec(H) over its m d features; phi [m, D, K] -> [K, B, T]
-    projected = _dot('mdk,mbtd->kbt', phi, streams_MBTD, streams_MBTD.dtype)
+  else:  # mHC: vec(H) over its m d features; phi [m, D, K]
+    projected = _dot('mbtd,mdk->mbtk', streams_MBTD, phi, streams_MBTD.dtype)
+    projected = jnp.sum(projected, axis=0)
     inv_rms = jax.lax.rsqrt(jnp.mean(jnp.square(h_f32), axis=(0, 3)) + eps)
   return projected, inv_rms
 
@@ -138,43 +144,42 @@ def _project_parts(phi, streams_MBTD, eps, per_stream):
 def normed_projection(phi, streams_MBTD, eps: float, per_stream: bool):
   """RMSNorm(x) phi without a gain, written as (x phi) / rms(x) so that the
   normalised streams are never stored: HC (`per_stream`) normalises each stream,
-  [K, m, B, T]; mHC their concatenation, [K, B, T]. float32."""
-  return _normed_projection(phi, streams_MBTD, eps, per_stream)
+  [K, m, B, T]; mHC their concatenation, [K, B, T]. float32; the small result is
+  transposed to its outputs leading (tokens minor) after the dot."""
+  return jnp.moveaxis(_normed_projection(phi, streams_MBTD, eps, per_stream), -1, 0)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def _normed_projection(phi, streams_MBTD, eps, per_stream):
   projected, inv_rms = _project_parts(phi, streams_MBTD, eps, per_stream)
-  return projected * inv_rms[None]
+  return projected * inv_rms[..., None]
 
 
 def _projection_fwd(phi, streams_MBTD, eps, per_stream):
   projected, inv_rms = _project_parts(phi, streams_MBTD, eps, per_stream)
-  return projected * inv_rms[None], (phi, streams_MBTD, projected, inv_rms)
+  return projected * inv_rms[..., None], (phi, streams_MBTD, projected, inv_rms)
 
 
 def _projection_bwd(eps, per_stream, saved, dy):
   del eps  # enters only through the saved inverse RMS
   phi, streams_MBTD, projected, inv_rms = saved
   h_f32 = streams_MBTD.astype(F32)
-  d_projected = dy * inv_rms[None]
+  d_projected = dy * inv_rms[..., None]
   # r = (s / n + eps)^(-1/2), s = sum of squares over n features: dr/dH = -r^3 H / n.
-  d_inv_rms = jnp.sum(dy * projected, axis=0)
+  d_inv_rms = jnp.sum(dy * projected, axis=-1)
   n = h_f32.shape[-1] * (1 if per_stream else h_f32.shape[0])
   scale = -d_inv_rms * inv_rms**3 / n
+  dtype = streams_MBTD.dtype
   if per_stream:
-    d_phi = _dot('kmbt,mbtd->dk', d_projected, streams_MBTD, streams_MBTD.dtype)
-    d_streams = (
-      _dot('kmbt,dk->mbtd', d_projected, phi, streams_MBTD.dtype)
-      + scale[..., None] * h_f32
-    )
-  else:
-    d_phi = _dot('kbt,mbtd->mdk', d_projected, streams_MBTD, streams_MBTD.dtype)
-    d_streams = (
-      _dot('kbt,mdk->mbtd', d_projected, phi, streams_MBTD.dtype)
-      + scale[None, ..., None] * h_f32
-    )
-  return d_phi, d_streams.astype(streams_MBTD.dtype)
+    d_phi = _dot('mbtk,mbtd->dk', d_projected, streams_MBTD, dtype)
+    d_streams = _dot('mbtk,dk->mbtd', d_projected, phi, dtype)
+  else:  # batched over m like the forward: no [B, T, m, D] product to transpose
+    d_projected = jnp.broadcast_to(d_projected, (streams_MBTD.shape[0],) + dy.shape)
+    d_phi = _dot('mbtk,mbtd->mdk', d_projected, streams_MBTD, dtype)
+    d_streams = _dot('mbtk,mdk->mbtd', d_projected, phi, dtype)
+    scale = scale[None]
+  d_streams = d_streams + scale[..., None] * h_f32
+  return d_phi, d_streams.astype(dtype)
 
 
 _normed_projection.defvjp(_projection_fwd, _projection_bwd)
