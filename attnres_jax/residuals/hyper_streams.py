@@ -36,7 +36,8 @@ def _stored(x_BTD):
 
 
 def weighted_sum(weights_MBT, streams_MBTD):
-  """sum_i weights[i] streams[i] ([B, T, D], float32): m scaled adds."""
+  """sum_i weights[i] streams[i] ([B, T, D], float32): m scaled adds. Weights
+  [m, n, B, T] give n such sums at once, [n, B, T, D]."""
   total = weights_MBT[0][..., None] * streams_MBTD[0].astype(F32)
   for i in range(1, streams_MBTD.shape[0]):
     total = total + weights_MBT[i][..., None] * streams_MBTD[i].astype(F32)
@@ -78,11 +79,11 @@ read.defvjp(_read_fwd, _read_bwd)
 def write(mix_MMBT, write_MBT, streams_MBTD, out_BTD):
   """The new streams [m, B, T, D] in the streams' dtype; mix[i, j]: from i to j."""
   out_f32 = _stored(out_BTD).astype(F32)
-  new = [
-    weighted_sum(mix_MMBT[:, j], streams_MBTD) + write_MBT[j][..., None] * out_f32
-    for j in range(streams_MBTD.shape[0])
-  ]
-  return jnp.stack(new).astype(streams_MBTD.dtype)
+  # One [m, B, T, D] expression (each stream broadcast over the m outputs), not a
+  # stack of m sums: XLA split the stack into fusions that each read all m streams
+  # and then copied their outputs into the stacked array.
+  new = weighted_sum(mix_MMBT, streams_MBTD) + write_MBT[..., None] * out_f32[None]
+  return new.astype(streams_MBTD.dtype)
 
 
 def _write_fwd(mix_MMBT, write_MBT, streams_MBTD, out_BTD):
@@ -100,7 +101,7 @@ def _write_bwd(saved, d_new_MBTD):
   d_mix = jnp.stack([_dots(streams_MBTD, d_new_MBTD[j]) for j in range(m)], axis=1)
   d_write = _dots(d_new_MBTD, out_BTD)
   # dH_i = sum_j R_ij dH'_j, df(h) = sum_j b_j dH'_j: scaled adds of the m cotangents.
-  d_streams = jnp.stack([weighted_sum(mix_MMBT[i], d_new_MBTD) for i in range(m)])
+  d_streams = weighted_sum(jnp.swapaxes(mix_MMBT, 0, 1), d_new_MBTD)  # [j][i]
   d_out = weighted_sum(write_MBT, d_new_MBTD)
   return (
     d_mix,
