@@ -38,9 +38,11 @@ def _stored(x_BTD):
 def weighted_sum(weights_MBT, streams_MBTD):
   """sum_i weights[i] streams[i] ([B, T, D], float32): m scaled adds. Weights
   [m, n, B, T] give n such sums at once, [n, B, T, D]."""
-  total = weights_MBT[0][..., None] * streams_MBTD[0].astype(F32)
-  for i in range(1, streams_MBTD.shape[0]):
-    total = total + weights_MBT[i][..., None] * streams_MBTD[i].astype(F32)
+  lead = (1,) * (weights_MBT.ndim - 3)
+  total = None
+  for w_BT, h_BTD in zip(weights_MBT, streams_MBTD):
+    term = w_BT[..., None] * h_BTD.astype(F32).reshape(lead + h_BTD.shape)
+    total = term if total is None else total + term
   return total
 
 
