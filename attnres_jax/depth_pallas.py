@@ -20,12 +20,13 @@ HBM traffic from the BlockSpecs, per device: forward reads the num_valid slots o
 (num_valid B T D elements) and writes the Q outputs (Q B T D) and 2 Q B T float32
 statistics; backward reads the num_valid slots, the Q output cotangents and 2 Q B T
 statistics once and writes the buffer's cotangent once (K B T D; zeros past
-num_valid), or inside `cotangent_into` adds it into a carried cotangent in place
-(reads num_valid slots of the carry, writes num_valid + num_zeroed). Each call's
-CostEstimate (what the TPU compiler's cost_analysis and step time take) says that:
-num_valid slots where num_valid is a Python int; where it is traced (the scan over
-segments), the mean over the scan that `cotangent_into` states, or all K (an upper
-bound). hlo_cost counts a custom call by its operand and result shapes (all K).
+num_valid), or within `cotangent_into` adds it into a carried cotangent in place
+(reads num_valid slots of the carry and B T D more for slot 0, writes num_valid +
+num_zeroed slots). Each call's CostEstimate (what the TPU compiler's cost_analysis
+and step time take) says that: num_valid slots where num_valid is a Python int;
+where it is traced (the scan over segments), the mean over the scan stated by
+`expected_valid`, or all K (an upper bound). hlo_cost counts a custom call by its
+operand and result shapes (all K).
 VMEM holds one slot, not K: the tile is the largest multiple of 128 tokens dividing
 T whose blocks, scratch and float32 temporaries fit TILE_VMEM_BYTES (`vmem_bytes`);
 what a tile needs grows with Q and D only.
@@ -118,7 +119,8 @@ def _launch(kernel, args, in_kinds, outs, scratch, *, tile, vmem, cost, num_zero
   VMEM scratch (the tile appended); `vmem`: the tile's estimate (`vmem_bytes`);
   `cost`: the CostEstimate's (flops, transcendentals, HBM bytes). A 'carry' operand
   (a carried cotangent, width on the lanes) is the first result's buffer too: the
-  kernel writes its slots before num_valid + `num_zeroed` in place."""
+  kernel writes its slots before num_valid + `num_zeroed` in place; a 'first'
+  operand [B, T, D] is added to its slot 0."""
   num_slots, batch, dim, length = args[2].shape
   num_queries = args[1].shape[0]
   # The slot a step reads: k, held at the last valid one past num_valid (no DMA).
@@ -138,6 +140,7 @@ def _launch(kernel, args, in_kinds, outs, scratch, *, tile, vmem, cost, num_zero
     dcarry=pl.BlockSpec(
       (_SQ, _SQ, tile, dim), lambda b, t, k, nv: (written(k, nv), b, t, 0)
     ),
+    first=pl.BlockSpec((_SQ, tile, dim), lambda b, t, k, nv: (b, t, 0)),
     rms=pl.BlockSpec(rms_block, lambda b, t, k, nv: (b, valid(k, nv), 0, t)),
     drms=pl.BlockSpec(rms_block, lambda b, t, k, nv: (b, k, 0, t)),
     stat=pl.BlockSpec((_SQ, num_queries, tile), lanes),
@@ -216,13 +219,17 @@ def _forward_device(
   return max_BQT, sum_BQT, tuple(_lanes(o) for o in outs)
 
 
-def _add_into(d_carry_KBTD, dbuf_KBTD, nv, num_zeroed):
+def _add_into(d_carry_KBTD, dbuf_KBTD, d_first_BTD, nv, num_zeroed):
   """XLA's `cotangent_into`: the carry plus the buffer's cotangent (zero from
-  num_valid on), the `num_zeroed` slots from num_valid on set to zero."""
+  num_valid on) and `d_first_BTD` at slot 0, the `num_zeroed` slots from num_valid
+  on set to zero."""
   slot_K = jnp.arange(d_carry_KBTD.shape[0])
   zeroed_K = (slot_K >= nv[0]) & (slot_K < nv[0] + num_zeroed)
-  out_KBTD = d_carry_KBTD + dbuf_KBTD.astype(d_carry_KBTD.dtype)
-  return jnp.where(zeroed_K[:, None, None, None], 0, out_KBTD).astype(out_KBTD.dtype)
+  out_KBTD = d_carry_KBTD.astype(jnp.float32) + dbuf_KBTD.astype(jnp.float32)
+  if d_first_BTD is not None:
+    out_KBTD = out_KBTD.at[0].add(d_first_BTD.astype(jnp.float32))
+  out_KBTD = jnp.where(zeroed_K[:, None, None, None], 0, out_KBTD)
+  return out_KBTD.astype(d_carry_KBTD.dtype)
 
 
 def _backward_device(
@@ -234,6 +241,7 @@ def _backward_device(
   dsum_BQT,
   douts,
   d_carry_KBTD,
+  d_first_BTD,
   *,
   bound,
   eps,
@@ -241,8 +249,8 @@ def _backward_device(
   psum_axes=(),
 ):
   """Per device: (d buffer [K, B, T, D], or with `d_carry_KBTD` that carry plus it
-  (`cotangent_into`), d inverse RMS [K, B, T] or None, d folded [Q, D] summed over
-  the devices). The carry goes through the kernel where the width and the tile are
+  and `d_first_BTD` at slot 0 (`cotangent_into`), d inverse RMS [K, B, T] or None,
+  d folded [Q, D] summed over the devices). The carry goes through the kernel where the width and the tile are
   whole lanes (its block is [tile, D]), through an XLA add elsewhere."""
   num_slots, batch, length, dim = buf_KBTD.shape
   num_queries, has_rms = folded_QD.shape[0], rms_KBT is not None
@@ -251,10 +259,11 @@ def _backward_device(
   into = d_carry_KBTD is not None and dim % LANES == 0 and tile % LANES == 0
   if into:
     dbuf = ('dcarry', d_carry_KBTD.shape, d_carry_KBTD.dtype)
-    sizes = (isz, osz, d_carry_KBTD.dtype.itemsize, num_zeroed)
+    first_size = 0 if d_first_BTD is None else d_first_BTD.dtype.itemsize
+    sizes = (isz, osz, d_carry_KBTD.dtype.itemsize, num_zeroed, first_size)
   else:
     dbuf = ('dbuf', (num_slots, batch, dim, length), buf_KBTD.dtype)
-    sizes = (isz, osz, None, 0)
+    sizes = (isz, osz, None, 0, 0)
   outs = _launch(
     functools.partial(
       backward_kernel,
@@ -263,16 +272,19 @@ def _backward_device(
       has_rms=has_rms,
       into=into,
       num_zeroed=num_zeroed,
+      has_first=into and d_first_BTD is not None,
     ),
     (nv, folded_QD, _lanes(buf_KBTD))
     + ((_rms_lanes(rms_KBT),) if has_rms else ())
     + (max_BQT, dsum_BQT, *(_lanes(d) for d in douts))
-    + ((d_carry_KBTD,) if into else ()),
+    + ((d_carry_KBTD,) if into else ())
+    + ((d_first_BTD,) if into and d_first_BTD is not None else ()),
     ['folded', 'buf']
     + ['rms'] * has_rms
     + ['stat'] * 2
     + ['out'] * num_queries
-    + ['carry'] * into,
+    + ['carry'] * into
+    + ['first'] * (into and d_first_BTD is not None),
     [dbuf]
     + [('drms', (batch, num_slots, 1, length), jnp.float32)] * has_rms
     + [('fold', (batch, length // tile, num_queries, dim), jnp.float32)],
@@ -297,7 +309,7 @@ def _backward_device(
   drms_KBT = jnp.swapaxes(outs[1][:, :, 0], 0, 1) if has_rms else None
   dbuf_KBTD = outs[0] if into else _lanes(outs[0])
   if d_carry_KBTD is not None and not into:
-    dbuf_KBTD = _add_into(d_carry_KBTD, dbuf_KBTD, nv, num_zeroed)
+    dbuf_KBTD = _add_into(d_carry_KBTD, dbuf_KBTD, d_first_BTD, nv, num_zeroed)
   return dbuf_KBTD, drms_KBT, dfold_QD
 
 
@@ -340,19 +352,12 @@ def _sharded(fn, shape, in_specs, out_specs):
   )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
-def _phase1(
-  buf_KBTD, folded_QD, nv, rms_KBT, d_carry_KBTD, bound, eps, out_dtype, zeroed
-):
-  return _phase1_fwd(
-    buf_KBTD, folded_QD, nv, rms_KBT, d_carry_KBTD, bound, eps, out_dtype, zeroed
-  )[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _phase1(buf_KBTD, folded_QD, nv, rms_KBT, bound, eps, out_dtype):
+  return _phase1_fwd(buf_KBTD, folded_QD, nv, rms_KBT, bound, eps, out_dtype)[0]
 
 
-def _phase1_fwd(
-  buf_KBTD, folded_QD, nv, rms_KBT, d_carry_KBTD, bound, eps, out_dtype, zeroed
-):
-  del zeroed
+def _phase1_fwd(buf_KBTD, folded_QD, nv, rms_KBT, bound, eps, out_dtype):
   rms = None if rms_KBT is None else 'rms'
   fn = _sharded(
     functools.partial(_forward_device, bound=bound, eps=eps, out_dtype=out_dtype),
@@ -361,50 +366,81 @@ def _phase1_fwd(
     ('stat', 'stat', ('out',) * folded_QD.shape[0]),
   )
   out = fn(nv, folded_QD, buf_KBTD, rms_KBT)
-  return out, (buf_KBTD, folded_QD, nv, rms_KBT, d_carry_KBTD, out[0])
+  return out, (buf_KBTD, folded_QD, nv, rms_KBT, out[0])
 
 
-def _phase1_bwd(bound, eps, out_dtype, zeroed, residuals, cotangents):
+def _phase1_bwd(bound, eps, out_dtype, residuals, cotangents):
   del out_dtype
-  buf_KBTD, folded_QD, nv, rms_KBT, d_carry_KBTD, max_BQT = residuals
+  buf_KBTD, folded_QD, nv, rms_KBT, max_BQT = residuals
   _, dsum_BQT, douts = cotangents  # the max is stop-gradient
+  d_carry_KBTD, zeroed, d_first_BTD = _INTO.get() or (None, 0, None)
+  if d_carry_KBTD is not None and (
+    d_carry_KBTD.shape != buf_KBTD.shape or d_carry_KBTD.dtype != buf_KBTD.dtype
+  ):
+    raise ValueError(
+      f"cotangent_into needs a carry of the buffer's shape and dtype "
+      f'{buf_KBTD.shape} {buf_KBTD.dtype}, got {d_carry_KBTD.shape} '
+      f'{d_carry_KBTD.dtype}.'
+    )
   rms = None if rms_KBT is None else 'rms'
-  carry = None if d_carry_KBTD is None else 'buf'
+  carry, first = (
+    None if x is None else kind
+    for x, kind in ((d_carry_KBTD, 'buf'), (d_first_BTD, 'out'))
+  )
   fn = _sharded(
     functools.partial(_backward_device, bound=bound, eps=eps, num_zeroed=zeroed),
     buf_KBTD.shape,
-    ('rep', 'rep', 'buf', rms, 'stat', 'stat', ('out',) * len(douts), carry),
+    ('rep', 'rep', 'buf', rms, 'stat', 'stat', ('out',) * len(douts), carry, first),
     ('buf', rms, 'rep'),
   )
   dbuf_KBTD, drms_KBT, dfold_QD = fn(
-    nv, folded_QD, buf_KBTD, rms_KBT, max_BQT, dsum_BQT, tuple(douts), d_carry_KBTD
+    nv,
+    folded_QD,
+    buf_KBTD,
+    rms_KBT,
+    max_BQT,
+    dsum_BQT,
+    tuple(douts),
+    d_carry_KBTD,
+    d_first_BTD,
   )
-  return dbuf_KBTD, dfold_QD, None, drms_KBT, None
+  return dbuf_KBTD, dfold_QD, None, drms_KBT
 
 
 _phase1.defvjp(_phase1_fwd, _phase1_bwd)
 
-# What `cotangent_into` sets: (the carry, num_zeroed, expected_valid) or None.
+# What the context managers below set.
 _INTO = contextvars.ContextVar('depth_pallas_into', default=None)
+_EXPECTED_VALID = contextvars.ContextVar('depth_pallas_expected_valid', default=None)
 
 
 @contextlib.contextmanager
-def cotangent_into(d_carry_KBTD, *, num_zeroed=0, expected_valid=None):
-  """Within it, each `phase1` traced returns, as its VJP's cotangent of the buffer,
-  `d_carry_KBTD` (a cotangent of that buffer carried by a backward pass, of its shape
-  and dtype) plus its own, with the `num_zeroed` slots from num_valid on set to zero
-  and the later ones left as they are: the backward kernel reads the carry at the
-  valid slots and writes them and the zeroed ones in place (its own buffer, width on
-  the lanes), so no separate sum reads and writes the carry. `expected_valid`: where
-  num_valid is traced (a scan over segments), the slots the kernels' CostEstimates
-  charge each call: the mean of num_valid over the scan's calls, so that the
-  compiler's total (per call times trip count) is what the kernels load; None: all
-  K, an upper bound."""
-  token = _INTO.set((d_carry_KBTD, num_zeroed, expected_valid))
+def _setting(var, value):
+  token = var.set(value)
   try:
     yield
   finally:
-    _INTO.reset(token)
+    var.reset(token)
+
+
+def cotangent_into(d_carry_KBTD, *, num_zeroed=0, d_first_BTD=None):
+  """A context: each VJP of `phase1` evaluated within it (the backward kernel traced)
+  returns, as the buffer's cotangent, `d_carry_KBTD` (a cotangent of that buffer
+  carried by a backward pass, of its shape and dtype) plus its own and, at slot 0,
+  `d_first_BTD` (if given; num_valid >= 1), with the `num_zeroed` slots from
+  num_valid on set to zero and the later ones left as they are. The backward kernel
+  reads the carry at the valid slots and writes those and the zeroed ones in place
+  (its own buffer, width on the lanes): no separate sum reads and writes the carry."""
+  return _setting(_INTO, (d_carry_KBTD, num_zeroed, d_first_BTD))
+
+
+def expected_valid(mean):
+  """A context: each `phase1` traced within it with a traced num_valid (a scan over
+  segments) has its kernels' CostEstimates charge `mean` slots a call, the mean of
+  num_valid over the scan's calls, so that the compiler's total (per call times trip
+  count) is what the kernels load. Outside it such a call is charged all K slots (an
+  upper bound); a Python int num_valid is charged itself."""
+  return _setting(_EXPECTED_VALID, mean)
 
 
 def phase1(
@@ -418,38 +454,21 @@ def phase1(
   out_dtype=jnp.float32,
 ):
   """`depth.phase1` computed by the Pallas kernels (module docstring): a tuple over
-  the Q queries of (max [B, T], sum of exponentials [B, T], output [B, T, D]). Inside
-  `cotangent_into`, its VJP sums the buffer's cotangent into the carried one."""
+  the Q queries of (max [B, T], sum of exponentials [B, T], output [B, T, D]). Its
+  VJP within `cotangent_into` sums the buffer's cotangent into a carried one."""
   num_slots = buffer_KBTD.shape[0]
-  d_carry_KBTD, zeroed, expected_valid = _INTO.get() or (None, 0, None)
-  if d_carry_KBTD is not None and (
-    d_carry_KBTD.shape != buffer_KBTD.shape or d_carry_KBTD.dtype != buffer_KBTD.dtype
-  ):
-    raise ValueError(
-      f"cotangent_into needs a carry of the buffer's shape and dtype "
-      f'{buffer_KBTD.shape} {buffer_KBTD.dtype}, got {d_carry_KBTD.shape} '
-      f'{d_carry_KBTD.dtype}.'
-    )
   if num_valid is None:
     num_valid = num_slots
-  # The slots the kernels read per call (their CostEstimates): a Python int
-  # num_valid; a traced one, the mean `cotangent_into` states or all K.
+  # The slots the kernels read per call (their CostEstimates).
   if isinstance(num_valid, (int, np.integer)):
     bound = min(int(num_valid), num_slots)
   else:
-    bound = num_slots if expected_valid is None else float(expected_valid)
+    mean = _EXPECTED_VALID.get()
+    bound = num_slots if mean is None else float(mean)
   nv = jnp.clip(jnp.asarray(num_valid, jnp.int32), 0, num_slots).reshape(1)
   folded_QD = queries_QD.astype(jnp.float32) * gains_QD.astype(jnp.float32)
   max_BQT, sum_BQT, outs = _phase1(
-    buffer_KBTD,
-    folded_QD,
-    nv,
-    inv_rms_KBT,
-    d_carry_KBTD,
-    bound,
-    float(eps),
-    jnp.dtype(out_dtype),
-    zeroed,
+    buffer_KBTD, folded_QD, nv, inv_rms_KBT, bound, float(eps), jnp.dtype(out_dtype)
   )
   max_BQT = jax.lax.stop_gradient(max_BQT)
   return tuple((max_BQT[:, q], sum_BQT[:, q], out) for q, out in enumerate(outs))

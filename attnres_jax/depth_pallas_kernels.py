@@ -98,20 +98,30 @@ def _rows(rows, height):
 
 
 def backward_kernel(
-  nv_ref, folded_ref, buf_ref, *refs, num_queries, eps, has_rms, into, num_zeroed
+  nv_ref,
+  folded_ref,
+  buf_ref,
+  *refs,
+  num_queries,
+  eps,
+  has_rms,
+  into,
+  num_zeroed,
+  has_first,
 ):
   """One slot step of the backward: refs are (inverse RMS [1, t] if carried), the
   forward's max [Q, t], the sum's cotangent [Q, t], the Q outputs' cotangents [D, t],
-  (`into`: the carried cotangent's slot [t, D]); then the slot's cotangent [D, t]
-  (`into`: the carry's slot [t, D], the same buffer, the sum written), (its inverse
-  RMS's [1, t]), the queries' [Q, D]. `into` zeroes the carry's `num_zeroed` slots
-  from num_valid on."""
+  (`into`: the carried cotangent's slot [t, D], and if `has_first` what slot 0 also
+  gets [t, D]); then the slot's cotangent [D, t] (`into`: the carry's slot [t, D],
+  the same buffer, the sum written), (its inverse RMS's [1, t]), the queries' [Q, D].
+  `into` zeroes the carry's `num_zeroed` slots from num_valid on."""
   rms_ref = refs[0] if has_rms else None
   refs = refs[1:] if has_rms else refs
   max_ref, dsum_ref, dout_refs = refs[0], refs[1], refs[2 : 2 + num_queries]
   refs = refs[2 + num_queries :]
   carry_ref = refs[0] if into else None
-  dbuf_ref, *rest = refs[1:] if into else refs
+  first_ref = refs[1] if has_first else None
+  dbuf_ref, *rest = refs[into + has_first :]
   drms_ref = rest.pop(0) if has_rms else None
   (dfold_ref,) = rest
   k, nv = pl.program_id(2), nv_ref[0]
@@ -144,6 +154,8 @@ def backward_kernel(
       dv_Dt = dv_Dt - (r_1t * r_1t * r_1t * dr_1t / v_Dt.shape[0]) * v_Dt
     if into:  # tokens on the lanes -> width; the sum rounded once
       sum_tD = carry_ref[...].astype(jnp.float32) + dv_Dt.T
+      if has_first:
+        sum_tD = sum_tD + jnp.where(k == 0, first_ref[...].astype(jnp.float32), 0.0)
       dbuf_ref[...] = sum_tD.astype(dbuf_ref.dtype)
     else:
       dbuf_ref[...] = dv_Dt.astype(dbuf_ref.dtype)
@@ -188,16 +200,17 @@ def forward_cost(tokens, bound, num_queries, dim, isz, osz, has_rms):
 def backward_cost(tokens, tiles, bound, num_slots, num_queries, dim, sizes, has_rms):
   """(flops, transcendentals, HBM bytes) of the backward over `tokens` tokens (in
   `tiles` programs) reading `bound` slots each; `sizes`: the buffer's, the output
-  cotangents' and, with `cotangent_into`, the carry's itemsizes (None without) and
-  the slots it zeroes. Per (token, valid slot): the dots, the output cotangents' dots,
+  cotangents' and, with `cotangent_into`, the carry's itemsizes (None without), the
+  slots it zeroes and the itemsize of what slot 0 also gets (0: nothing). Per (token, valid slot): the dots, the output cotangents' dots,
   the slot's and the queries' cotangents 2QD each, the weighted outputs' cotangents
   2QD, 7Q on [Q] vectors (Q exponentials); the RMS and its cotangent 4D + 6 unless
   carried; the carry's add D. Bytes: the slots (and their inverse RMS) read, the
   output cotangents and two statistics read, the queries read once, their partial
   cotangents written once per program; the buffer's cotangent written (all K), or
   the carry read at the valid slots and written at those and the zeroed ones; the
-  inverse RMS's cotangent written (all K) when carried."""
-  isz, osz, csz, num_zeroed = sizes
+  inverse RMS's cotangent written (all K) when carried; slot 0's addend read (an add
+  per element)."""
+  isz, osz, csz, num_zeroed, fsz = sizes
   recompute, into = not has_rms, csz is not None
   elements = tokens * bound
   if into:  # the carry read at the valid slots, written there and at the zeroed
@@ -206,11 +219,13 @@ def backward_cost(tokens, tiles, bound, num_slots, num_queries, dim, sizes, has_
     dbuf_bytes = tokens * dim * isz * num_slots
   return (
     elements
-    * (8 * num_queries * dim + 7 * num_queries + recompute * (4 * dim + 6) + into * dim),
+    * (8 * num_queries * dim + 7 * num_queries + recompute * (4 * dim + 6) + into * dim)
+    + tokens * dim * (fsz > 0),
     elements * (num_queries + recompute),
     elements * (dim * isz + 4 * has_rms)
     + tokens * num_queries * (dim * osz + 8)
     + num_queries * dim * 4 * (1 + tiles)
     + dbuf_bytes
-    + tokens * num_slots * 4 * has_rms,
+    + tokens * num_slots * 4 * has_rms
+    + tokens * dim * fsz,
   )

@@ -42,9 +42,12 @@ def operands(dtype, shape, num_queries=4):
   return buffer_KBTD, queries_QD, gains_QD, carry_KBTD
 
 
-def buffer_cotangent(impl, into, buffer_KBTD, queries_QD, gains_QD, num_valid):
+def buffer_cotangent(
+  impl, buffer_KBTD, queries_QD, gains_QD, num_valid, forward=None, backward=None
+):
   """The buffer's cotangent of a weighted sum of Phase 1's outputs (each its own
-  random weights), traced inside `into` (a context)."""
+  random weights), the forward traced within the context `forward`, the VJP
+  evaluated within `backward`."""
 
   def loss(buffer_KBTD):
     stats = impl(buffer_KBTD, queries_QD, gains_QD, eps=EPS, num_valid=num_valid)
@@ -55,32 +58,33 @@ def buffer_cotangent(impl, into, buffer_KBTD, queries_QD, gains_QD, num_valid):
       total += jnp.sum(out_BTD * jax.random.normal(k2, out_BTD.shape))
     return total
 
-  with into:
+  with forward or contextlib.nullcontext():
     _, vjp = jax.vjp(loss, buffer_KBTD)
-  return vjp(jnp.float32(1))[0]
+  with backward or contextlib.nullcontext():
+    return vjp(jnp.float32(1))[0]
 
 
-def fused(buffer_KBTD, queries_QD, gains_QD, carry_KBTD, num_valid, num_zeroed):
-  into = depth_pallas.cotangent_into(carry_KBTD, num_zeroed=num_zeroed)
+def fused(
+  buffer_KBTD, queries_QD, gains_QD, carry_KBTD, first_BTD, num_valid, num_zeroed
+):
+  into = depth_pallas.cotangent_into(
+    carry_KBTD, num_zeroed=num_zeroed, d_first_BTD=first_BTD
+  )
   return buffer_cotangent(
-    depth_pallas.phase1, into, buffer_KBTD, queries_QD, gains_QD, num_valid
+    depth_pallas.phase1, buffer_KBTD, queries_QD, gains_QD, num_valid, backward=into
   )
 
 
-def expected(buffer_KBTD, queries_QD, gains_QD, carry_KBTD, num_valid, num_zeroed):
-  """The carry plus autodiff's cotangent of the XLA Phase 1, zeroed from num_valid
-  on for `num_zeroed` slots."""
-  d_KBTD = buffer_cotangent(
-    depth.phase1,
-    contextlib.nullcontext(),
-    buffer_KBTD,
-    queries_QD,
-    gains_QD,
-    num_valid,
-  )
-  out_KBTD = (carry_KBTD.astype(jnp.float32) + d_KBTD.astype(jnp.float32)).astype(
-    carry_KBTD.dtype
-  )
+def expected(
+  buffer_KBTD, queries_QD, gains_QD, carry_KBTD, first_BTD, num_valid, num_zeroed
+):
+  """The carry plus autodiff's cotangent of the XLA Phase 1 and (if given) `first_BTD`
+  at slot 0, zeroed from num_valid on for `num_zeroed` slots."""
+  d_KBTD = buffer_cotangent(depth.phase1, buffer_KBTD, queries_QD, gains_QD, num_valid)
+  out_KBTD = carry_KBTD.astype(jnp.float32) + d_KBTD.astype(jnp.float32)
+  if first_BTD is not None:
+    out_KBTD = out_KBTD.at[0].add(first_BTD.astype(jnp.float32))
+  out_KBTD = out_KBTD.astype(carry_KBTD.dtype)
   return out_KBTD.at[num_valid : num_valid + num_zeroed].set(0)
 
 
@@ -89,12 +93,18 @@ SHAPES = {'kernel': (6, 2, 256, 128), 'xla_add': (6, 2, 12, 32)}  # lanes or not
 
 @pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize('shape', list(SHAPES))
-@pytest.mark.parametrize('num_valid, num_zeroed', [(1, 3), (4, 2), (2, 0), (6, 3)])
-def test_phase1_vjp_sums_into_the_carry(dtype, shape, num_valid, num_zeroed):
+@pytest.mark.parametrize(
+  'num_valid, num_zeroed, first',
+  [(1, 3, True), (4, 2, False), (2, 0, True), (6, 3, False)],
+)
+def test_phase1_vjp_sums_into_the_carry(dtype, shape, num_valid, num_zeroed, first):
   args = operands(dtype, SHAPES[shape])
+  first_BTD = (
+    3 * jax.random.normal(jax.random.key(5), SHAPES[shape][1:]) if first else None
+  )
   fn = jax.jit(functools.partial(fused, num_zeroed=num_zeroed))
-  got = fn(*args, jnp.int32(num_valid))
-  want = expected(*args, num_valid, num_zeroed)
+  got = fn(*args, first_BTD, jnp.int32(num_valid))
+  want = expected(*args, first_BTD, num_valid, num_zeroed)
   assert got.dtype == want.dtype == dtype
   valid = slice(0, num_valid)
   scale = float(jnp.abs(want[valid].astype(jnp.float32)).max())
@@ -105,14 +115,14 @@ def test_phase1_vjp_sums_into_the_carry(dtype, shape, num_valid, num_zeroed):
   )
   # The zeroed slots and the later ones (the carry's own, through the alias): exact.
   np.testing.assert_array_equal(got[num_valid:], want[num_valid:])
-  jaxpr = str(jax.make_jaxpr(fn)(*args, jnp.int32(num_valid)))
+  jaxpr = str(jax.make_jaxpr(fn)(*args, first_BTD, jnp.int32(num_valid)))
   assert bool(ALIASED.search(jaxpr)) == (shape == 'kernel')
 
 
 def test_carry_of_another_dtype_is_refused():
   buffer_KBTD, queries_QD, gains_QD, carry_KBTD = operands(jnp.bfloat16, (3, 1, 8, 32))
   with pytest.raises(ValueError, match="carry of the buffer's shape and dtype"):
-    fused(buffer_KBTD, queries_QD, gains_QD, carry_KBTD.astype(jnp.float32), 2, 1)
+    fused(buffer_KBTD, queries_QD, gains_QD, carry_KBTD.astype(jnp.float32), None, 2, 1)
 
 
 def cost_bytes(num_valid, expected_valid=None, num_zeroed=2, shape=(9, 2, 256, 128)):
@@ -121,10 +131,13 @@ def cost_bytes(num_valid, expected_valid=None, num_zeroed=2, shape=(9, 2, 256, 1
   args = operands(jnp.float32, shape)
 
   def fn(*args, num_valid):
-    into = depth_pallas.cotangent_into(
-      args[-1], num_zeroed=num_zeroed, expected_valid=expected_valid
+    return buffer_cotangent(
+      depth_pallas.phase1,
+      *args[:3],
+      num_valid,
+      forward=depth_pallas.expected_valid(expected_valid),
+      backward=depth_pallas.cotangent_into(args[3], num_zeroed=num_zeroed),
     )
-    return buffer_cotangent(depth_pallas.phase1, into, *args[:-1], num_valid)
 
   traced = expected_valid is not None
   jaxpr = str(
@@ -174,9 +187,10 @@ def sharded_results():
     @jax.jit
     def fn(*args):
       with sharding.logical_rules(mesh, rules):
-        return fused(*args, jnp.int32(3), 1)
+        return fused(*args, first_BTD, jnp.int32(3), 1)
 
-    want = expected(*args, 3, 1)
+    first_BTD = jax.random.normal(jax.random.key(5), (4, 512, 128))
+    want = expected(*args, first_BTD, 3, 1)
     got = fn(*args)
     out[f'{name}_error'] = float(np.abs(got - want).max() / np.abs(want).max())
     jaxpr = str(jax.make_jaxpr(fn)(*args))

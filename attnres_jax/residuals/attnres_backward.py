@@ -133,7 +133,7 @@ def make_stack(residual):
       received inverse RMS, its cotangent so far, the chunk's first slot). With
       `kernel_layout`: `sliced`, the segment's slots of the final buffer and its slot
       0, sliced by the caller, and `expected_valid`, what the Phase 1 kernels' cost
-      estimates assume for `first` (the mean over the scan's segments)."""
+      estimates charge for `first` (the mean over the scan's segments)."""
       num_layers = len(layer_states)
       first = residual.first_local_slot(segment)
       num_local = residual.local_slots(num_layers)
@@ -152,10 +152,8 @@ def make_stack(residual):
 
       primals = (buffer_KBTD, layer_states) + (received[:1] if received else ())
       with (
-        depth_pallas.cotangent_into(
-          d_buffer_KBTD, num_zeroed=num_local, expected_valid=expected_valid
-        )
-        if kernel_layout  # Phase 1's VJP sums into the carry, zeroes the local slots
+        depth_pallas.expected_valid(expected_valid)
+        if kernel_layout and expected_valid is not None
         else contextlib.nullcontext()
       ):
         stats, phase1_vjp = jax.vjp(phase1, *primals)
@@ -221,16 +219,22 @@ def make_stack(residual):
               else jax.tree.map(jnp.add, d_layer_states[j], d)
             )
         d_stats[j] = tuple(d_stats_j)  # as Phase 1 returned them: nothing stacked
-      d_buffer_phase1, d_states_phase1, *d_inv_rms_phase1 = phase1_vjp(d_stats)
+      with (
+        depth_pallas.cotangent_into(  # the kernel sums all into the carry, in place
+          d_buffer_KBTD, num_zeroed=num_local, d_first_BTD=d_embedding_sum_BTD
+        )
+        if kernel_layout  # and zeroes the segment's slots
+        else contextlib.nullcontext()
+      ):
+        d_buffer_phase1, d_states_phase1, *d_inv_rms_phase1 = phase1_vjp(d_stats)
       d_layer_states = jax.tree.map(jnp.add, tuple(d_layer_states), d_states_phase1)
-      if kernel_layout:  # the carried cotangent is in it (`cotangent_into`)
-        d_buffer_KBTD = d_buffer_phase1
-      else:
-        d_buffer_KBTD = d_buffer_KBTD + d_buffer_phase1
-      d_buffer_KBTD = sharding.constrain(
-        d_buffer_KBTD.at[0].add(d_embedding_sum_BTD.astype(d_buffer_KBTD.dtype)),
-        sharding.DEPTH_BUFFER,
-      )
+      if not kernel_layout:
+        d_buffer_phase1 = (
+          (d_buffer_KBTD + d_buffer_phase1)
+          .at[0]
+          .add(d_embedding_sum_BTD.astype(d_buffer_KBTD.dtype))
+        )
+      d_buffer_KBTD = sharding.constrain(d_buffer_phase1, sharding.DEPTH_BUFFER)
       d_inv_rms_KBT = received[1] + d_inv_rms_phase1[0] if received else None
       return d_buffer_KBTD, d_layer_states, d_inv_rms_KBT
 
