@@ -74,14 +74,15 @@ def vmem_bytes(tile, num_queries, dim, itemsize, out_itemsize):
   """On-chip memory of the larger of the two kernels at `tile` tokens, independent
   of the number of slots. Forward: one slot, the Q outputs and the statistics
   (double buffered), the Q float32 accumulators; backward: one slot, the carried
-  cotangent's slot in and out (`cotangent_into`; the slot's own cotangent without
-  it), the Q output cotangents, three statistics, the queries and their cotangent
-  (double buffered). Both: about 4 float32 [D, tile] temporaries."""
+  cotangent's slot in and out and slot 0's float32 addend (`cotangent_into`; the
+  slot's own cotangent without it), the Q output cotangents, three statistics, the
+  queries and their cotangent (double buffered). Both: about 4 float32 [D, tile]
+  temporaries."""
   rows = -(-num_queries // SUBLANES) * SUBLANES  # [Q, tile] pads to 8 sublanes
   slot, outs = dim * tile * itemsize, num_queries * dim * tile * out_itemsize
   stat, rms, folded = rows * tile * 4, SUBLANES * tile * 4, rows * dim * 4
   forward = 2 * (slot + outs + 2 * stat + rms + folded) + 4 * num_queries * dim * tile
-  backward = 2 * (3 * slot + outs + 3 * stat + 2 * rms + 2 * folded)
+  backward = 2 * (3 * slot + dim * tile * 4 + outs + 3 * stat + 2 * rms + 2 * folded)
   return max(forward, backward) + 4 * 4 * dim * tile
 
 
@@ -250,8 +251,9 @@ def _backward_device(
 ):
   """Per device: (d buffer [K, B, T, D], or with `d_carry_KBTD` that carry plus it
   and `d_first_BTD` at slot 0 (`cotangent_into`), d inverse RMS [K, B, T] or None,
-  d folded [Q, D] summed over the devices). The carry goes through the kernel where the width and the tile are
-  whole lanes (its block is [tile, D]), through an XLA add elsewhere."""
+  d folded [Q, D] summed over the devices). The carry goes through the kernel where
+  the width and the tile are whole lanes (its block is [tile, D]), through an XLA
+  add elsewhere."""
   num_slots, batch, length, dim = buf_KBTD.shape
   num_queries, has_rms = folded_QD.shape[0], rms_KBT is not None
   osz, isz = douts[0].dtype.itemsize, buf_KBTD.dtype.itemsize

@@ -25,9 +25,9 @@ statistics, the outputs and their cotangents) stay in VMEM across a tile's steps
              delta = <do, o> is not needed: ds_q plays its part.
              Slots past num_valid get zero cotangents (written, not computed).
              Or (`cotangent_into`) dv_k is added to a carried cotangent's slot k
-             (width on the lanes: dv_k transposed in VMEM), written in place; past
-             num_valid, that carry's next `num_zeroed` slots are zeroed, the rest
-             neither read nor written.
+             (width on the lanes: dv_k transposed in VMEM; slot 0 also gets an
+             addend), written in place; past num_valid, that carry's next
+             `num_zeroed` slots are zeroed, the rest neither read nor written.
 """
 
 from __future__ import annotations
@@ -199,17 +199,17 @@ def forward_cost(tokens, bound, num_queries, dim, isz, osz, has_rms):
 
 def backward_cost(tokens, tiles, bound, num_slots, num_queries, dim, sizes, has_rms):
   """(flops, transcendentals, HBM bytes) of the backward over `tokens` tokens (in
-  `tiles` programs) reading `bound` slots each; `sizes`: the buffer's, the output
-  cotangents' and, with `cotangent_into`, the carry's itemsizes (None without), the
-  slots it zeroes and the itemsize of what slot 0 also gets (0: nothing). Per (token, valid slot): the dots, the output cotangents' dots,
-  the slot's and the queries' cotangents 2QD each, the weighted outputs' cotangents
-  2QD, 7Q on [Q] vectors (Q exponentials); the RMS and its cotangent 4D + 6 unless
-  carried; the carry's add D. Bytes: the slots (and their inverse RMS) read, the
-  output cotangents and two statistics read, the queries read once, their partial
-  cotangents written once per program; the buffer's cotangent written (all K), or
-  the carry read at the valid slots and written at those and the zeroed ones; the
-  inverse RMS's cotangent written (all K) when carried; slot 0's addend read (an add
-  per element)."""
+  `tiles` programs) reading `bound` slots each; `sizes`: the buffer's and the output
+  cotangents' itemsizes, with `cotangent_into` the carry's (None without), the slots
+  it zeroes and the itemsize of slot 0's addend (0: none). Per (token, valid slot):
+  the dots, the output cotangents' dots, the slot's and the queries' cotangents 2QD
+  each, the weighted outputs' cotangents 2QD, 7Q on [Q] vectors (Q exponentials);
+  the RMS and its cotangent 4D + 6 unless carried; the carry's add D. Bytes: the
+  slots (and their inverse RMS) read, the output cotangents and two statistics read,
+  the queries read once, their partial cotangents written once per program; the
+  buffer's cotangent written (all K), or the carry read at the valid slots and
+  written at those and the zeroed ones, and slot 0's addend read (an add a token
+  and channel); the inverse RMS's cotangent written (all K) when carried."""
   isz, osz, csz, num_zeroed, fsz = sizes
   recompute, into = not has_rms, csz is not None
   elements = tokens * bound

@@ -132,8 +132,8 @@ def make_stack(residual):
       resumed, the received inverse RMS' cotangent). `received`: None, or (the
       received inverse RMS, its cotangent so far, the chunk's first slot). With
       `kernel_layout`: `sliced`, the segment's slots of the final buffer and its slot
-      0, sliced by the caller, and `expected_valid`, what the Phase 1 kernels' cost
-      estimates charge for `first` (the mean over the scan's segments)."""
+      0, sliced by the caller. `expected_valid`: what the Phase 1 kernels' cost
+      estimates charge for a traced `first` (the mean over the scan's segments)."""
       num_layers = len(layer_states)
       first = residual.first_local_slot(segment)
       num_local = residual.local_slots(num_layers)
@@ -153,7 +153,7 @@ def make_stack(residual):
       primals = (buffer_KBTD, layer_states) + (received[:1] if received else ())
       with (
         depth_pallas.expected_valid(expected_valid)
-        if kernel_layout and expected_valid is not None
+        if expected_valid is not None
         else contextlib.nullcontext()
       ):
         stats, phase1_vjp = jax.vjp(phase1, *primals)
@@ -298,10 +298,10 @@ def make_stack(residual):
         )
       if full_states is not None:
         full_local_SJBTD = expected_valid = None
+        if cfg.depth_kernel == 'pallas' and not resumed:  # the first slots are known
+          firsts = [residual.first_local_slot(s) for s in range(num_full)]
+          expected_valid = sum(firsts) / num_full
         if kernel_layout:
-          if not resumed:  # the segments' first slots are known here
-            firsts = [residual.first_local_slot(s) for s in range(num_full)]
-            expected_valid = sum(firsts) / num_full
           num_local = residual.local_slots(size)
           full_local_SJBTD = local_slots(offset, num_full * num_local).reshape(
             (num_full, num_local) + buffer_KBTD.shape[1:]
