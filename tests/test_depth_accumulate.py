@@ -27,7 +27,8 @@ ALIASED = re.compile(r'input_output_aliases=\(\(\d+, 0\),\)')  # the carry in pl
 # added once in float32 on both sides. bfloat16: the kernel rounds the float32 sum
 # once; the reference adds the carry to autodiff's bfloat16 cotangent (itself within
 # test_depth_pallas.BF16_TOL, 2^-6 of its largest entry) and rounds again, 2^-8 of
-# the sum: 2^-6 + 2^-8 of the largest entry.
+# the sum: 2^-6 + 2^-8 of the largest entry. Measured: 1.7e-6 (float32), 7.4e-3
+# (bfloat16).
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2.0**-6 + 2.0**-8}
 
 

@@ -228,13 +228,14 @@ def make_stack(residual):
       ):
         d_buffer_phase1, d_states_phase1, *d_inv_rms_phase1 = phase1_vjp(d_stats)
       d_layer_states = jax.tree.map(jnp.add, tuple(d_layer_states), d_states_phase1)
-      if not kernel_layout:
-        d_buffer_phase1 = (
-          (d_buffer_KBTD + d_buffer_phase1)
-          .at[0]
-          .add(d_embedding_sum_BTD.astype(d_buffer_KBTD.dtype))
+      if kernel_layout:  # the carry, Phase 1's and the embedding's, summed in place
+        d_buffer_KBTD = d_buffer_phase1
+      else:
+        d_buffer_KBTD = d_buffer_KBTD + d_buffer_phase1
+        d_buffer_KBTD = d_buffer_KBTD.at[0].add(
+          d_embedding_sum_BTD.astype(d_buffer_KBTD.dtype)
         )
-      d_buffer_KBTD = sharding.constrain(d_buffer_phase1, sharding.DEPTH_BUFFER)
+      d_buffer_KBTD = sharding.constrain(d_buffer_KBTD, sharding.DEPTH_BUFFER)
       d_inv_rms_KBT = received[1] + d_inv_rms_phase1[0] if received else None
       return d_buffer_KBTD, d_layer_states, d_inv_rms_KBT
 
