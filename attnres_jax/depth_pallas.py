@@ -20,11 +20,13 @@ HBM traffic from the BlockSpecs, per device: forward reads the num_valid slots o
 (num_valid B T D elements) and writes the Q outputs (Q B T D) and 2 Q B T float32
 statistics; backward reads the num_valid slots, the Q output cotangents and 2 Q B T
 statistics once and writes the buffer's cotangent once (K B T D; zeros past
-num_valid). The TPU compiler's own estimates (cost_analysis, its step time) take
-each call's CostEstimate, which counts num_valid slots where num_valid is a Python int
-and all K where it is traced (the layer scan's case); hlo_cost counts a custom call by
-its operand and result shapes (all K). Neither shows the skipped DMAs: a hardware
-effect.
+num_valid), or within `cotangent_into` adds it into a carried cotangent in place
+(reads num_valid slots of the carry and B T D more for slot 0, writes num_valid +
+num_zeroed slots). Each call's CostEstimate (what the TPU compiler's cost_analysis
+and step time take) says that: num_valid slots where num_valid is a Python int;
+where it is traced (the scan over segments), the mean over the scan stated by
+`expected_valid`, or all K (an upper bound). hlo_cost counts a custom call by its
+operand and result shapes (all K).
 VMEM holds one slot, not K: the tile is the largest multiple of 128 tokens dividing
 T whose blocks, scratch and float32 temporaries fit TILE_VMEM_BYTES (`vmem_bytes`);
 what a tile needs grows with Q and D only.
@@ -38,6 +40,8 @@ a buffer split over its width or its slots is refused.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 
 import jax
@@ -48,7 +52,9 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec as P
 
 from attnres_jax import sharding
+from attnres_jax.depth_pallas_kernels import backward_cost
 from attnres_jax.depth_pallas_kernels import backward_kernel
+from attnres_jax.depth_pallas_kernels import forward_cost
 from attnres_jax.depth_pallas_kernels import forward_kernel
 
 # What one program's tile may need (blocks double buffered, scratch, temporaries;
@@ -67,14 +73,16 @@ _SQ = pl.squeezed
 def vmem_bytes(tile, num_queries, dim, itemsize, out_itemsize):
   """On-chip memory of the larger of the two kernels at `tile` tokens, independent
   of the number of slots. Forward: one slot, the Q outputs and the statistics
-  (double buffered), the Q float32 accumulators; backward: one slot and its
-  cotangent, the Q output cotangents, three statistics, the queries and their
-  cotangent (double buffered). Both: about 4 float32 [D, tile] temporaries."""
+  (double buffered), the Q float32 accumulators; backward: one slot, the carried
+  cotangent's slot in and out and slot 0's float32 addend (`cotangent_into`; the
+  slot's own cotangent without it), the Q output cotangents, three statistics, the
+  queries and their cotangent (double buffered). Both: about 4 float32 [D, tile]
+  temporaries."""
   rows = -(-num_queries // SUBLANES) * SUBLANES  # [Q, tile] pads to 8 sublanes
   slot, outs = dim * tile * itemsize, num_queries * dim * tile * out_itemsize
   stat, rms, folded = rows * tile * 4, SUBLANES * tile * 4, rows * dim * 4
   forward = 2 * (slot + outs + 2 * stat + rms + folded) + 4 * num_queries * dim * tile
-  backward = 2 * (2 * slot + outs + 3 * stat + 2 * rms + 2 * folded)
+  backward = 2 * (3 * slot + dim * tile * 4 + outs + 3 * stat + 2 * rms + 2 * folded)
   return max(forward, backward) + 4 * 4 * dim * tile
 
 
@@ -105,29 +113,44 @@ def _on_platform(make, *args):
   )
 
 
-def _launch(kernel, args, in_kinds, outs, scratch, *, tile, vmem, cost):
+def _launch(kernel, args, in_kinds, outs, scratch, *, tile, vmem, cost, num_zeroed=0):
   """The pallas_call of `kernel` over a grid of (batch row, tile of T, slot) on `args`
   (the scalar-prefetch num_valid, then operands whose BlockSpecs `in_kinds` name);
   `outs`: (kind, shape, dtype) per result; `scratch`: the leading dims of float32
   VMEM scratch (the tile appended); `vmem`: the tile's estimate (`vmem_bytes`);
-  `cost`: the CostEstimate's (flops, transcendentals, HBM bytes)."""
+  `cost`: the CostEstimate's (flops, transcendentals, HBM bytes). A 'carry' operand
+  (a carried cotangent, width on the lanes) is the first result's buffer too: the
+  kernel writes its slots before num_valid + `num_zeroed` in place; a 'first'
+  operand [B, T, D] is added to its slot 0."""
   num_slots, batch, dim, length = args[2].shape
   num_queries = args[1].shape[0]
   # The slot a step reads: k, held at the last valid one past num_valid (no DMA).
   valid = lambda k, nv: jnp.maximum(jnp.minimum(k, nv[0] - 1), 0)
+  # The carried slot a step writes: k, held at the last one written (no copy out).
+  last = lambda nv: jnp.minimum(nv[0] + num_zeroed, num_slots) - 1
+  written = lambda k, nv: jnp.maximum(jnp.minimum(k, last(nv)), 0)
   lanes = lambda b, t, k, nv: (b, 0, t)
   slot_block, rms_block = (_SQ, _SQ, dim, tile), (_SQ, _SQ, 1, tile)
   specs = dict(
     folded=pl.BlockSpec((num_queries, dim), lambda b, t, k, nv: (0, 0)),
     buf=pl.BlockSpec(slot_block, lambda b, t, k, nv: (valid(k, nv), b, 0, t)),
     dbuf=pl.BlockSpec(slot_block, lambda b, t, k, nv: (k, b, 0, t)),
+    carry=pl.BlockSpec(
+      (_SQ, _SQ, tile, dim), lambda b, t, k, nv: (valid(k, nv), b, t, 0)
+    ),
+    dcarry=pl.BlockSpec(
+      (_SQ, _SQ, tile, dim), lambda b, t, k, nv: (written(k, nv), b, t, 0)
+    ),
+    first=pl.BlockSpec((_SQ, tile, dim), lambda b, t, k, nv: (b, t, 0)),
     rms=pl.BlockSpec(rms_block, lambda b, t, k, nv: (b, valid(k, nv), 0, t)),
     drms=pl.BlockSpec(rms_block, lambda b, t, k, nv: (b, k, 0, t)),
     stat=pl.BlockSpec((_SQ, num_queries, tile), lanes),
     out=pl.BlockSpec((_SQ, dim, tile), lanes),
     fold=pl.BlockSpec((_SQ, _SQ, num_queries, dim), lambda b, t, k, nv: (b, t, 0, 0)),
   )
-  flops, transcendentals, io_bytes = (int(c) for c in cost)
+  # Operand indices count the scalar-prefetch num_valid.
+  aliases = {1 + in_kinds.index('carry'): 0} if 'carry' in in_kinds else {}
+  flops, transcendentals, io_bytes = (int(round(c)) for c in cost)
 
   def make(interpret):
     return pl.pallas_call(
@@ -140,6 +163,7 @@ def _launch(kernel, args, in_kinds, outs, scratch, *, tile, vmem, cost):
         out_specs=[specs[kind] for kind, _, _ in outs],
         scratch_shapes=[pltpu.VMEM(rows + (tile,), jnp.float32) for rows in scratch],
       ),
+      input_output_aliases=aliases,
       compiler_params=pltpu.CompilerParams(
         dimension_semantics=('parallel', 'parallel', 'arbitrary'),
         vmem_limit_bytes=min(VMEM_BYTES, vmem + HEADROOM_VMEM_BYTES),
@@ -175,7 +199,7 @@ def _forward_device(
   nv, folded_QD, buf_KBTD, rms_KBT, *, bound, eps, out_dtype, psum_axes=()
 ):
   """Per device: (max [B, Q, T], sum [B, Q, T], the Q outputs [B, T, D]). `bound`:
-  how many slots at most are valid (the CostEstimate's slot count)."""
+  how many slots the kernel reads per call (the CostEstimate's slot count)."""
   del psum_axes
   _, batch, length, dim = buf_KBTD.shape
   num_queries, has_rms = folded_QD.shape[0], rms_KBT is not None
@@ -183,7 +207,6 @@ def _forward_device(
   tile, vmem = _tile(buf_KBTD, num_queries, osz)
   stat = ('stat', (batch, num_queries, length), jnp.float32)
   out = ('out', (batch, dim, length), out_dtype)
-  elements = batch * length * bound  # (token, valid slot) pairs
   max_BQT, sum_BQT, *outs = _launch(
     functools.partial(forward_kernel, num_queries=num_queries, eps=eps, has_rms=has_rms),
     (nv, folded_QD, _lanes(buf_KBTD)) + ((_rms_lanes(rms_KBT),) if has_rms else ()),
@@ -192,50 +215,104 @@ def _forward_device(
     [(num_queries, dim)],
     tile=tile,
     vmem=vmem,
-    cost=(
-      elements * dim * (5 * num_queries + 3),
-      elements * (2 * num_queries + 1),
-      elements * (dim * isz + 4 * has_rms)
-      + batch * length * num_queries * (dim * osz + 8),
-    ),
+    cost=forward_cost(batch * length, bound, num_queries, dim, isz, osz, has_rms),
   )
   return max_BQT, sum_BQT, tuple(_lanes(o) for o in outs)
 
 
+def _add_into(d_carry_KBTD, dbuf_KBTD, d_first_BTD, nv, num_zeroed):
+  """XLA's `cotangent_into`: the carry plus the buffer's cotangent (zero from
+  num_valid on) and `d_first_BTD` at slot 0, the `num_zeroed` slots from num_valid
+  on set to zero."""
+  slot_K = jnp.arange(d_carry_KBTD.shape[0])
+  zeroed_K = (slot_K >= nv[0]) & (slot_K < nv[0] + num_zeroed)
+  out_KBTD = d_carry_KBTD.astype(jnp.float32) + dbuf_KBTD.astype(jnp.float32)
+  if d_first_BTD is not None:
+    out_KBTD = out_KBTD.at[0].add(d_first_BTD.astype(jnp.float32))
+  out_KBTD = jnp.where(zeroed_K[:, None, None, None], 0, out_KBTD)
+  return out_KBTD.astype(d_carry_KBTD.dtype)
+
+
 def _backward_device(
-  nv, folded_QD, buf_KBTD, rms_KBT, max_BQT, dsum_BQT, douts, *, bound, eps, psum_axes=()
+  nv,
+  folded_QD,
+  buf_KBTD,
+  rms_KBT,
+  max_BQT,
+  dsum_BQT,
+  douts,
+  d_carry_KBTD,
+  d_first_BTD,
+  *,
+  bound,
+  eps,
+  num_zeroed,
+  psum_axes=(),
 ):
-  """Per device: (d buffer [K, B, T, D], d inverse RMS [K, B, T] or None, d folded
-  [Q, D] summed over the devices)."""
+  """Per device: (d buffer [K, B, T, D], or with `d_carry_KBTD` that carry plus it
+  and `d_first_BTD` at slot 0 (`cotangent_into`), d inverse RMS [K, B, T] or None,
+  d folded [Q, D] summed over the devices). The carry goes through the kernel where
+  the width and the tile are whole lanes (its block is [tile, D]), through an XLA
+  add elsewhere."""
   num_slots, batch, length, dim = buf_KBTD.shape
   num_queries, has_rms = folded_QD.shape[0], rms_KBT is not None
   osz, isz = douts[0].dtype.itemsize, buf_KBTD.dtype.itemsize
   tile, vmem = _tile(buf_KBTD, num_queries, osz)
-  elements = batch * length * bound
+  into = d_carry_KBTD is not None and dim % LANES == 0 and tile % LANES == 0
+  if into:
+    dbuf = ('dcarry', d_carry_KBTD.shape, d_carry_KBTD.dtype)
+    first_size = 0 if d_first_BTD is None else d_first_BTD.dtype.itemsize
+    sizes = (isz, osz, d_carry_KBTD.dtype.itemsize, num_zeroed, first_size)
+  else:
+    dbuf = ('dbuf', (num_slots, batch, dim, length), buf_KBTD.dtype)
+    sizes = (isz, osz, None, 0, 0)
   outs = _launch(
-    functools.partial(backward_kernel, num_queries=num_queries, eps=eps, has_rms=has_rms),
+    functools.partial(
+      backward_kernel,
+      num_queries=num_queries,
+      eps=eps,
+      has_rms=has_rms,
+      into=into,
+      num_zeroed=num_zeroed,
+      has_first=into and d_first_BTD is not None,
+    ),
     (nv, folded_QD, _lanes(buf_KBTD))
     + ((_rms_lanes(rms_KBT),) if has_rms else ())
-    + (max_BQT, dsum_BQT, *(_lanes(d) for d in douts)),
-    ['folded', 'buf'] + ['rms'] * has_rms + ['stat'] * 2 + ['out'] * num_queries,
-    [('dbuf', (num_slots, batch, dim, length), buf_KBTD.dtype)]
+    + (max_BQT, dsum_BQT, *(_lanes(d) for d in douts))
+    + ((d_carry_KBTD,) if into else ())
+    + ((d_first_BTD,) if into and d_first_BTD is not None else ()),
+    ['folded', 'buf']
+    + ['rms'] * has_rms
+    + ['stat'] * 2
+    + ['out'] * num_queries
+    + ['carry'] * into
+    + ['first'] * (into and d_first_BTD is not None),
+    [dbuf]
     + [('drms', (batch, num_slots, 1, length), jnp.float32)] * has_rms
     + [('fold', (batch, length // tile, num_queries, dim), jnp.float32)],
     [],
     tile=tile,
     vmem=vmem,
-    cost=(
-      elements * dim * (12 * num_queries + 6),
-      elements * num_queries,
-      (elements + batch * length * num_slots) * (dim * isz + 4 * has_rms)
-      + batch * length * num_queries * (dim * osz + 8),
+    cost=backward_cost(
+      batch * length,
+      batch * (length // tile),
+      bound,
+      num_slots,
+      num_queries,
+      dim,
+      sizes,
+      has_rms,
     ),
+    num_zeroed=num_zeroed,
   )
   dfold_QD = jnp.sum(outs[-1], axis=(0, 1))
   if psum_axes:
     dfold_QD = jax.lax.psum(dfold_QD, psum_axes)
   drms_KBT = jnp.swapaxes(outs[1][:, :, 0], 0, 1) if has_rms else None
-  return _lanes(outs[0]), drms_KBT, dfold_QD
+  dbuf_KBTD = outs[0] if into else _lanes(outs[0])
+  if d_carry_KBTD is not None and not into:
+    dbuf_KBTD = _add_into(d_carry_KBTD, dbuf_KBTD, d_first_BTD, nv, num_zeroed)
+  return dbuf_KBTD, drms_KBT, dfold_QD
 
 
 # -- the device split and the custom VJP ----------------------------------------------
@@ -298,20 +375,74 @@ def _phase1_bwd(bound, eps, out_dtype, residuals, cotangents):
   del out_dtype
   buf_KBTD, folded_QD, nv, rms_KBT, max_BQT = residuals
   _, dsum_BQT, douts = cotangents  # the max is stop-gradient
+  d_carry_KBTD, zeroed, d_first_BTD = _INTO.get() or (None, 0, None)
+  if d_carry_KBTD is not None and (
+    d_carry_KBTD.shape != buf_KBTD.shape or d_carry_KBTD.dtype != buf_KBTD.dtype
+  ):
+    raise ValueError(
+      f"cotangent_into needs a carry of the buffer's shape and dtype "
+      f'{buf_KBTD.shape} {buf_KBTD.dtype}, got {d_carry_KBTD.shape} '
+      f'{d_carry_KBTD.dtype}.'
+    )
   rms = None if rms_KBT is None else 'rms'
+  carry, first = (
+    None if x is None else kind
+    for x, kind in ((d_carry_KBTD, 'buf'), (d_first_BTD, 'out'))
+  )
   fn = _sharded(
-    functools.partial(_backward_device, bound=bound, eps=eps),
+    functools.partial(_backward_device, bound=bound, eps=eps, num_zeroed=zeroed),
     buf_KBTD.shape,
-    ('rep', 'rep', 'buf', rms, 'stat', 'stat', ('out',) * len(douts)),
+    ('rep', 'rep', 'buf', rms, 'stat', 'stat', ('out',) * len(douts), carry, first),
     ('buf', rms, 'rep'),
   )
   dbuf_KBTD, drms_KBT, dfold_QD = fn(
-    nv, folded_QD, buf_KBTD, rms_KBT, max_BQT, dsum_BQT, tuple(douts)
+    nv,
+    folded_QD,
+    buf_KBTD,
+    rms_KBT,
+    max_BQT,
+    dsum_BQT,
+    tuple(douts),
+    d_carry_KBTD,
+    d_first_BTD,
   )
   return dbuf_KBTD, dfold_QD, None, drms_KBT
 
 
 _phase1.defvjp(_phase1_fwd, _phase1_bwd)
+
+# What the context managers below set.
+_INTO = contextvars.ContextVar('depth_pallas_into', default=None)
+_EXPECTED_VALID = contextvars.ContextVar('depth_pallas_expected_valid', default=None)
+
+
+@contextlib.contextmanager
+def _setting(var, value):
+  token = var.set(value)
+  try:
+    yield
+  finally:
+    var.reset(token)
+
+
+def cotangent_into(d_carry_KBTD, *, num_zeroed=0, d_first_BTD=None):
+  """A context: each VJP of `phase1` evaluated within it (the backward kernel traced)
+  returns, as the buffer's cotangent, `d_carry_KBTD` (a cotangent of that buffer
+  carried by a backward pass, of its shape and dtype) plus its own and, at slot 0,
+  `d_first_BTD` (if given; num_valid >= 1), with the `num_zeroed` slots from
+  num_valid on set to zero and the later ones left as they are. The backward kernel
+  reads the carry at the valid slots and writes those and the zeroed ones in place
+  (its own buffer, width on the lanes): no separate sum reads and writes the carry."""
+  return _setting(_INTO, (d_carry_KBTD, num_zeroed, d_first_BTD))
+
+
+def expected_valid(mean):
+  """A context: each `phase1` traced within it with a traced num_valid (a scan over
+  segments) has its kernels' CostEstimates charge `mean` slots a call, the mean of
+  num_valid over the scan's calls, so that the compiler's total (per call times trip
+  count) is what the kernels load. Outside it such a call is charged all K slots (an
+  upper bound); a Python int num_valid is charged itself."""
+  return _setting(_EXPECTED_VALID, mean)
 
 
 def phase1(
@@ -325,13 +456,17 @@ def phase1(
   out_dtype=jnp.float32,
 ):
   """`depth.phase1` computed by the Pallas kernels (module docstring): a tuple over
-  the Q queries of (max [B, T], sum of exponentials [B, T], output [B, T, D])."""
+  the Q queries of (max [B, T], sum of exponentials [B, T], output [B, T, D]). Its
+  VJP within `cotangent_into` sums the buffer's cotangent into a carried one."""
   num_slots = buffer_KBTD.shape[0]
   if num_valid is None:
     num_valid = num_slots
-  # A Python int bounds the slots read (the CostEstimate); a traced one, all K.
-  static = isinstance(num_valid, (int, np.integer))
-  bound = min(int(num_valid), num_slots) if static else num_slots
+  # The slots the kernels read per call (their CostEstimates).
+  if isinstance(num_valid, (int, np.integer)):
+    bound = min(int(num_valid), num_slots)
+  else:
+    mean = _EXPECTED_VALID.get()
+    bound = num_slots if mean is None else float(mean)
   nv = jnp.clip(jnp.asarray(num_valid, jnp.int32), 0, num_slots).reshape(1)
   folded_QD = queries_QD.astype(jnp.float32) * gains_QD.astype(jnp.float32)
   max_BQT, sum_BQT, outs = _phase1(

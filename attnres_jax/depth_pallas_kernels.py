@@ -24,6 +24,10 @@ statistics, the outputs and their cotangents) stay in VMEM across a tile's steps
              The outputs are unnormalised (s_q and o_q apart), so the flash-attention
              delta = <do, o> is not needed: ds_q plays its part.
              Slots past num_valid get zero cotangents (written, not computed).
+             Or (`cotangent_into`) dv_k is added to a carried cotangent's slot k
+             (width on the lanes: dv_k transposed in VMEM; slot 0 also gets an
+             addend), written in place; past num_valid, that carry's next
+             `num_zeroed` slots are zeroed, the rest neither read nor written.
 """
 
 from __future__ import annotations
@@ -93,23 +97,40 @@ def _rows(rows, height):
   return out
 
 
-def backward_kernel(nv_ref, folded_ref, buf_ref, *refs, num_queries, eps, has_rms):
+def backward_kernel(
+  nv_ref,
+  folded_ref,
+  buf_ref,
+  *refs,
+  num_queries,
+  eps,
+  has_rms,
+  into,
+  num_zeroed,
+  has_first,
+):
   """One slot step of the backward: refs are (inverse RMS [1, t] if carried), the
-  forward's max [Q, t], the sum's cotangent [Q, t], the Q outputs' cotangents [D, t];
-  then the slot's cotangent [D, t], (its inverse RMS's [1, t]), the queries' [Q, D]."""
+  forward's max [Q, t], the sum's cotangent [Q, t], the Q outputs' cotangents [D, t],
+  (`into`: the carried cotangent's slot [t, D], and if `has_first` what slot 0 also
+  gets [t, D]); then the slot's cotangent [D, t] (`into`: the carry's slot [t, D],
+  the same buffer, the sum written), (its inverse RMS's [1, t]), the queries' [Q, D].
+  `into` zeroes the carry's `num_zeroed` slots from num_valid on."""
   rms_ref = refs[0] if has_rms else None
   refs = refs[1:] if has_rms else refs
   max_ref, dsum_ref, dout_refs = refs[0], refs[1], refs[2 : 2 + num_queries]
-  dbuf_ref, *rest = refs[2 + num_queries :]
+  refs = refs[2 + num_queries :]
+  carry_ref = refs[0] if into else None
+  first_ref = refs[1] if has_first else None
+  dbuf_ref, *rest = refs[into + has_first :]
   drms_ref = rest.pop(0) if has_rms else None
   (dfold_ref,) = rest
-  k = pl.program_id(2)
+  k, nv = pl.program_id(2), nv_ref[0]
 
   @pl.when(k == 0)
   def _():
     dfold_ref[...] = jnp.zeros(dfold_ref.shape, jnp.float32)
 
-  @pl.when(k < nv_ref[0])
+  @pl.when(k < nv)
   def _():
     folded_QD = folded_ref[...]
     v_Dt = buf_ref[...].astype(jnp.float32)
@@ -131,13 +152,80 @@ def backward_kernel(nv_ref, folded_ref, buf_ref, *refs, num_queries, eps, has_rm
       drms_ref[...] = dr_1t
     else:
       dv_Dt = dv_Dt - (r_1t * r_1t * r_1t * dr_1t / v_Dt.shape[0]) * v_Dt
-    dbuf_ref[...] = dv_Dt.astype(dbuf_ref.dtype)
+    if into:  # tokens on the lanes -> width; the sum rounded once
+      sum_tD = carry_ref[...].astype(jnp.float32) + dv_Dt.T
+      if has_first:
+        sum_tD = sum_tD + jnp.where(k == 0, first_ref[...].astype(jnp.float32), 0.0)
+      dbuf_ref[...] = sum_tD.astype(dbuf_ref.dtype)
+    else:
+      dbuf_ref[...] = dv_Dt.astype(dbuf_ref.dtype)
     dfold_ref[...] += jax.lax.dot_general(
       dlr_Qt, v_Dt, _NT, precision=_HIGHEST, preferred_element_type=jnp.float32
     )
 
-  @pl.when(k >= nv_ref[0])
+  @pl.when(k >= nv)
   def _():  # weight zero: no gradient
-    dbuf_ref[...] = jnp.zeros(dbuf_ref.shape, dbuf_ref.dtype)
+    if not into:
+      dbuf_ref[...] = jnp.zeros(dbuf_ref.shape, dbuf_ref.dtype)
     if has_rms:
       drms_ref[...] = jnp.zeros(drms_ref.shape, jnp.float32)
+
+  if into and num_zeroed:
+
+    @pl.when((k >= nv) & (k < nv + num_zeroed))
+    def _():
+      dbuf_ref[...] = jnp.zeros(dbuf_ref.shape, dbuf_ref.dtype)
+
+
+# -- what the kernels load and compute (their CostEstimates) -------------------------
+
+
+def forward_cost(tokens, bound, num_queries, dim, isz, osz, has_rms):
+  """(flops, transcendentals, HBM bytes) of the forward over `tokens` tokens reading
+  `bound` slots each. Per (token, valid slot): the Q dots 2QD, the online softmax 5Q
+  (2Q exponentials), the Q accumulators 3QD; the slot's RMS 2D + 2 (a square root)
+  unless carried. Bytes: the slots (and their inverse RMS) read, the Q outputs and
+  two statistics written, the queries read once."""
+  recompute = not has_rms
+  elements = tokens * bound  # (token, valid slot) pairs
+  return (
+    elements * (5 * num_queries * dim + 6 * num_queries + recompute * (2 * dim + 2)),
+    elements * (2 * num_queries + recompute),
+    elements * (dim * isz + 4 * has_rms)
+    + tokens * num_queries * (dim * osz + 8)
+    + num_queries * dim * 4,
+  )
+
+
+def backward_cost(tokens, tiles, bound, num_slots, num_queries, dim, sizes, has_rms):
+  """(flops, transcendentals, HBM bytes) of the backward over `tokens` tokens (in
+  `tiles` programs) reading `bound` slots each; `sizes`: the buffer's and the output
+  cotangents' itemsizes, with `cotangent_into` the carry's (None without), the slots
+  it zeroes and the itemsize of slot 0's addend (0: none). Per (token, valid slot):
+  the dots, the output cotangents' dots, the slot's and the queries' cotangents 2QD
+  each, the weighted outputs' cotangents 2QD, 7Q on [Q] vectors (Q exponentials);
+  the RMS and its cotangent 4D + 6 unless carried; the carry's add D. Bytes: the
+  slots (and their inverse RMS) read, the output cotangents and two statistics read,
+  the queries read once, their partial cotangents written once per program; the
+  buffer's cotangent written (all K), or the carry read at the valid slots and
+  written at those and the zeroed ones, and slot 0's addend read (an add a token
+  and channel); the inverse RMS's cotangent written (all K) when carried."""
+  isz, osz, csz, num_zeroed, fsz = sizes
+  recompute, into = not has_rms, csz is not None
+  elements = tokens * bound
+  if into:  # the carry read at the valid slots, written there and at the zeroed
+    dbuf_bytes = tokens * dim * csz * (bound + min(bound + num_zeroed, num_slots))
+  else:
+    dbuf_bytes = tokens * dim * isz * num_slots
+  return (
+    elements
+    * (8 * num_queries * dim + 7 * num_queries + recompute * (4 * dim + 6) + into * dim)
+    + tokens * dim * (fsz > 0),
+    elements * (num_queries + recompute),
+    elements * (dim * isz + 4 * has_rms)
+    + tokens * num_queries * (dim * osz + 8)
+    + num_queries * dim * 4 * (1 + tiles)
+    + dbuf_bytes
+    + tokens * num_slots * 4 * has_rms
+    + tokens * dim * fsz,
+  )

@@ -19,6 +19,7 @@ cotangents it returns (tests/test_pipeline.py).
 
 from __future__ import annotations
 
+import contextlib
 import types
 
 import jax
@@ -26,7 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from attnres_jax import depth
-from attnres_jax import depth_accumulate
+from attnres_jax import depth_pallas
 from attnres_jax import sharding
 from attnres_jax import stack as stack_lib
 
@@ -75,9 +76,10 @@ def make_stack(residual):
     # have the kernel's layout (tokens on the lanes), and a slice of the buffer in the
     # segments' reverse scan relayouts all of it once per segment. There, Phase 2's
     # slots of the final buffer are sliced once outside the scan, and Phase 1's
-    # cotangent is summed into the carried one by `depth_accumulate` (width on the
-    # lanes, in place). Both or nothing: either alone moves more bytes, and the XLA
-    # path (no relayouts to remove) or Block gain copies (bench/aot.py, d1024 v5p-8).
+    # cotangent is summed into the carried one by its backward kernel
+    # (`depth_pallas.cotangent_into`: width on the lanes, in place). Both or nothing:
+    # either alone moves more bytes, and the XLA path (no relayouts to remove) or
+    # Block gain copies (bench/aot.py, d1024 v5p-8).
     kernel_layout = cfg.depth_kernel == 'pallas' and residual.block_size == 1
     recompute_sublayers = cfg.remat == 'layer'
 
@@ -130,8 +132,8 @@ def make_stack(residual):
       resumed, the received inverse RMS' cotangent). `received`: None, or (the
       received inverse RMS, its cotangent so far, the chunk's first slot). With
       `kernel_layout`: `sliced`, the segment's slots of the final buffer and its slot
-      0, sliced by the caller, and `expected_valid`, what `depth_accumulate`'s cost
-      estimate assumes for `first` (the mean over the scan's segments)."""
+      0, sliced by the caller. `expected_valid`: what the Phase 1 kernels' cost
+      estimates charge for a traced `first` (the mean over the scan's segments)."""
       num_layers = len(layer_states)
       first = residual.first_local_slot(segment)
       num_local = residual.local_slots(num_layers)
@@ -149,7 +151,12 @@ def make_stack(residual):
         return residual.phase1(buffer_KBTD, params, first, inv_rms_KBT)
 
       primals = (buffer_KBTD, layer_states) + (received[:1] if received else ())
-      stats, phase1_vjp = jax.vjp(phase1, *primals)
+      with (
+        depth_pallas.expected_valid(expected_valid)
+        if expected_valid is not None
+        else contextlib.nullcontext()
+      ):
+        stats, phase1_vjp = jax.vjp(phase1, *primals)
       # The segment's slots: final values, and the cotangent they got after it ended.
       local_JBTD = (
         jax.lax.dynamic_slice_in_dim(buffer_KBTD, first, num_local, 0)
@@ -157,7 +164,7 @@ def make_stack(residual):
         else sliced[0]
       )
       d_local_JBTD = jax.lax.dynamic_slice_in_dim(d_buffer_KBTD, first, num_local, 0)
-      if not kernel_layout:  # there, the accumulate zeroes them
+      if not kernel_layout:  # there, Phase 1's VJP zeroes them
         d_buffer_KBTD = jax.lax.dynamic_update_slice_in_dim(
           d_buffer_KBTD, jnp.zeros_like(d_local_JBTD), first, 0
         )
@@ -212,18 +219,23 @@ def make_stack(residual):
               else jax.tree.map(jnp.add, d_layer_states[j], d)
             )
         d_stats[j] = tuple(d_stats_j)  # as Phase 1 returned them: nothing stacked
-      d_buffer_phase1, d_states_phase1, *d_inv_rms_phase1 = phase1_vjp(d_stats)
-      d_layer_states = jax.tree.map(jnp.add, tuple(d_layer_states), d_states_phase1)
-      if kernel_layout:  # Phase 1's cotangent is zero from slot `first` on
-        d_buffer_KBTD = depth_accumulate.accumulate(
-          d_buffer_KBTD, d_buffer_phase1, first, expected_valid, num_local
+      with (
+        depth_pallas.cotangent_into(  # the kernel sums all into the carry, in place
+          d_buffer_KBTD, num_zeroed=num_local, d_first_BTD=d_embedding_sum_BTD
         )
+        if kernel_layout  # and zeroes the segment's slots
+        else contextlib.nullcontext()
+      ):
+        d_buffer_phase1, d_states_phase1, *d_inv_rms_phase1 = phase1_vjp(d_stats)
+      d_layer_states = jax.tree.map(jnp.add, tuple(d_layer_states), d_states_phase1)
+      if kernel_layout:  # the carry, Phase 1's and the embedding's, summed in place
+        d_buffer_KBTD = d_buffer_phase1
       else:
         d_buffer_KBTD = d_buffer_KBTD + d_buffer_phase1
-      d_buffer_KBTD = sharding.constrain(
-        d_buffer_KBTD.at[0].add(d_embedding_sum_BTD.astype(d_buffer_KBTD.dtype)),
-        sharding.DEPTH_BUFFER,
-      )
+        d_buffer_KBTD = d_buffer_KBTD.at[0].add(
+          d_embedding_sum_BTD.astype(d_buffer_KBTD.dtype)
+        )
+      d_buffer_KBTD = sharding.constrain(d_buffer_KBTD, sharding.DEPTH_BUFFER)
       d_inv_rms_KBT = received[1] + d_inv_rms_phase1[0] if received else None
       return d_buffer_KBTD, d_layer_states, d_inv_rms_KBT
 
@@ -287,10 +299,10 @@ def make_stack(residual):
         )
       if full_states is not None:
         full_local_SJBTD = expected_valid = None
+        if cfg.depth_kernel == 'pallas' and not resumed:  # the first slots are known
+          firsts = [residual.first_local_slot(s) for s in range(num_full)]
+          expected_valid = sum(firsts) / num_full
         if kernel_layout:
-          if not resumed:  # the segments' first slots are known here
-            firsts = [residual.first_local_slot(s) for s in range(num_full)]
-            expected_valid = sum(firsts) / num_full
           num_local = residual.local_slots(size)
           full_local_SJBTD = local_slots(offset, num_full * num_local).reshape(
             (num_full, num_local) + buffer_KBTD.shape[1:]
