@@ -90,8 +90,11 @@ def make_stack(residual):
     def forward(layer_state, start, segment_offset, positions_BT):
       def apply_sublayer(which, layer_in_segment, state_k, h_BTD, inner, extra):
         del extra
-        index, _ = residual.local_index(layer_in_segment, which)
-        partial_BTD = inner.local_JBTD[index] if keeps_partial else None
+        index, num_valid = residual.local_index(layer_in_segment, which)
+        # The partial sum in its own slot, kept where the sublayer reads it (Block, not
+        # first in its block; the first reads no slot of its block, which is zero).
+        reads_own = keeps_partial and num_valid > index
+        partial_BTD = inner.local_JBTD[index] if reads_own else None
         if recompute_sublayers:
           return functions[which](state_k, h_BTD, positions_BT), (partial_BTD, None)
         out_BTD, vjp_fn = sublayer_vjp(which, state_k, h_BTD, positions_BT)
@@ -169,7 +172,8 @@ def make_stack(residual):
           index, _ = residual.local_index(j, which)
           partial_BTD, vjp_fn = saved[j][which]
           # The local slots as this sublayer read them: earlier ones complete, its own
-          # holding the partial sum it saw (Full: empty, and not read).
+          # holding the partial sum it saw (when not read, Full or first in its block,
+          # left as it is: its weight is zero).
           view_JBTD = (
             local_JBTD if partial_BTD is None else local_JBTD.at[index].set(partial_BTD)
           )
