@@ -338,12 +338,11 @@ def make_stack(residual):
         )
       if d_tail is not None:
         d_tail = jax.tree.map(lambda *y: jnp.stack(y), *d_tail)
+      parts = [d for d in (d_full, d_tail) if d is not None]
       d_layer_state = (
-        d_full
-        if d_tail is None
-        else d_tail
-        if d_full is None
-        else jax.tree.map(lambda *y: jnp.concatenate(y), d_full, d_tail)
+        parts[0]
+        if len(parts) == 1
+        else jax.tree.map(lambda *y: jnp.concatenate(y), *parts)
       )
       d_layer_state = jax.tree.map(
         lambda d, x: d.astype(x.dtype), d_layer_state, layer_state
