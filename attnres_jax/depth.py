@@ -247,6 +247,13 @@ def phase2(
   return (h_BTD / total_BT[..., None]).astype(local_JBTD.dtype)
 
 
+def phase1_read(phase1_stats, dtype):
+  """Phase 2 with no valid local source: Phase 1's read as it stands (out / sum),
+  the value `phase2` gives then (no local weight, the old scale exactly one)."""
+  _, sum_BT, out_BTD = phase1_stats
+  return (out_BTD.astype(jnp.float32) / sum_BT[..., None]).astype(dtype)
+
+
 def _merge_parts(max_BT, sum_BT, local_JBTD, valid_J, folded_D, local_inv_rms_JBT, eps):
   """Per token: the old statistics' scale c = s / total (s = exp(m - m')), each local
   source's weight alpha_j = w_j / total, its dot and inverse RMS, and the total."""

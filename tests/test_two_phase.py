@@ -183,6 +183,39 @@ def test_phase2_gradients_equal_autodiff(valid, given_rms):
     np.testing.assert_allclose(g / scale, g_ref / scale, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize('num_local', [1, 3])
+def test_phase1_read_is_phase2_without_a_valid_local_source(num_local):
+  """A segment's first sublayer skips Phase 2 (`depth.phase1_read`): with no valid
+  local source the merge's old scale is exp(0) = 1 and every local weight exp(-inf) =
+  0, so it gives out / sum exactly, and the same gradients of the sum and the output
+  (the max is stop-gradient in Phase 1: its cotangent is dropped): exactly with one
+  local source (autodiff of the same operations); with several, the merge's
+  written-out VJP forms d sum as -c <g, h>, a 16-term float32 reduction where autodiff
+  of out / sum forms -<g, out> / sum^2: a few ulps (2^-23) of the gradient's scale."""
+  keys = jax.random.split(jax.random.key(12), 5)
+  local = spread_sources(keys[0], num_local, (2, 5, 16), 1e-1, 1e1)
+  stats = (
+    jax.random.normal(keys[1], (2, 5)),
+    1 + jax.random.uniform(keys[2], (2, 5)),
+    jax.random.normal(keys[3], (2, 5, 16)),
+  )
+  query, gain = jax.random.normal(keys[4], (2, 16))
+  valid_J = jnp.zeros(num_local, bool)
+  merged = lambda stats: depth.phase2(stats, local, valid_J, query, gain, eps=1e-6)
+  skipped = lambda stats: depth.phase1_read(stats, local.dtype)
+  np.testing.assert_array_equal(skipped(stats), merged(stats))
+  cotangent = jax.random.normal(keys[1], (2, 5, 16))
+  grads = [
+    jax.grad(lambda s, f=f: jnp.sum(f(s) * cotangent))(stats) for f in (merged, skipped)
+  ]
+  for g, g_ref in zip(grads[1][1:], grads[0][1:]):
+    if num_local == 1:
+      np.testing.assert_array_equal(g, g_ref)
+    else:
+      scale = float(jnp.abs(g_ref).max())
+      np.testing.assert_allclose(g / scale, g_ref / scale, rtol=0, atol=1e-6)
+
+
 def model(block_size=2, depth_read='two_phase', spread=True, **overrides):
   cfg = tiny_model_config(
     **{

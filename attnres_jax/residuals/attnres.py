@@ -180,16 +180,19 @@ class AttnResResidual(base.Residual):
     it takes it as is, so that its query's gradient is exactly zero (through the
     online softmax it would be two float32 terms that cancel only to a few ulps)."""
     _, num_valid = self.local_index(layer_in_segment, which)
-    valid_J = jnp.arange(local_JBTD.shape[0]) < num_valid
-    h_BTD = depth.phase2(
-      phase1_stats,
-      local_JBTD,
-      valid_J,
-      query_D,
-      gain_D,
-      eps=self.cfg.attn_res_eps,
-      local_inv_rms_JBT=local_inv_rms_JBT,
-    )
+    if num_valid:
+      valid_J = jnp.arange(local_JBTD.shape[0]) < num_valid
+      h_BTD = depth.phase2(
+        phase1_stats,
+        local_JBTD,
+        valid_J,
+        query_D,
+        gain_D,
+        eps=self.cfg.attn_res_eps,
+        local_inv_rms_JBT=local_inv_rms_JBT,
+      )
+    else:  # a segment's first sublayer: no local slot to merge
+      h_BTD = depth.phase1_read(phase1_stats, local_JBTD.dtype)
     if layer_in_segment == 0 and which == 0:
       h_BTD = jnp.where(first == 1, embedding_BTD, h_BTD)
     return self.to_compute(h_BTD)

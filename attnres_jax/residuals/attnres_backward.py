@@ -92,8 +92,11 @@ def make_stack(residual):
     def forward(layer_state, start, segment_offset, positions_BT):
       def apply_sublayer(which, layer_in_segment, state_k, h_BTD, inner, extra):
         del extra
-        index, _ = residual.local_index(layer_in_segment, which)
-        partial_BTD = inner.local_JBTD[index] if keeps_partial else None
+        index, num_valid = residual.local_index(layer_in_segment, which)
+        # The partial sum in its own slot, kept where the sublayer reads it (Block, not
+        # first in its block; the first reads no slot of its block, which is zero).
+        reads_own = keeps_partial and num_valid > index
+        partial_BTD = inner.local_JBTD[index] if reads_own else None
         if recompute_sublayers:
           return functions[which](state_k, h_BTD, positions_BT), (partial_BTD, None)
         out_BTD, vjp_fn = sublayer_vjp(which, state_k, h_BTD, positions_BT)
@@ -176,7 +179,8 @@ def make_stack(residual):
           index, _ = residual.local_index(j, which)
           partial_BTD, vjp_fn = saved[j][which]
           # The local slots as this sublayer read them: earlier ones complete, its own
-          # holding the partial sum it saw (Full: empty, and not read).
+          # holding the partial sum it saw (when not read, Full or first in its block,
+          # left as it is: its weight is zero).
           view_JBTD = (
             local_JBTD if partial_BTD is None else local_JBTD.at[index].set(partial_BTD)
           )
@@ -309,13 +313,13 @@ def make_stack(residual):
           )
 
         def body(d_carry, xs):
-          grouped_states, segment, saved, local_JBTD = xs
+          grouped_states, index, saved, local_JBTD = xs
           d_buffer_KBTD, d_states, d_inv_rms_KBT = segment_backward(
             buffer_KBTD,
             d_carry[0],
             received(d_carry[1]),
             stack_lib.segment_layers_of(grouped_states, size),
-            segment,
+            offset + index,
             saved,
             positions_BT,
             None
@@ -323,18 +327,35 @@ def make_stack(residual):
             else (sharding.constrain(local_JBTD, sharding.DEPTH_BUFFER), embedding_BTD),
             expected_valid,
           )
-          # Stacked over the segment's layers: the scan writes them in the grouped
-          # layout, which is the stacked one [L, ...] reshaped (no copy to regroup).
-          d_states = jax.tree.map(lambda *d: jnp.stack(d), *d_states)
-          return (d_buffer_KBTD, d_inv_rms_KBT), d_states
+          # Written in place into the gradients of all layers [L, ...], in the
+          # parameters' dtype: stacked per segment as the scan's output, they would
+          # come out [segments, G, ...], and the optimizer's fusions would not see
+          # through the reshape (bench/aot.py, d1024 v5p-8: they wrote the moments
+          # in that layout and read them back).
+          d_layers = jax.tree.map(
+            lambda d_all, *d: jax.lax.dynamic_update_slice_in_dim(
+              d_all, jnp.stack(d).astype(d_all.dtype), index * size, 0
+            ),
+            d_carry[2],
+            *d_states,
+          )
+          return (d_buffer_KBTD, d_inv_rms_KBT, d_layers), None
 
-        (d_buffer_KBTD, d_inv_rms_KBT), d_full = jax.lax.scan(
+        zeros = jax.tree.map(lambda x: jnp.zeros_like(x[: num_full * size]), layer_state)
+        (d_buffer_KBTD, d_inv_rms_KBT, d_full), _ = jax.lax.scan(
           body,
-          (d_buffer_KBTD, d_inv_rms_KBT),
-          (full_states, offset + jnp.arange(num_full), full_saved, full_local_SJBTD),
+          (d_buffer_KBTD, d_inv_rms_KBT, zeros),
+          (full_states, jnp.arange(num_full), full_saved, full_local_SJBTD),
           reverse=True,
         )
-      d_layer_state = stack_lib.ungroup_layers((d_full, d_tail))
+      if d_tail is not None:
+        d_tail = jax.tree.map(lambda *y: jnp.stack(y), *d_tail)
+      parts = [d for d in (d_full, d_tail) if d is not None]
+      d_layer_state = (
+        parts[0]
+        if len(parts) == 1
+        else jax.tree.map(lambda *y: jnp.concatenate(y), *parts)
+      )
       d_layer_state = jax.tree.map(
         lambda d, x: d.astype(x.dtype), d_layer_state, layer_state
       )
