@@ -180,16 +180,15 @@ class CachedTransfer:
     )
 
 
-def _constrain_stages(tree, axes, leading: int = 0, outer: int = 0):
-  """Splits the stage axis of every leaf (a stacked carry, message or output: `outer`
-  axes, the stages, `leading` more axes, then the carry's own `axes`) over `stage`;
-  the rest as the carry's logical names say (the batch over the data axes, ...)."""
+def _constrain_stages(tree, axes, leading: int = 0):
+  """Splits the leading axis of every leaf (a stacked carry, message or output with
+  `leading` more axes before the carry's own `axes`) over `stage`; the rest as the
+  carry's logical names say (the batch over the data axes, ...)."""
   if tree is None:
     return None
   is_axes = lambda x: isinstance(x, tuple) and all(isinstance(a, str) for a in x)
-  prefix = (None,) * outer + ('stages',) + (None,) * leading
   return jax.tree.map(
-    lambda names, x: sharding.constrain(x, prefix + names),
+    lambda names, x: sharding.constrain(x, ('stages',) + (None,) * leading + names),
     axes,
     tree,
     is_leaf=is_axes,
@@ -257,6 +256,9 @@ def pipeline_hidden(model, x_MBTD, positions_BT, pipe: PipelineConfig):
   state = dict(
     inbox=stacked(zero_message, num_stages),
     wrap=stacked(zero_message, num_stages, delay) if delay else None,
+    cache=stacked(transfer.to_cache(zero_carry), num_stages, num_micro)
+    if keeps_cache
+    else None,
   )
   carry_axes = residual.carry_axes()
 
@@ -264,9 +266,10 @@ def pipeline_hidden(model, x_MBTD, positions_BT, pipe: PipelineConfig):
     return dict(
       inbox=_constrain_stages(state['inbox'], carry_axes),
       wrap=_constrain_stages(state['wrap'], carry_axes, 1),
+      cache=_constrain_stages(state['cache'], carry_axes, 1),
     )
 
-  def stage_step(stage, virtual_states, inbox, wrap, cached, t):
+  def stage_step(stage, virtual_states, inbox, wrap, cache, t):
     """One iteration of one stage: receive, run its chunk, emit."""
     k = t - stage
     valid = (k >= 0) & (k < num_micro * num_virtual)
@@ -284,12 +287,14 @@ def pipeline_hidden(model, x_MBTD, positions_BT, pipe: PipelineConfig):
     # slot 0 on a base that is zero there and above (nothing cached yet).
     message = _select(first, transfer.send(residual.init(x_MBTD[micro]), 0), message)
     base = zero_carry
-    if keeps_cache:  # what this stage received of the microbatch M iterations ago
-      base = transfer.from_cache(cached, zero_carry)
+    if keeps_cache:
+      base = transfer.from_cache(jax.tree.map(lambda c: c[micro], cache), zero_carry)
     carry = transfer.receive(message, base, jnp.maximum(chunk - 1, 0))
-    if keeps_cache:  # and for its next visit, M iterations later
-      cached = jax.tree.map(
-        lambda c, x: jnp.where(valid, x, c), cached, transfer.to_cache(carry)
+    if keeps_cache:  # what this stage had of the microbatch, for its next visit
+      cache = jax.tree.map(
+        lambda c, x: c.at[micro].set(jnp.where(valid, x, c[micro])),
+        cache,
+        transfer.to_cache(carry),
       )
     chunk_state = jax.tree.map(lambda x: x[virtual], virtual_states)
     carry = run_chunk(
@@ -304,24 +309,27 @@ def pipeline_hidden(model, x_MBTD, positions_BT, pipe: PipelineConfig):
       custom_stack=chunk_stack,
     )
     h_BTD, _ = residual.final(carry, final_params)  # used from the last chunk only
-    return transfer.send(carry, chunk), h_BTD, wrap, cached
+    return transfer.send(carry, chunk), h_BTD, wrap, cache
 
   stages_step = jax.vmap(
     stage_step, in_axes=(0, 0, 0, 0, 0, None), spmd_axis_name=sharding.STAGE_AXIS
   )
 
-  def iteration(state, xs):
-    t, cached = xs
-    sent, h_PBTD, wrap, cached = stages_step(
-      jnp.arange(num_stages), stage_state, state['inbox'], state['wrap'], cached, t
+  def iteration(state, t):
+    sent, h_PBTD, wrap, cache = stages_step(
+      jnp.arange(num_stages),
+      stage_state,
+      state['inbox'],
+      state['wrap'],
+      state['cache'],
+      t,
     )
     # Stage p's message goes to stage p + 1 (and stage P - 1's to stage 0).
     inbox = jax.tree.map(lambda x: jnp.roll(x, 1, axis=0), sent)
-    state = constrain_state(dict(inbox=inbox, wrap=wrap))
-    # Outputs and cache entries leave as the scan's per-iteration results, not in its
-    # carry: a carry is what the backward pass keeps once per iteration.
-    cached = _constrain_stages(cached, carry_axes)
-    return state, (_constrain_stages(h_PBTD, sharding.HIDDEN), cached)
+    state = constrain_state(dict(inbox=inbox, wrap=wrap, cache=cache))
+    # Outputs leave as the scan's per-iteration results, not in its carry: a carry
+    # is what the backward pass keeps once per iteration.
+    return state, _constrain_stages(h_PBTD, sharding.HIDDEN)
 
   if pipe.schedule in ('remat', 'remat_rerun'):
     # The backward pass reruns each iteration from its saved carry (what the stages
@@ -333,42 +341,11 @@ def pipeline_hidden(model, x_MBTD, positions_BT, pipe: PipelineConfig):
       prevent_cse=False,
       policy=jax.checkpoint_policies.save_only_these_names(CHUNK_RESIDUALS),
     )
-  state = constrain_state(state)
-  if not keeps_cache:
-    _, (h_IPBTD, _) = jax.lax.scan(
-      iteration, state, (jnp.arange(pipe.num_iterations), None)
-    )
-  else:
-    cache = stacked(transfer.to_cache(zero_carry), num_micro, num_stages)
-    cache = _constrain_stages(cache, carry_axes, outer=1)
-    h_IPBTD = _scan_with_cache(iteration, state, cache, pipe)
+  _, h_IPBTD = jax.lax.scan(
+    iteration, constrain_state(state), jnp.arange(pipe.num_iterations)
+  )
   # The last stage finishes microbatch m's last chunk at iteration (V - 1) M + m + P - 1.
   return h_IPBTD[(num_virtual - 1) * num_micro + num_stages - 1 :, num_stages - 1]
-
-
-def _scan_with_cache(iteration, state, cache, pipe: PipelineConfig):
-  """The schedule's scan when stages cache what they receive: a stage sees a
-  microbatch again M iterations later, so iteration t reads the cache entry iteration
-  t - M wrote. In rounds of M iterations (a scan over the V rounds of a scan over M
-  iterations, then the last P - 1) each round's entries are the inner scan's inputs
-  and results, kept once per round, not in the carry that the backward pass keeps
-  once per iteration. Returns the per-iteration outputs [M V + P - 1, ...]."""
-  num_micro, num_rounds = pipe.num_microbatches, pipe.virtual_stages
-
-  def round_(carry, r):
-    state, cache = carry
-    times = r * num_micro + jnp.arange(num_micro)
-    state, (h_MPBTD, cache) = jax.lax.scan(iteration, state, (times, cache))
-    return (state, cache), h_MPBTD
-
-  (state, cache), h_RMPBTD = jax.lax.scan(round_, (state, cache), jnp.arange(num_rounds))
-  tail = pipe.stages - 1  # the last stages finish the last round's microbatches
-  times = num_rounds * num_micro + jnp.arange(tail)
-  _, (h_TPBTD, _) = jax.lax.scan(
-    iteration, state, (times, jax.tree.map(lambda c: c[:tail], cache))
-  )
-  h_IPBTD = h_RMPBTD.reshape(-1, *h_RMPBTD.shape[2:])
-  return jnp.concatenate([h_IPBTD, h_TPBTD])
 
 
 def split_microbatches(tree, num_microbatches: int):
