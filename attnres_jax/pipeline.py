@@ -14,7 +14,8 @@ over `stage`); between iterations the stages' outgoing messages rotate by one st
 microbatches, then all backward: GPipe order), which rotates the cotangents the other
 way; `remat` applies per stage as elsewhere, and a chunk that runs the residual's own
 schedule goes through its `custom_stack` (AttnRes: the linear-memory backward,
-resumed from the received carry).
+resumed from the received carry), whose residuals the 'remat' schedule keeps
+(`saving_residuals`) instead of rerunning the chunk before that backward.
 
 What crosses a stage boundary is the residual's carry (`Residual.carry_axes` names
 its leaves; `Residual.pipeline_chunk` gives the residual that runs one chunk): the
