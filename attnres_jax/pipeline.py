@@ -94,8 +94,8 @@ CHUNK_RESIDUALS = 'pipeline_chunk_residuals'
 
 def saving_residuals(chunk_fn, name: str = CHUNK_RESIDUALS):
   """`chunk_fn(chunk_state, carry, positions_BT, segment_offset) -> carry` with its
-  VJP's residuals and its output named `name` (`checkpoint_name`),
-  except the layer parameters it received (the schedule keeps those anyway). Under
+  VJP's residuals and its output named `name` (`checkpoint_name`), except the layer
+  parameters it received (the schedule keeps those anyway). Under
   `jax.checkpoint` with `save_only_these_names(name)` the backward pass then runs the
   chunk's own backward from them instead of rerunning the chunk first: AttnRes's
   linear-memory backward recomputes Phase 1 and the reads itself (and, with
