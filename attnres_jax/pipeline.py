@@ -14,7 +14,8 @@ over `stage`); between iterations the stages' outgoing messages rotate by one st
 microbatches, then all backward: GPipe order), which rotates the cotangents the other
 way; `remat` applies per stage as elsewhere, and a chunk that runs the residual's own
 schedule goes through its `custom_stack` (AttnRes: the linear-memory backward,
-resumed from the received carry).
+resumed from the received carry), whose residuals the 'remat' schedule keeps
+(`saving_residuals`) instead of rerunning the chunk before that backward.
 
 What crosses a stage boundary is the residual's carry (`Residual.carry_axes` names
 its leaves; `Residual.pipeline_chunk` gives the residual that runs one chunk): the
@@ -38,6 +39,7 @@ Shape suffixes as in `depth.py`, plus M: microbatches (`x_MBTD` is [M, B / M, T,
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import types
 
@@ -45,6 +47,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from attnres_jax import pipeline_plan
 from attnres_jax import sharding
@@ -82,6 +85,51 @@ def run_chunk(
     resumed, graphdef, chunk_state, carry, positions_BT, cfg=chunk_config
   )
   return carry
+
+
+# The name of what the `remat` schedule keeps of a chunk run through the residual's
+# own backward pass (`saving_residuals`), besides each iteration's carry.
+CHUNK_RESIDUALS = 'pipeline_chunk_residuals'
+
+
+def saving_residuals(chunk_fn, name: str = CHUNK_RESIDUALS):
+  """`chunk_fn(chunk_state, carry, positions_BT, segment_offset) -> carry` with its
+  VJP's residuals and its output named `name` (`checkpoint_name`), except the layer
+  parameters it received (the schedule keeps those anyway). Under
+  `jax.checkpoint` with `save_only_these_names(name)` the backward pass then runs the
+  chunk's own backward from them instead of rerunning the chunk first: AttnRes's
+  linear-memory backward recomputes Phase 1 and the reads itself (and, with
+  `remat='layer'`, each sublayer), so a rerun would compute them once more."""
+
+  def vjp_of(chunk_state, carry, positions_BT, segment_offset):
+    run = lambda s, c: chunk_fn(s, c, positions_BT, segment_offset)
+    return jax.vjp(run, chunk_state, carry)
+
+  @jax.custom_vjp
+  def run(chunk_state, carry, positions_BT, segment_offset):
+    return chunk_fn(chunk_state, carry, positions_BT, segment_offset)
+
+  def forward(chunk_state, carry, positions_BT, segment_offset):
+    out, vjp_fn = vjp_of(chunk_state, carry, positions_BT, segment_offset)
+    received = {id(x) for x in jax.tree.leaves(chunk_state)}
+    named = {}
+
+    def name_of(x):
+      if id(x) in received:
+        return x
+      if id(x) not in named:  # a value both saved and returned is named once
+        named[id(x)] = checkpoint_name(x, name)
+      return named[id(x)]
+
+    residuals = jax.tree.map(name_of, vjp_fn)
+    return jax.tree.map(name_of, out), residuals
+
+  def backward(vjp_fn, d_out):
+    d_chunk_state, d_carry = vjp_fn(d_out)
+    return d_chunk_state, d_carry, None, None
+
+  run.defvjp(forward, backward)
+  return run
 
 
 # -- the transfers ----------------------------------------------------------------------
@@ -159,7 +207,16 @@ def pipeline_hidden(model, x_MBTD, positions_BT, pipe: PipelineConfig):
   # The residual's own backward pass (AttnRes's linear-memory one) runs a chunk when
   # the chunk runs the residual's own schedule, re-segmented; not another one (a
   # block spanning chunk boundaries: `attnres.BufferReads`).
-  custom_stack = residual.custom_stack if type(residual) is type(model.residual) else None
+  custom_stack = None
+  if type(residual) is type(model.residual):
+    if pipe.schedule == 'remat' and cfg.remat == 'none':
+      # The schedule keeps the chunk's backward residuals (`saving_residuals`): with
+      # remat='layer' those are the output buffer and the partial sums the sublayers
+      # read, not every sublayer's activations; its backward reruns each sublayer.
+      residual = dataclasses.replace(
+        residual, cfg=dataclasses.replace(residual.cfg, remat='layer')
+      )
+    custom_stack = residual.custom_stack
   cached = residual.cached_transfer and pipe.transfer == 'cached'
   transfer = (
     CachedTransfer(pipeline_plan.transfer_plan(cfg, pipe), num_stages)
@@ -170,6 +227,10 @@ def pipeline_hidden(model, x_MBTD, positions_BT, pipe: PipelineConfig):
   # cache would hold no slot.
   keeps_cache = cached and num_virtual > 1 and transfer.cache_slots > 0
   graphdef, layer_state = nnx.split(model.layers)
+  chunk_stack = custom_stack
+  if custom_stack is not None and pipe.schedule == 'remat':
+    saving = saving_residuals(functools.partial(custom_stack, graphdef))
+    chunk_stack = lambda graphdef, *args: saving(*args)
   final_params = model.final_residual
 
   # [L, ...] -> [P, V, layers_per_chunk, ...]: chunk c = v P + p on stage p.
@@ -190,9 +251,12 @@ def pipeline_hidden(model, x_MBTD, positions_BT, pipe: PipelineConfig):
   stacked = lambda tree, *n: jax.tree.map(
     lambda x: jnp.zeros((*n, *x.shape), x.dtype), tree
   )
+  # Stage 0 reads what the last stage sent M - P iterations after it arrived: a
+  # delay line of M - P messages, entry t mod (M - P) read, then overwritten.
+  delay = num_micro - num_stages if num_virtual > 1 else 0
   state = dict(
     inbox=stacked(zero_message, num_stages),
-    wrap=stacked(zero_message, num_stages, num_micro) if num_virtual > 1 else None,
+    wrap=stacked(zero_message, num_stages, delay) if delay else None,
     cache=stacked(transfer.to_cache(zero_carry), num_stages, num_micro)
     if keeps_cache
     else None,
@@ -215,12 +279,10 @@ def pipeline_hidden(model, x_MBTD, positions_BT, pipe: PipelineConfig):
     chunk = virtual * num_stages + stage
     first = (stage == 0) & (virtual == 0)
     message = inbox
-    if num_virtual > 1:  # stage 0 stores what the last stage sent, reads its own
-      arrived = (t - num_stages) % num_micro
-      wrap = jax.tree.map(
-        lambda w, x: w.at[arrived].set(jnp.where(stage == 0, x, w[arrived])), wrap, inbox
-      )
-      message = _select(stage == 0, jax.tree.map(lambda w: w[micro], wrap), inbox)
+    if delay:  # stage 0 reads what arrived M - P iterations ago, stores what arrives
+      entry = t % delay
+      message = _select(stage == 0, jax.tree.map(lambda w: w[entry], wrap), inbox)
+      wrap = jax.tree.map(lambda w, x: w.at[entry].set(x), wrap, inbox)
     # The first chunk starts from the embedding: its message is the initial carry's
     # window (one select of W slots, not of the whole carry). The window lands at
     # slot 0 on a base that is zero there and above (nothing cached yet).
@@ -245,7 +307,7 @@ def pipeline_hidden(model, x_MBTD, positions_BT, pipe: PipelineConfig):
       positions_BT,
       model_config=cfg,
       layers_per_chunk=layers_per_chunk,
-      custom_stack=custom_stack,
+      custom_stack=chunk_stack,
     )
     h_BTD, _ = residual.final(carry, final_params)  # used from the last chunk only
     return transfer.send(carry, chunk), h_BTD, wrap, cache
@@ -270,11 +332,15 @@ def pipeline_hidden(model, x_MBTD, positions_BT, pipe: PipelineConfig):
     # is what the backward pass keeps once per iteration.
     return state, _constrain_stages(h_PBTD, sharding.HIDDEN)
 
-  if pipe.schedule == 'remat':
+  if pipe.schedule in ('remat', 'remat_rerun'):
     # The backward pass reruns each iteration from its saved carry (what the stages
-    # received) instead of keeping the activations of every microbatch in flight.
+    # received) instead of keeping the activations of every microbatch in flight;
+    # 'remat' also keeps what the chunk's own backward needs (named in
+    # `saving_residuals`), so the rerun stops before the chunk.
     iteration = jax.checkpoint(
-      iteration, prevent_cse=False, policy=jax.checkpoint_policies.nothing_saveable
+      iteration,
+      prevent_cse=False,
+      policy=jax.checkpoint_policies.save_only_these_names(CHUNK_RESIDUALS),
     )
   _, h_IPBTD = jax.lax.scan(
     iteration, constrain_state(state), jnp.arange(pipe.num_iterations)

@@ -22,9 +22,12 @@ from attnres_jax.residuals import attnres
 
 
 # What the backward pass of the schedule's scan keeps per iteration. 'remat': the carry
-# only (what each stage received: one microbatch's boundary), the iteration rerun in
-# the backward pass; 'gpipe': every activation of every iteration (plain autodiff).
-SCHEDULES = ('remat', 'gpipe')
+# (what each stage received: one microbatch's boundary) and, for a chunk run through
+# the residual's own backward pass (AttnRes's linear-memory one), that backward's
+# residuals, the iteration rerun in the backward pass up to the chunk; 'remat_rerun':
+# the carry only, the whole iteration rerun (its chunk too); 'gpipe': every activation
+# of every iteration (plain autodiff).
+SCHEDULES = ('remat', 'remat_rerun', 'gpipe')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,7 +36,7 @@ class PipelineConfig:
   virtual_stages: int = 1  # V
   num_microbatches: int = 1  # M
   transfer: str = 'cached'  # 'naive' | 'cached' (AttnRes only)
-  schedule: str = 'remat'  # 'remat' | 'gpipe': what the backward pass keeps (SCHEDULES)
+  schedule: str = 'remat'  # what the backward pass keeps (SCHEDULES)
 
   @property
   def num_chunks(self) -> int:

@@ -18,8 +18,9 @@
    device temp memory and the estimated step time (loops counted with their trip
    counts) of the train step for standard, Block S=4 and Full AttnRes, FSDP over all
    chips (no pipeline) against stage x data with M microbatches, each pipeline
-   schedule ('remat', 'gpipe'), with the bubble fraction; with --tpu_hlo_dir, each
-   row's optimized HLO and its estimate split by loop and kind (`time_by_loop`).
+   schedule given ('remat', 'remat_rerun', 'gpipe'), with the bubble fraction; with
+   --tpu_hlo_dir, each row's optimized HLO and its estimate split by loop and kind
+   (`time_by_loop`).
 
   python bench/pipeline.py                               # parts comm and time
   python bench/pipeline.py --parts=comm --stages=2 --virtual_stages=2 --out=/tmp/pp.jsonl
@@ -89,7 +90,11 @@ flags.DEFINE_list(
   ['standard', 'block:4', 'full'],
   f'Part tpu: residual modes ({modes.SYNTAX}).',
 )
-flags.DEFINE_list('tpu_schedules', ['remat', 'gpipe'], 'Part tpu: pipeline schedules.')
+flags.DEFINE_list(
+  'tpu_schedules',
+  ['remat', 'gpipe'],
+  f'Part tpu: pipeline schedules, of {pipeline_plan.SCHEDULES}.',
+)
 flags.DEFINE_integer('tpu_stages', 2, 'Part tpu: pipeline stages P (the rest data).')
 flags.DEFINE_list(
   'tpu_virtual_stages', ['1'], 'Part tpu: virtual stages V, one row each.'
