@@ -166,7 +166,9 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
   # --config.mesh.stage=2).
   config.mesh = sharding.default_mesh_config()
   # What the pipeline's backward pass keeps (attnres_jax/pipeline_plan.py, SCHEDULES):
-  # 'remat' (each iteration's received state; the iteration rerun) or 'gpipe' (all).
+  # 'remat' (each iteration's received state, and an AttnRes chunk's backward residuals:
+  # its output buffer and partial sums; the rest rerun), 'remat_rerun' (the received
+  # state only; the whole iteration rerun) or 'gpipe' (all).
   config.mesh.pipeline_schedule = 'remat'
 
   for variant in filter(None, arg.split(',')):
