@@ -170,6 +170,49 @@ def test_cost_estimates_charge_the_stated_mean_of_a_traced_num_valid():
   assert cost_bytes(8)[1] - backward_4 == 4 * 2 * slot + 3 * slot
 
 
+def test_layer_scan_charges_phase1_the_mean_of_its_valid_slots():
+  """Block over four one-layer segments (K = 5 slots; the segments' first local slots,
+  Phase 1's num_valid, are 1, 2, 3, 4): the linear-memory stack's forward (as its
+  backward) has the Phase 1 kernel in the segments' scan charge 2.5 slots a call,
+  what it loads on average, not all K; so does its primal (no gradient taken)."""
+  model = tiny_model(
+    'block',
+    2,
+    num_layers=4,
+    schedule_layers=1,
+    depth_kernel='pallas',
+    linear_memory_backward=True,
+  )
+  residual = model.residual
+  graphdef, state = nnx.split(model)
+  tokens = jnp.zeros((2, 16), jnp.int32)
+  loss = lambda s: jnp.mean(nnx.merge(graphdef, s)(tokens) ** 2)
+  costs = lambda jaxpr: {int(c) for c in re.findall(r'bytes_accessed=(\d+)', str(jaxpr))}
+
+  def alone(mean):
+    """The forward kernel's cost for the model's shapes, num_valid traced."""
+    ones_QD = jnp.ones((2, 32))
+    fn = lambda buffer_KBTD, num_valid: depth_pallas.phase1(
+      buffer_KBTD,
+      ones_QD,
+      ones_QD,
+      eps=EPS,
+      num_valid=num_valid,
+      inv_rms_KBT=jnp.ones((5, 2, 16)),
+      out_dtype=residual.phase1_dtype,
+    )
+    buffer_KBTD = jnp.zeros((5, 2, 16, 32), residual.storage_dtype)
+    costed = depth_pallas.expected_valid(mean) if mean else contextlib.nullcontext()
+    with costed:
+      return costs(jax.make_jaxpr(fn)(buffer_KBTD, jnp.int32(1)))
+
+  mean, every_slot = alone(2.5), alone(None)
+  assert len(mean) == 1 and mean != every_slot
+  assert costs(jax.make_jaxpr(loss)(state)) == mean  # the primal: forward kernels only
+  with_grad = costs(jax.make_jaxpr(jax.grad(loss))(state))
+  assert mean <= with_grad and not every_slot & with_grad
+
+
 # -- on a mesh (a child process on 4 CPU devices) -------------------------------------
 
 

@@ -82,6 +82,20 @@ def make_stack(residual):
     # Block gain copies (bench/aot.py, d1024 v5p-8).
     kernel_layout = cfg.depth_kernel == 'pallas' and residual.block_size == 1
     recompute_sublayers = cfg.remat == 'layer'
+    # What the Phase 1 kernels' cost estimates charge a call in the scan over the full
+    # segments (`first`, their num_valid, traced there): the mean of `first` over the
+    # scan's segments, exactly the slots the kernels load on average. A tail segment's
+    # `first` is a Python int, charged itself. Not for a chunk (its offset is traced).
+    num_full = num_layers // residual.segment_layers
+    expected_valid = None
+    if cfg.depth_kernel == 'pallas' and not resumed and num_full:
+      firsts = [residual.first_local_slot(s) for s in range(num_full)]
+      expected_valid = sum(firsts) / num_full
+    phase1_costs = lambda: (
+      contextlib.nullcontext()
+      if expected_valid is None
+      else depth_pallas.expected_valid(expected_valid)
+    )
 
     def sublayer_vjp(which, state_k, h_BTD, positions_BT):
       apply = lambda s, h: functions[which](s, h, positions_BT)
@@ -102,15 +116,16 @@ def make_stack(residual):
         out_BTD, vjp_fn = sublayer_vjp(which, state_k, h_BTD, positions_BT)
         return out_BTD, (partial_BTD, vjp_fn)
 
-      carry, (full_ys, tail_ys) = stack_lib.run_layers(
-        runner(segment_offset),
-        graphdef,
-        layer_state,
-        start,
-        positions_BT,
-        cfg=stack_cfg,
-        apply_sublayer=apply_sublayer,
-      )
+      with phase1_costs():
+        carry, (full_ys, tail_ys) = stack_lib.run_layers(
+          runner(segment_offset),
+          graphdef,
+          layer_state,
+          start,
+          positions_BT,
+          cfg=stack_cfg,
+          apply_sublayer=apply_sublayer,
+        )
       buffer_KBTD = carry.buffer_KBTD
       saved = tuple(
         None if ys is None else tuple(y[0] for y in ys) for ys in (full_ys, tail_ys)
@@ -129,13 +144,13 @@ def make_stack(residual):
       saved,
       positions_BT,
       sliced=None,
-      expected_valid=None,
+      mean_valid=None,
     ):
       """Cotangents through one segment: (d_buffer before it, d_layer_states, and
       resumed, the received inverse RMS' cotangent). `received`: None, or (the
       received inverse RMS, its cotangent so far, the chunk's first slot). With
       `kernel_layout`: `sliced`, the segment's slots of the final buffer and its slot
-      0, sliced by the caller. `expected_valid`: what the Phase 1 kernels' cost
+      0, sliced by the caller. `mean_valid`: what the Phase 1 kernels' cost
       estimates charge for a traced `first` (the mean over the scan's segments)."""
       num_layers = len(layer_states)
       first = residual.first_local_slot(segment)
@@ -155,8 +170,8 @@ def make_stack(residual):
 
       primals = (buffer_KBTD, layer_states) + (received[:1] if received else ())
       with (
-        depth_pallas.expected_valid(expected_valid)
-        if expected_valid is not None
+        depth_pallas.expected_valid(mean_valid)
+        if mean_valid is not None
         else contextlib.nullcontext()
       ):
         stats, phase1_vjp = jax.vjp(phase1, *primals)
@@ -302,10 +317,7 @@ def make_stack(residual):
           else None,
         )
       if full_states is not None:
-        full_local_SJBTD = expected_valid = None
-        if cfg.depth_kernel == 'pallas' and not resumed:  # the first slots are known
-          firsts = [residual.first_local_slot(s) for s in range(num_full)]
-          expected_valid = sum(firsts) / num_full
+        full_local_SJBTD = None
         if kernel_layout:
           num_local = residual.local_slots(size)
           full_local_SJBTD = local_slots(offset, num_full * num_local).reshape(
@@ -370,9 +382,15 @@ def make_stack(residual):
 
     @jax.custom_vjp
     def after_layers(layer_state, start, segment_offset, positions_BT):
-      carry, _ = stack_lib.run_layers(
-        runner(segment_offset), graphdef, layer_state, start, positions_BT, cfg=stack_cfg
-      )
+      with phase1_costs():
+        carry, _ = stack_lib.run_layers(
+          runner(segment_offset),
+          graphdef,
+          layer_state,
+          start,
+          positions_BT,
+          cfg=stack_cfg,
+        )
       return carry if resumed else carry.buffer_KBTD
 
     after_layers.defvjp(forward, backward)
