@@ -250,13 +250,16 @@ def make_stack(residual):
       if kernel_layout:  # the carry, Phase 1's and the embedding's, summed in place
         d_buffer_KBTD = d_buffer_phase1
       else:
-        # The embedding's cotangent at slot 0 (zero-padded) in the same elementwise
-        # sum: one pass over the carry, no separate slot update.
-        d_embedding_KBTD = jnp.pad(
-          d_embedding_sum_BTD.astype(d_buffer_KBTD.dtype)[None],
-          [(0, d_buffer_KBTD.shape[0] - 1)] + [(0, 0)] * d_embedding_sum_BTD.ndim,
-        )
-        d_buffer_KBTD = d_buffer_KBTD + d_buffer_phase1 + d_embedding_KBTD
+        d_buffer_KBTD = d_buffer_KBTD + d_buffer_phase1
+        d_embedding_BTD = d_embedding_sum_BTD.astype(d_buffer_KBTD.dtype)
+        if keeps_partial:  # Block: zero-padded to the carry, in the same sum (one
+          # pass, no slot update; bench/aot.py d1024 v5p-8: 0.2 GB less). Full
+          # without the kernel: the slot update (the padded sum moved 0.4 GB more).
+          d_buffer_KBTD = d_buffer_KBTD + jnp.pad(
+            d_embedding_BTD[None], [(0, d_buffer_KBTD.shape[0] - 1)] + [(0, 0)] * 3
+          )
+        else:
+          d_buffer_KBTD = d_buffer_KBTD.at[0].add(d_embedding_BTD)
       d_buffer_KBTD = sharding.constrain(d_buffer_KBTD, sharding.DEPTH_BUFFER)
       d_inv_rms_KBT = received[1] + d_inv_rms_phase1[0] if received else None
       return d_buffer_KBTD, d_layer_states, d_inv_rms_KBT
