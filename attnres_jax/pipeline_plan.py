@@ -240,12 +240,11 @@ def transition_bytes(hlo_text: str) -> int:
 LOOP_KINDS = ('matmul', 'other', 'copies', 'async copies', 'collectives')
 
 
-def time_by_loop(text: str, est_seconds: float, peak_flops: float, bandwidth: float):
-  """{loop: {kind: estimated seconds}} of one device's optimized HLO: per kernel the
-  roofline (as `hlo_cost.analyze`), loops counted, scaled to the step's estimate.
-  Loops are named by their op_name (fwd / rerun / bwd, outer / chunk); kinds as
-  `hlo_cost`'s, with the asynchronous copies (copy-start: the compiler's moves
-  between HBM and on-chip memory, which overlap compute) apart from the others."""
+def _kernels(text: str, peak_flops: float, bandwidth: float):
+  """(loop, kind, roofline seconds with the loop's trip counts, instruction) per
+  kernel of one device's optimized HLO. Loops are named by their op_name (fwd /
+  rerun / bwd, outer / chunk); kinds as `hlo_cost`'s, with the asynchronous copies
+  (copy-start) apart from the others."""
   computations, entry = hlo_text.parse_module(text)
   counts, _ = hlo_loops.multiplicities(computations, entry)
   names = {}
@@ -255,8 +254,6 @@ def time_by_loop(text: str, est_seconds: float, peak_flops: float, bandwidth: fl
       'rerun' if 'rematted' in op_name else 'bwd' if 'transpose' in op_name else 'fwd'
     )
     names[match.group(1)] = where + ('/chunk' if op_name.count('while') > 1 else '/outer')
-  split = collections.defaultdict(lambda: dict.fromkeys(LOOP_KINDS, 0.0))
-  total = 0.0
   for name, times in counts.items():
     computation = hlo_text.Computation(computations[name])
     loop = names.get(name, 'entry' if name == entry else 'called')
@@ -267,11 +264,55 @@ def time_by_loop(text: str, est_seconds: float, peak_flops: float, bandwidth: fl
       kind = hlo_cost.kind_of(instruction, computations)
       if instruction.opcode == 'copy-start':
         kind = 'async copies'
-      split[loop][kind] += seconds
-      total += seconds
+      yield loop, kind, seconds, instruction
+
+
+def time_by_loop(text: str, est_seconds: float, peak_flops: float, bandwidth: float):
+  """{loop: {kind: estimated seconds}} of one device's optimized HLO: per kernel the
+  roofline (as `hlo_cost.analyze`), loops counted, scaled to the step's estimate.
+  Loops are named by their op_name (fwd / rerun / bwd, outer / chunk); kinds as
+  `hlo_cost`'s, with the asynchronous copies (copy-start: the compiler's moves
+  between HBM and on-chip memory, which overlap compute) apart from the others."""
+  split = collections.defaultdict(lambda: dict.fromkeys(LOOP_KINDS, 0.0))
+  total = 0.0
+  for loop, kind, seconds, _ in _kernels(text, peak_flops, bandwidth):
+    split[loop][kind] += seconds
+    total += seconds
   scale = est_seconds / total if total else 0.0
   return {
     loop: {kind: seconds * scale for kind, seconds in kinds.items()}
     for loop, kinds in sorted(split.items())
     if any(kinds.values())
   }
+
+
+def top_kernels(
+  text: str,
+  est_seconds: float,
+  peak_flops: float,
+  bandwidth: float,
+  loops: tuple[str, ...] = ('fwd/outer', 'bwd/outer'),
+  count: int = 30,
+) -> list[dict[str, Any]]:
+  """The `count` costliest kernels of the given loops (`time_by_loop`'s names), with
+  their estimated seconds (trip counts included, scaled as `time_by_loop`), opcode,
+  result type and the JAX op that made them: what the schedule loop's transfer code
+  and final read cost, kernel by kernel."""
+  found, total = [], 0.0
+  for loop, kind, seconds, instruction in _kernels(text, peak_flops, bandwidth):
+    total += seconds
+    if loop in loops:
+      op_name = re.search(r'op_name="([^"]*)"', instruction.attrs)
+      found.append(
+        dict(
+          loop=loop,
+          kind=kind,
+          seconds=seconds,
+          opcode=instruction.opcode,
+          type=instruction.type_str,
+          op_name=op_name.group(1) if op_name else '',
+        )
+      )
+  scale = est_seconds / total if total else 0.0
+  found.sort(key=lambda k: -k['seconds'])
+  return [dict(k, seconds=k['seconds'] * scale) for k in found[:count]]

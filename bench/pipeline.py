@@ -20,7 +20,8 @@
    chips (no pipeline) against stage x data with M microbatches, each pipeline
    schedule given ('remat', 'remat_rerun', 'gpipe'), with the bubble fraction; with
    --tpu_hlo_dir, each row's optimized HLO and its estimate split by loop and kind
-   (`time_by_loop`).
+   (`time_by_loop`); with --tpu_top_kernels=N also the schedule loop's N costliest
+   kernels (`top_kernels`).
 
   python bench/pipeline.py                               # parts comm and time
   python bench/pipeline.py --parts=comm --stages=2 --virtual_stages=2 --out=/tmp/pp.jsonl
@@ -109,6 +110,12 @@ flags.DEFINE_bool(
 )
 flags.DEFINE_string(
   'tpu_hlo_dir', None, 'Part tpu: write the optimized HLO of each row under this folder.'
+)
+flags.DEFINE_integer(
+  'tpu_top_kernels',
+  0,
+  'Part tpu, with --tpu_hlo_dir: also record the costliest kernels of the schedule '
+  'loop (forward and backward), this many (`pipeline_plan.top_kernels`).',
 )
 
 NUM_DEVICES = 8
@@ -439,11 +446,16 @@ def tpu_rows() -> list[dict]:
         if hlo_dir:
           topo = aot.get_topology(topology)
           with open(os.path.join(hlo_dir, 'train.hlo.txt'), encoding='utf-8') as f:
-            row['time_by_loop'] = pipeline_plan.time_by_loop(
-              f.read(),
-              row['est_step_seconds'],
-              topo.device_peak_flops,
-              topo.chip.hbm_bandwidth / topo.devices_per_chip,
+            text = f.read()
+          roofline = (
+            row['est_step_seconds'],
+            topo.device_peak_flops,
+            topo.chip.hbm_bandwidth / topo.devices_per_chip,
+          )
+          row['time_by_loop'] = pipeline_plan.time_by_loop(text, *roofline)
+          if FLAGS.tpu_top_kernels:
+            row['top_kernels'] = pipeline_plan.top_kernels(
+              text, *roofline, count=FLAGS.tpu_top_kernels
             )
         if stages == 1:
           fsdp_temp[mode] = row['temp_bytes']

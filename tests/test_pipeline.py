@@ -622,6 +622,20 @@ def test_time_by_loop_splits_the_estimate_by_loop_and_kind():
   assert sum(sum(kinds.values()) for kinds in split.values()) == pytest.approx(1.0)
 
 
+def test_top_kernels_lists_the_loop_kernels_by_cost():
+  """The loop's two 4 MiB kernels (prefetch, negate; 5 trips each) first, then its
+  counter's add; the entry's negate left out; seconds on `time_by_loop`'s scale."""
+  top = pipeline_plan.top_kernels(_LOOP_HLO, 1.0, peak_flops=1e30, bandwidth=1.0)
+  split = pipeline_plan.time_by_loop(_LOOP_HLO, 1.0, peak_flops=1e30, bandwidth=1.0)
+  assert {k['loop'] for k in top} == {'fwd/outer'}
+  assert {k['opcode'] for k in top[:2]} == {'copy-start', 'negate'}
+  assert top[0]['seconds'] == pytest.approx(5 * split['entry']['other'])
+  assert top[1]['seconds'] == pytest.approx(top[0]['seconds'])
+  assert top[2]['opcode'] == 'add' and top[2]['seconds'] < top[1]['seconds'] / 1000
+  assert sum(k['seconds'] for k in top) == pytest.approx(sum(split['fwd/outer'].values()))
+  assert pipeline_plan.top_kernels(_LOOP_HLO, 1.0, 1e30, 1.0, count=1) == top[:1]
+
+
 def test_invalid_pipelines_fail_before_compiling():
   model = config_lib.model_config(num_layers=4)
   with pytest.raises(ValueError, match='not divisible by stage x virtual_stages'):
