@@ -11,6 +11,8 @@ from flax import nnx
 
 import attnres_jax as ar
 from attnres_jax.residuals import hyper_connections as hcl
+from tests.hc_reference import hc_step
+from tests.hc_reference import mhc_step
 
 # Two layers: four sublayers, so that the initial reads select each of 4 streams once.
 TINY = dict(vocab_size=256, d_model=32, num_heads=2, mlp_dim=64, num_layers=2)
@@ -62,70 +64,7 @@ def layer(model, k):
   return nnx.merge(graphdef, jax.tree.map(lambda x: x[k], state))
 
 
-# -- the papers, literally (per token, streams as the rows of H [m, D]) --------------
-
-
-def reference_sinkhorn(logits, iters):
-  """Sinkhorn-Knopp as mHC states it: M = exp(logits), then columns and rows normalised in turn."""
-  matrix = jnp.exp(logits)
-  for _ in range(iters):
-    matrix = matrix / jnp.sum(matrix, axis=-2, keepdims=True)
-    matrix = matrix / jnp.sum(matrix, axis=-1, keepdims=True)
-  return matrix
-
-
-def rms_rows(x, eps):
-  return x / jnp.sqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
-
-
-def hc_step(p, which, k, H, f, cfg):
-  """Hyper-Connections (Zhu et al.): h0 = A_m^T H, H' = B^T f(h0) + A_r^T H, with the
-  dynamic parts from norm(H). H: [B, T, m, D]."""
-  m = cfg.hc_streams
-  A_m = jax.nn.one_hot(k % m, m) + p.static_read[...][which]  # [m]
-  A_r = p.static_mix[...][which]  # [m, m]
-  B = p.static_write[...][which]  # [m]
-  A_m, A_r, B = (jnp.broadcast_to(x, H.shape[:2] + x.shape) for x in (A_m, A_r, B))
-  if cfg.hc_dynamic:
-    Hn = rms_rows(H, cfg.norm_eps)
-    A_m = A_m + p.read_scale[...][which] * jnp.tanh(Hn @ p.read_proj[...][which])
-    A_r = A_r + p.read_scale[...][which] * jnp.tanh(Hn @ p.mix_proj[...][which])
-    B = B + p.write_scale[...][which] * jnp.tanh(Hn @ p.write_proj[...][which])
-  h0 = jnp.einsum('btm,btmd->btd', A_m, H)  # A_m^T H
-  out = f(h0)
-  return (
-    jnp.einsum('btm,btd->btmd', B, out)  # B^T f(h0)
-    + jnp.einsum('btij,btid->btjd', A_r, H)
-  )  # A_r^T H
-
-
-def mhc_step(p, which, k, H, f, cfg):
-  """mHC (DeepSeek): x_{l+1} = H_res x_l + H_post^T f(H_pre x_l)."""
-  m, d = cfg.hc_streams, cfg.d_model
-  selected = jax.nn.one_hot(k % m, m)
-  b_pre = hcl.MHC_LOGIT * (2 * selected - 1) + p.pre_bias[...][which]
-  pre, post, res = (
-    jnp.broadcast_to(v, H.shape[:2] + v.shape)
-    for v in (b_pre, p.post_bias[...][which], p.res_bias[...][which])
-  )  # per token
-  if cfg.hc_dynamic:
-    x = H.reshape(*H.shape[:2], m * d)  # vec(x_l)
-    x = rms_rows(x, cfg.norm_eps)
-    flat = lambda phi: phi[...][which].reshape(m * d, -1)
-    pre = pre + p.pre_scale[...][which] * (x @ flat(p.pre_proj))
-    post = post + p.post_scale[...][which] * (x @ flat(p.post_proj))
-    res = res + p.res_scale[...][which] * (x @ flat(p.res_proj)).reshape(
-      *H.shape[:2], m, m
-    )
-  H_pre = jax.nn.sigmoid(jnp.broadcast_to(pre, H.shape[:2] + (m,)))
-  H_post = 2 * jax.nn.sigmoid(jnp.broadcast_to(post, H.shape[:2] + (m,)))
-  H_res = reference_sinkhorn(
-    jnp.broadcast_to(res, H.shape[:2] + (m, m)), cfg.sinkhorn_iters
-  )
-  out = f(jnp.einsum('btm,btmd->btd', H_pre, H))
-  return jnp.einsum('btij,btjd->btid', H_res, H) + jnp.einsum(
-    'btm,btd->btmd', H_post, out
-  )
+# -- the papers' model, literally (tests/hc_reference.py per sublayer) --------------
 
 
 def reference_logits(model, tokens_BT):
@@ -139,70 +78,6 @@ def reference_logits(model, tokens_BT):
     f = lambda h, lay=lay, k=k: lay.sublayer(k % 2, h, positions)
     H = step(lay.residual, k % 2, k, H, f, cfg)
   return model.head(jnp.sum(H, axis=2))  # the streams summed
-
-
-# -- Sinkhorn -----------------------------------------------------------------------
-
-
-def test_sinkhorn_gives_doubly_stochastic_matrices():
-  logits = jax.random.normal(jax.random.key(0), (4096, 4, 4))
-  matrix = hcl.sinkhorn(logits, 20)
-  assert bool(jnp.all(matrix >= 0))
-  # Rows are normalised last: exact up to float32 rounding of a 4-term sum (~2 ulp).
-  np.testing.assert_allclose(matrix.sum(-1), 1.0, atol=1e-6)
-  # Columns: within Sinkhorn's convergence after the paper's 20 iterations; for unit
-  # normal logits measured max 1.3e-3 over 10^4 matrices (median 6e-8), and the gap
-  # shrinks geometrically with more iterations (below: 1e-6 after 2000).
-  np.testing.assert_allclose(matrix.sum(-2), 1.0, atol=3e-3)
-  assert float(jnp.median(jnp.abs(matrix.sum(-2) - 1))) < 1e-6
-  converged = hcl.sinkhorn(logits, 2000)
-  np.testing.assert_allclose(converged.sum(-2), 1.0, atol=1e-6)
-  np.testing.assert_allclose(converged.sum(-1), 1.0, atol=1e-6)
-  # The log-domain iteration is the printed one (exp, then alternate sums) exactly.
-  np.testing.assert_allclose(matrix, reference_sinkhorn(logits, 20), atol=1e-6)
-
-
-@pytest.mark.parametrize('scale', [30.0, 1e4, 1e30])
-def test_sinkhorn_extreme_logits(scale):
-  """Extreme logits overflow exp(); in the log domain the result stays finite and
-  non-negative, rows still sum to one, and the column error only shrinks with more
-  iterations. (It shrinks slowly: a finite Sinkhorn-Knopp is only approximately doubly
-  stochastic, the limitation mHC-lite addresses; see docs/comparators.md.)"""
-  logits = scale * jax.random.normal(jax.random.key(1), (512, 4, 4))
-  errors = []
-  for iters in (1, 20, 200):
-    matrix = hcl.sinkhorn(logits, iters)
-    assert bool(jnp.all(jnp.isfinite(matrix))) and bool(jnp.all(matrix >= 0))
-    np.testing.assert_allclose(matrix.sum(-1), 1.0, atol=1e-6)
-    errors.append(float(jnp.mean(jnp.abs(matrix.sum(-2) - 1))))
-  # Sinkhorn's L1 marginal error is non-increasing (allow float32 rounding).
-  assert errors[0] + 1e-6 >= errors[1] and errors[1] + 1e-6 >= errors[2], errors
-  grads = jax.grad(
-    lambda x: jnp.sum(hcl.sinkhorn(x, 20) * jnp.arange(16.0).reshape(1, 4, 4))
-  )(logits)
-  assert bool(jnp.all(jnp.isfinite(grads)))
-
-
-def test_sinkhorn_over_leading_axes_equals_the_last_two():
-  """The model's layout: matrices over axes (0, 1) of [m, m, B, T], tokens minor."""
-  logits = 3 * jax.random.normal(jax.random.key(2), (4, 4, 3, 5))
-  leading = hcl.sinkhorn(logits, 20, axes=(0, 1))
-  last = hcl.sinkhorn(jnp.transpose(logits, (2, 3, 0, 1)), 20)
-  # The same float32 operations per matrix, reduced along other axes: rounding only.
-  np.testing.assert_allclose(jnp.transpose(leading, (2, 3, 0, 1)), last, atol=1e-6)
-
-
-def test_sinkhorn_of_the_initial_logits_is_near_identity():
-  m = 4
-  logits = hcl.MHC_LOGIT * (jnp.eye(m) - 1)
-  matrix = hcl.sinkhorn(logits, 20)
-  # Symmetric with equal row sums: doubly stochastic after one step, to rounding.
-  np.testing.assert_allclose(matrix.sum(-1), 1.0, atol=1e-6)
-  np.testing.assert_allclose(matrix.sum(-2), 1.0, atol=1e-6)
-  off = np.exp(-hcl.MHC_LOGIT) / (1 + (m - 1) * np.exp(-hcl.MHC_LOGIT))
-  np.testing.assert_allclose(
-    matrix, np.where(np.eye(m), 1 - (m - 1) * off, off), rtol=1e-5
-  )
 
 
 # -- the model ----------------------------------------------------------------------
@@ -245,51 +120,6 @@ def test_gradients_match_the_papers_equations(residual, dynamic):
     np.testing.assert_allclose(
       g, w, atol=1e-3 * scale, err_msg=jax.tree_util.keystr(path)
     )
-
-
-def _stream_step_references():
-  """The stream-sized steps as plain formulas (float32, autodiff): read, write (mix
-  [i, j]: from i to j) and the normalised projections, HC's per stream [K, m, B, T],
-  mHC's of the concatenation [K, B, T]."""
-  norm = lambda x, axes: x / jnp.sqrt(jnp.mean(x * x, axis=axes, keepdims=True) + 1e-6)
-  return dict(
-    read=lambda a, H: jnp.einsum('mbt,mbtd->btd', a, H),
-    write=lambda R, b, H, f: jnp.einsum('ijbt,ibtd->jbtd', R, H) + b[..., None] * f[None],
-    hc=lambda phi, H: jnp.einsum('mbtd,dk->kmbt', norm(H, -1), phi),
-    mhc=lambda phi, H: jnp.einsum('mbtd,mdk->kbt', norm(H, (0, 3)), phi),
-  )
-
-
-@pytest.mark.parametrize('step', ['read', 'write', 'hc', 'mhc'])
-def test_stream_steps_match_autodiff(step):
-  """Each hand-written VJP of `hyper_streams` (the barriers, the m-output write, the
-  projections with their outputs minor) against autodiff of its formula, values and
-  every input's cotangent, on random float32 inputs; D = 256 splits into lane rows."""
-  from attnres_jax.residuals import hyper_streams as hs
-
-  m, b, t, d = 3, 2, 5, 256
-  keys = iter(jax.random.split(jax.random.key(0), 8))
-  normal = lambda *shape: jax.random.normal(next(keys), shape)
-  streams = normal(m, b, t, d)
-  got_fn = dict(
-    read=hs.read,
-    write=hs.write,
-    hc=lambda phi, H: hs.normed_projection(phi, H, 1e-6, per_stream=True),
-    mhc=lambda phi, H: hs.normed_projection(phi, H, 1e-6, per_stream=False),
-  )[step]
-  args = dict(
-    read=(normal(m, b, t), streams),
-    write=(normal(m, m, b, t), normal(m, b, t), streams, normal(b, t, d)),
-    hc=(normal(d, 5) / 16, streams),
-    mhc=(normal(m, d, 7) / 16, streams),
-  )[step]
-  want, want_vjp = jax.vjp(_stream_step_references()[step], *args)
-  got, got_vjp = jax.vjp(got_fn, *args)
-  cotangent = normal(*want.shape)
-  # float32 rounding of sums over at most m d = 768 terms of unit scale, in another
-  # order than the reference's: ~1e-6 of the scale; a wrong term shows at O(1).
-  for g, w in zip((got, *got_vjp(cotangent)), (want, *want_vjp(cotangent))):
-    np.testing.assert_allclose(g, w, atol=1e-5 * float(jnp.abs(w).max()))
 
 
 @pytest.mark.parametrize('residual', ['hc', 'mhc'])
