@@ -36,6 +36,54 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+# What one program's tile may need (blocks double buffered, scratch, temporaries;
+# the tile is the largest that fits, at least 128 tokens), and the headroom asked of
+# Mosaic above that estimate.
+TILE_VMEM_BYTES = 40 * 2**20
+HEADROOM_VMEM_BYTES = 16 * 2**20
+# The on-chip vector memory the kernels may assume a core has (v5p's 64 MiB; v5e and
+# v6e have more): a config whose narrowest tile needs more is refused by validation.
+VMEM_BYTES = 64 * 2**20
+LANES = 128
+SUBLANES = 8
+
+
+def vmem_bytes(tile, num_queries, dim, itemsize, out_itemsize):
+  """On-chip memory of the larger of the two kernels at `tile` tokens, independent
+  of the number of slots. Forward: one slot, the Q outputs and the statistics
+  (double buffered), the Q float32 accumulators; backward: one slot, the carried
+  cotangent's slot in and out and slot 0's float32 addend (`cotangent_into`; the
+  slot's own cotangent without it), the Q output cotangents, three statistics, the
+  queries and their cotangent (double buffered). Both: about 4 float32 [D, tile]
+  temporaries."""
+  rows = -(-num_queries // SUBLANES) * SUBLANES  # [Q, tile] pads to 8 sublanes
+  slot, outs = dim * tile * itemsize, num_queries * dim * tile * out_itemsize
+  stat, rms, folded = rows * tile * 4, SUBLANES * tile * 4, rows * dim * 4
+  forward = 2 * (slot + outs + 2 * stat + rms + folded) + 4 * num_queries * dim * tile
+  backward = 2 * (3 * slot + dim * tile * 4 + outs + 3 * stat + 2 * rms + 2 * folded)
+  return max(forward, backward) + 4 * 4 * dim * tile
+
+
+def least_vmem_bytes(num_queries, dim, itemsize, out_itemsize):
+  """On-chip memory the kernels need at their narrowest tile (128 tokens)."""
+  return vmem_bytes(LANES, num_queries, dim, itemsize, out_itemsize)
+
+
+def choose_tile(length, num_queries, dim, itemsize, out_itemsize):
+  """Tokens per program along T (the lane axis): the largest multiple of 128 dividing
+  `length` that fits TILE_VMEM_BYTES (at least 128), or all of T when no multiple of
+  128 divides it."""
+  fits = [
+    tile
+    for tile in range(LANES, length + 1, LANES)
+    if length % tile == 0
+    and vmem_bytes(tile, num_queries, dim, itemsize, out_itemsize) <= TILE_VMEM_BYTES
+  ]
+  if fits:
+    return max(fits)
+  return LANES if length % LANES == 0 else length
+
+
 _NT = (((1,), (1,)), ((), ()))  # a . b^T
 _TN = (((0,), (0,)), ((), ()))  # a^T . b
 _HIGHEST = jax.lax.Precision.HIGHEST

@@ -22,6 +22,7 @@ from flax import nnx
 from attnres_jax import aot
 from attnres_jax import depth
 from attnres_jax import depth_pallas
+from attnres_jax import depth_pallas_kernels
 from attnres_jax import residuals
 from attnres_jax import sharding
 from attnres_jax import tpu_topology
@@ -212,12 +213,12 @@ def test_tile_is_lane_aligned_divides_the_length_and_fits_the_budget():
     (8, 4, 32, 4),  # shorter than a lane row: the whole length
     (200, 4, 32, 4),  # no multiple of 128 divides it: the whole length
   ]:
-    tile = depth_pallas.choose_tile(length, queries, dim, itemsize, 2)
+    tile = depth_pallas_kernels.choose_tile(length, queries, dim, itemsize, 2)
     assert length % tile == 0
     if length % 128 == 0:
       assert tile % 128 == 0
-      need = depth_pallas.vmem_bytes(tile, queries, dim, itemsize, 2)
-      assert tile == 128 or need <= depth_pallas.TILE_VMEM_BYTES
+      need = depth_pallas_kernels.vmem_bytes(tile, queries, dim, itemsize, 2)
+      assert tile == 128 or need <= depth_pallas_kernels.TILE_VMEM_BYTES
     else:
       assert tile == length
 

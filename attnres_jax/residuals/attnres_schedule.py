@@ -8,7 +8,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from attnres_jax import depth
-from attnres_jax import depth_pallas
+from attnres_jax import depth_pallas_kernels
 from attnres_jax.residuals import base
 
 READ_FLOPS_PER_SOURCE_AND_CHANNEL = 7  # key RMS 2d, logit 2d, weighted sum 2d, rest ~d
@@ -103,13 +103,13 @@ def _check_kernel_fits_vmem(cfg) -> None:
   queries = 2 * min(layers, cfg.num_layers)
   storage = jnp.dtype(cfg.depth_dtype or cfg.dtype).itemsize
   outputs = jnp.dtype(cfg.depth_dtype or jnp.float32).itemsize
-  need = depth_pallas.least_vmem_bytes(queries, cfg.d_model, storage, outputs)
-  if need > depth_pallas.VMEM_BYTES:
+  need = depth_pallas_kernels.least_vmem_bytes(queries, cfg.d_model, storage, outputs)
+  if need > depth_pallas_kernels.VMEM_BYTES:
     base.invalid(
       f"depth_kernel='pallas' needs {need / 2**20:.1f} MiB of on-chip memory for "
       f'the {queries} queries of a schedule segment at width {cfg.d_model} at its '
-      f'narrowest tile of {depth_pallas.LANES} tokens, more than the '
-      f"{depth_pallas.VMEM_BYTES // 2**20} MiB it may assume (v5p's VMEM): use "
+      f'narrowest tile of {depth_pallas_kernels.LANES} tokens, more than the '
+      f"{depth_pallas_kernels.VMEM_BYTES // 2**20} MiB it may assume (v5p's VMEM): use "
       "depth_kernel='xla' or shorter schedule segments (schedule_layers)."
     )
 
