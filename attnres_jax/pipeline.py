@@ -47,7 +47,6 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.ad_checkpoint import checkpoint_name
 
 from attnres_jax import pipeline_plan
 from attnres_jax import sharding
@@ -87,46 +86,76 @@ def run_chunk(
   return carry
 
 
-# The name of what the `remat` schedule keeps of a chunk run through the residual's
-# own backward pass (`saving_residuals`), besides each iteration's carry.
-CHUNK_RESIDUALS = 'pipeline_chunk_residuals'
+class _Param:
+  """Where a VJP held a leaf of the chunk's parameters: a pytree node without
+  leaves, the leaf's index its static data."""
+
+  def __init__(self, index: int):
+    self.index = index
 
 
-def saving_residuals(chunk_fn, name: str = CHUNK_RESIDUALS):
-  """`chunk_fn(chunk_state, carry, positions_BT, segment_offset) -> carry` with its
-  VJP's residuals and its output named `name` (`checkpoint_name`), except the layer
-  parameters it received (the schedule keeps those anyway). Under
-  `jax.checkpoint` with `save_only_these_names(name)` the backward pass then runs the
-  chunk's own backward from them instead of rerunning the chunk first: AttnRes's
-  linear-memory backward recomputes Phase 1 and the reads itself (and, with
-  `remat='layer'`, each sublayer), so a rerun would compute them once more."""
+jax.tree_util.register_pytree_node(
+  _Param, lambda p: ((), p.index), lambda index, _: _Param(index)
+)
 
-  def vjp_of(chunk_state, carry, positions_BT, segment_offset):
-    run = lambda s, c: chunk_fn(s, c, positions_BT, segment_offset)
-    return jax.vjp(run, chunk_state, carry)
+
+def indexing_params(chunk_fn):
+  """`chunk_fn(chunk_state, carry, positions_BT, segment_offset) -> carry` as
+  `run(virtual_states, virtual, carry, positions_BT, segment_offset)` on the chunk
+  `virtual` of the stage's stacked parameters, its VJP keeping what `chunk_fn`'s VJP
+  keeps except the parameters' slice: it keeps the stacked parameters instead (the
+  same in every iteration of the schedule, which its backward pass does not stack)
+  and slices them again. Without it the schedule would keep the chunk's parameters
+  once per iteration."""
+  take = lambda states, virtual: jax.tree.map(lambda x: x[virtual], states)
+  is_param = lambda x: isinstance(x, _Param)
 
   @jax.custom_vjp
-  def run(chunk_state, carry, positions_BT, segment_offset):
-    return chunk_fn(chunk_state, carry, positions_BT, segment_offset)
+  def run(virtual_states, virtual, carry, positions_BT, segment_offset):
+    state = take(virtual_states, virtual)
+    return chunk_fn(state, carry, positions_BT, segment_offset)
 
-  def forward(chunk_state, carry, positions_BT, segment_offset):
-    out, vjp_fn = vjp_of(chunk_state, carry, positions_BT, segment_offset)
-    received = {id(x) for x in jax.tree.leaves(chunk_state)}
-    named = {}
+  def forward(virtual_states, virtual, carry, positions_BT, segment_offset):
+    state = take(virtual_states, virtual)
+    out, vjp_fn = jax.vjp(
+      lambda s, c: chunk_fn(s, c, positions_BT, segment_offset), state, carry
+    )
+    param_at = {id(x): i for i, x in enumerate(jax.tree.leaves(state))}
+    kept = jax.tree.map(
+      lambda x: _Param(param_at[id(x)]) if id(x) in param_at else x, vjp_fn
+    )
+    return out, (virtual_states, virtual, kept)
 
-    def name_of(x):
-      if id(x) in received:
-        return x
-      if id(x) not in named:  # a value both saved and returned is named once
-        named[id(x)] = checkpoint_name(x, name)
-      return named[id(x)]
+  def backward(residuals, d_out):
+    virtual_states, virtual, kept = residuals
+    params = jax.tree.leaves(take(virtual_states, virtual))
+    vjp_fn = jax.tree.map(
+      lambda x: params[x.index] if is_param(x) else x, kept, is_leaf=is_param
+    )
+    d_state, d_carry = vjp_fn(d_out)
+    d_states = jax.tree.map(
+      lambda x, d: jnp.zeros_like(x).at[virtual].add(d), virtual_states, d_state
+    )
+    return d_states, None, d_carry, None, None
 
-    residuals = jax.tree.map(name_of, vjp_fn)
-    return jax.tree.map(name_of, out), residuals
+  run.defvjp(forward, backward)
+  return run
 
-  def backward(vjp_fn, d_out):
-    d_chunk_state, d_carry = vjp_fn(d_out)
-    return d_chunk_state, d_carry, None, None
+
+def recomputed(fn):
+  """`fn(*args)` whose VJP keeps only its arguments and reruns `fn` in the backward
+  pass (as `jax.checkpoint` with nothing saveable, without the `reduce_precision` it
+  inserts on the kept values: a pass over the whole carry)."""
+
+  @jax.custom_vjp
+  def run(*args):
+    return fn(*args)
+
+  def forward(*args):
+    return fn(*args), args
+
+  def backward(args, d_out):
+    return jax.vjp(fn, *args)[1](d_out)
 
   run.defvjp(forward, backward)
   return run
@@ -168,7 +197,8 @@ class CachedTransfer:
     return jax.tree.map(lambda z, c: z.at[: self.cache_slots].set(c), zero_carry, cached)
 
   def send(self, carry, chunk):
-    start = self.starts[chunk]
+    # A static chunk's start is static (nothing traced for a custom VJP to close over).
+    start = self.plan.starts[chunk] if isinstance(chunk, int) else self.starts[chunk]
     return jax.tree.map(
       lambda x: jax.lax.dynamic_slice_in_dim(x, start, self.plan.width, 0), carry
     )
@@ -227,11 +257,25 @@ def pipeline_hidden(model, x_MBTD, positions_BT, pipe: PipelineConfig):
   # cache would hold no slot.
   keeps_cache = cached and num_virtual > 1 and transfer.cache_slots > 0
   graphdef, layer_state = nnx.split(model.layers)
-  chunk_stack = custom_stack
-  if custom_stack is not None and pipe.schedule == 'remat':
-    saving = saving_residuals(functools.partial(custom_stack, graphdef))
-    chunk_stack = lambda graphdef, *args: saving(*args)
+  # 'remat' with the residual's own backward pass: the iteration is not rerun (no
+  # `jax.checkpoint` around it); the chunk's VJP keeps what its backward needs, the
+  # final read reruns from the chunk's output (`recomputed`), and the transfer code
+  # keeps only indices and predicates.
+  own_backward = custom_stack is not None and pipe.schedule == 'remat'
   final_params = model.final_residual
+  final_read = lambda carry: residual.final(carry, final_params)[0]
+  if own_backward:
+    final_graphdef, final_state = nnx.split(final_params)
+    read = recomputed(lambda c, s: residual.final(c, nnx.merge(final_graphdef, s))[0])
+    final_read = lambda carry: read(carry, final_state)
+  # The first chunk's message: the initial carry's window.
+  embedded = lambda x_MBTD, micro: transfer.send(residual.init(x_MBTD[micro]), 0)
+  chunk_run = None
+  if own_backward:
+    # Both keep what is the same in every iteration (the embedded microbatches, the
+    # stage's parameters), not a slice of it per iteration.
+    embedded = recomputed(embedded)
+    chunk_run = indexing_params(functools.partial(custom_stack, graphdef))
 
   # [L, ...] -> [P, V, layers_per_chunk, ...]: chunk c = v P + p on stage p.
   # Each stage's chunks where the stage is; the other axes as the parameters' names say.
@@ -286,7 +330,7 @@ def pipeline_hidden(model, x_MBTD, positions_BT, pipe: PipelineConfig):
     # The first chunk starts from the embedding: its message is the initial carry's
     # window (one select of W slots, not of the whole carry). The window lands at
     # slot 0 on a base that is zero there and above (nothing cached yet).
-    message = _select(first, transfer.send(residual.init(x_MBTD[micro]), 0), message)
+    message = _select(first, embedded(x_MBTD, micro), message)
     base = zero_carry
     if keeps_cache:
       base = transfer.from_cache(jax.tree.map(lambda c: c[micro], cache), zero_carry)
@@ -297,19 +341,23 @@ def pipeline_hidden(model, x_MBTD, positions_BT, pipe: PipelineConfig):
         cache,
         transfer.to_cache(carry),
       )
-    chunk_state = jax.tree.map(lambda x: x[virtual], virtual_states)
-    carry = run_chunk(
-      residual,
-      graphdef,
-      chunk_state,
-      carry,
-      chunk * segments_per_chunk,
-      positions_BT,
-      model_config=cfg,
-      layers_per_chunk=layers_per_chunk,
-      custom_stack=chunk_stack,
-    )
-    h_BTD, _ = residual.final(carry, final_params)  # used from the last chunk only
+    if chunk_run is not None:
+      carry = chunk_run(
+        virtual_states, virtual, carry, positions_BT, chunk * segments_per_chunk
+      )
+    else:
+      carry = run_chunk(
+        residual,
+        graphdef,
+        jax.tree.map(lambda x: x[virtual], virtual_states),
+        carry,
+        chunk * segments_per_chunk,
+        positions_BT,
+        model_config=cfg,
+        layers_per_chunk=layers_per_chunk,
+        custom_stack=custom_stack,
+      )
+    h_BTD = final_read(carry)  # used from the last chunk only
     return transfer.send(carry, chunk), h_BTD, wrap, cache
 
   stages_step = jax.vmap(
@@ -332,15 +380,12 @@ def pipeline_hidden(model, x_MBTD, positions_BT, pipe: PipelineConfig):
     # is what the backward pass keeps once per iteration.
     return state, _constrain_stages(h_PBTD, sharding.HIDDEN)
 
-  if pipe.schedule in ('remat', 'remat_rerun'):
+  if pipe.schedule in ('remat', 'remat_rerun') and not own_backward:
     # The backward pass reruns each iteration from its saved carry (what the stages
-    # received) instead of keeping the activations of every microbatch in flight;
-    # 'remat' also keeps what the chunk's own backward needs (named in
-    # `saving_residuals`), so the rerun stops before the chunk.
+    # received) instead of keeping the activations of every microbatch in flight.
+    # With the residual's own backward, 'remat' needs no rerun (`own_backward`).
     iteration = jax.checkpoint(
-      iteration,
-      prevent_cse=False,
-      policy=jax.checkpoint_policies.save_only_these_names(CHUNK_RESIDUALS),
+      iteration, prevent_cse=False, policy=jax.checkpoint_policies.nothing_saveable
     )
   _, h_IPBTD = jax.lax.scan(
     iteration, constrain_state(state), jnp.arange(pipe.num_iterations)
