@@ -49,6 +49,7 @@ import optax
 from flax import nnx
 
 from attnres_jax import pipeline_plan
+from attnres_jax import pipeline_vjp
 from attnres_jax import sharding
 from attnres_jax.pipeline_plan import PipelineConfig, TransferPlan
 from attnres_jax import stack as stack_lib
@@ -84,81 +85,6 @@ def run_chunk(
     resumed, graphdef, chunk_state, carry, positions_BT, cfg=chunk_config
   )
   return carry
-
-
-class _Param:
-  """Where a VJP held a leaf of the chunk's parameters: a pytree node without
-  leaves, the leaf's index its static data."""
-
-  def __init__(self, index: int):
-    self.index = index
-
-
-jax.tree_util.register_pytree_node(
-  _Param, lambda p: ((), p.index), lambda index, _: _Param(index)
-)
-
-
-def indexing_params(chunk_fn):
-  """`chunk_fn(chunk_state, carry, positions_BT, segment_offset) -> carry` as
-  `run(virtual_states, virtual, carry, positions_BT, segment_offset)` on the chunk
-  `virtual` of the stage's stacked parameters, its VJP keeping what `chunk_fn`'s VJP
-  keeps except the parameters' slice: it keeps the stacked parameters instead (the
-  same in every iteration of the schedule, which its backward pass does not stack)
-  and slices them again. Without it the schedule would keep the chunk's parameters
-  once per iteration."""
-  take = lambda states, virtual: jax.tree.map(lambda x: x[virtual], states)
-  is_param = lambda x: isinstance(x, _Param)
-
-  @jax.custom_vjp
-  def run(virtual_states, virtual, carry, positions_BT, segment_offset):
-    state = take(virtual_states, virtual)
-    return chunk_fn(state, carry, positions_BT, segment_offset)
-
-  def forward(virtual_states, virtual, carry, positions_BT, segment_offset):
-    state = take(virtual_states, virtual)
-    out, vjp_fn = jax.vjp(
-      lambda s, c: chunk_fn(s, c, positions_BT, segment_offset), state, carry
-    )
-    param_at = {id(x): i for i, x in enumerate(jax.tree.leaves(state))}
-    kept = jax.tree.map(
-      lambda x: _Param(param_at[id(x)]) if id(x) in param_at else x, vjp_fn
-    )
-    return out, (virtual_states, virtual, kept)
-
-  def backward(residuals, d_out):
-    virtual_states, virtual, kept = residuals
-    params = jax.tree.leaves(take(virtual_states, virtual))
-    vjp_fn = jax.tree.map(
-      lambda x: params[x.index] if is_param(x) else x, kept, is_leaf=is_param
-    )
-    d_state, d_carry = vjp_fn(d_out)
-    d_states = jax.tree.map(
-      lambda x, d: jnp.zeros_like(x).at[virtual].add(d), virtual_states, d_state
-    )
-    return d_states, None, d_carry, None, None
-
-  run.defvjp(forward, backward)
-  return run
-
-
-def recomputed(fn):
-  """`fn(*args)` whose VJP keeps only its arguments and reruns `fn` in the backward
-  pass (as `jax.checkpoint` with nothing saveable, without the `reduce_precision` it
-  inserts on the kept values: a pass over the whole carry)."""
-
-  @jax.custom_vjp
-  def run(*args):
-    return fn(*args)
-
-  def forward(*args):
-    return fn(*args), args
-
-  def backward(args, d_out):
-    return jax.vjp(fn, *args)[1](d_out)
-
-  run.defvjp(forward, backward)
-  return run
 
 
 # -- the transfers ----------------------------------------------------------------------
@@ -259,23 +185,28 @@ def pipeline_hidden(model, x_MBTD, positions_BT, pipe: PipelineConfig):
   graphdef, layer_state = nnx.split(model.layers)
   # 'remat' with the residual's own backward pass: the iteration is not rerun (no
   # `jax.checkpoint` around it); the chunk's VJP keeps what its backward needs, the
-  # final read reruns from the chunk's output (`recomputed`), and the transfer code
+  # final read keeps its weights (`pipeline_vjp.final_read`), and the transfer code
   # keeps only indices and predicates.
   own_backward = custom_stack is not None and pipe.schedule == 'remat'
   final_params = model.final_residual
   final_read = lambda carry: residual.final(carry, final_params)[0]
-  if own_backward:
-    final_graphdef, final_state = nnx.split(final_params)
-    read = recomputed(lambda c, s: residual.final(c, nnx.merge(final_graphdef, s))[0])
-    final_read = lambda carry: read(carry, final_state)
+  if own_backward:  # AttnRes (no ablations: `pipeline_refusal`)
+    final_read = lambda carry: residual.to_compute(
+      pipeline_vjp.final_read(
+        carry.buffer_KBTD,
+        carry.inv_rms_KBT,
+        final_params.query[...],
+        final_params.gain[...],
+      )
+    )
   # The first chunk's message: the initial carry's window.
   embedded = lambda x_MBTD, micro: transfer.send(residual.init(x_MBTD[micro]), 0)
   chunk_run = None
   if own_backward:
     # Both keep what is the same in every iteration (the embedded microbatches, the
     # stage's parameters), not a slice of it per iteration.
-    embedded = recomputed(embedded)
-    chunk_run = indexing_params(functools.partial(custom_stack, graphdef))
+    embedded = pipeline_vjp.recomputed(embedded)
+    chunk_run = pipeline_vjp.indexing_params(functools.partial(custom_stack, graphdef))
 
   # [L, ...] -> [P, V, layers_per_chunk, ...]: chunk c = v P + p on stage p.
   # Each stage's chunks where the stage is; the other axes as the parameters' names say.

@@ -98,7 +98,7 @@ def final_read(buffer_KBTD, inv_rms_KBT, query_D, gain_D):
 def _final_forward(buffer_KBTD, inv_rms_KBT, query_D, gain_D):
   folded_D = query_D.astype(jnp.float32) * gain_D.astype(jnp.float32)
   values_KBTD = buffer_KBTD.astype(jnp.float32)
-  dots_KBT = jnp.sum(values_KBTD * folded_D, axis=-1)
+  dots_KBT = jnp.sum(values_KBTD * folded_D[None, None, None], axis=-1)
   weights_KBT = jax.nn.softmax(dots_KBT * inv_rms_KBT, axis=0)
   h_BTD = jnp.sum(weights_KBT[..., None] * values_KBTD, axis=0)
   return h_BTD.astype(buffer_KBTD.dtype), (weights_KBT, dots_KBT)
@@ -119,12 +119,15 @@ def _final_read_backward(residuals, d_out):
   d_h_BTD = d_out.astype(jnp.float32)
   values_KBTD = buffer_KBTD.astype(jnp.float32)
   folded_D = query_D.astype(jnp.float32) * gain_D.astype(jnp.float32)
-  d_weights_KBT = jnp.sum(values_KBTD * d_h_BTD, axis=-1)
+  d_weights_KBT = jnp.sum(values_KBTD * d_h_BTD[None], axis=-1)
   d_logits_KBT = weights_KBT * (
-    d_weights_KBT - jnp.sum(weights_KBT * d_weights_KBT, axis=0)
+    d_weights_KBT - jnp.sum(weights_KBT * d_weights_KBT, axis=0, keepdims=True)
   )
   d_dots_KBT = d_logits_KBT * inv_rms_KBT
-  d_buffer_KBTD = weights_KBT[..., None] * d_h_BTD + d_dots_KBT[..., None] * folded_D
+  d_buffer_KBTD = (
+    weights_KBT[..., None] * d_h_BTD[None]
+    + d_dots_KBT[..., None] * folded_D[None, None, None]
+  )
   d_folded_D = jnp.sum(d_dots_KBT[..., None] * values_KBTD, axis=(0, 1, 2))
   return (
     d_buffer_KBTD.astype(buffer_KBTD.dtype),
