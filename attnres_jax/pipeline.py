@@ -207,6 +207,8 @@ def pipeline_hidden(model, x_MBTD, positions_BT, pipe: PipelineConfig):
     # stage's parameters), not a slice of it per iteration.
     embedded = pipeline_vjp.recomputed(embedded)
     chunk_run = pipeline_vjp.indexing_params(functools.partial(custom_stack, graphdef))
+  # Under `jax.checkpoint` nothing is kept; without it, the scalar conditions.
+  select = pipeline_vjp.select if own_backward else _select
 
   # [L, ...] -> [P, V, layers_per_chunk, ...]: chunk c = v P + p on stage p.
   # Each stage's chunks where the stage is; the other axes as the parameters' names say.
@@ -256,19 +258,19 @@ def pipeline_hidden(model, x_MBTD, positions_BT, pipe: PipelineConfig):
     message = inbox
     if delay:  # stage 0 reads what arrived M - P iterations ago, stores what arrives
       entry = t % delay
-      message = _select(stage == 0, jax.tree.map(lambda w: w[entry], wrap), inbox)
+      message = select(stage == 0, jax.tree.map(lambda w: w[entry], wrap), inbox)
       wrap = jax.tree.map(lambda w, x: w.at[entry].set(x), wrap, inbox)
     # The first chunk starts from the embedding: its message is the initial carry's
     # window (one select of W slots, not of the whole carry). The window lands at
     # slot 0 on a base that is zero there and above (nothing cached yet).
-    message = _select(first, embedded(x_MBTD, micro), message)
+    message = select(first, embedded(x_MBTD, micro), message)
     base = zero_carry
     if keeps_cache:
       base = transfer.from_cache(jax.tree.map(lambda c: c[micro], cache), zero_carry)
     carry = transfer.receive(message, base, jnp.maximum(chunk - 1, 0))
     if keeps_cache:  # what this stage had of the microbatch, for its next visit
       cache = jax.tree.map(
-        lambda c, x: c.at[micro].set(jnp.where(valid, x, c[micro])),
+        lambda c, x: c.at[micro].set(select(valid, x, c[micro])),
         cache,
         transfer.to_cache(carry),
       )

@@ -138,3 +138,28 @@ def _final_read_backward(residuals, d_out):
 
 
 _final_read.defvjp(_final_read_forward, _final_read_backward)
+
+
+@jax.custom_vjp
+def select(condition, on_true, on_false):
+  """`jnp.where(condition, on_true, on_false)` for a scalar `condition` and pytrees,
+  its VJP keeping the scalar: autodiff keeps the condition broadcast to the values'
+  shape (under the stages' vmap the broadcast is part of the primal), one boolean per
+  element and iteration."""
+  return jax.tree.map(lambda a, b: jnp.where(condition, a, b), on_true, on_false)
+
+
+def _select_forward(condition, on_true, on_false):
+  return select(condition, on_true, on_false), condition
+
+
+def _select_backward(condition, d_out):
+  zero = lambda d: jnp.zeros_like(d)
+  return (
+    None,
+    jax.tree.map(lambda d: jnp.where(condition, d, zero(d)), d_out),
+    jax.tree.map(lambda d: jnp.where(condition, zero(d), d), d_out),
+  )
+
+
+select.defvjp(_select_forward, _select_backward)
