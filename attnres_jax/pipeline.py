@@ -14,8 +14,11 @@ over `stage`); between iterations the stages' outgoing messages rotate by one st
 microbatches, then all backward: GPipe order), which rotates the cotangents the other
 way; `remat` applies per stage as elsewhere, and a chunk that runs the residual's own
 schedule goes through its `custom_stack` (AttnRes: the linear-memory backward,
-resumed from the received carry), whose residuals the 'remat' schedule keeps
-(`saving_residuals`) instead of rerunning the chunk before that backward.
+resumed from the received carry). The 'remat' schedule reruns each iteration from
+what the stages received (`jax.checkpoint`), except where the chunk runs that
+backward: there the iteration is not rerun, and what it keeps is what the custom
+VJPs of `pipeline_vjp.py` keep (the chunk's backward residuals, the final read's
+inputs and weights, scalar conditions), each iteration's only large values.
 
 What crosses a stage boundary is the residual's carry (`Residual.carry_axes` names
 its leaves; `Residual.pipeline_chunk` gives the residual that runs one chunk): the
@@ -166,7 +169,7 @@ def pipeline_hidden(model, x_MBTD, positions_BT, pipe: PipelineConfig):
   custom_stack = None
   if type(residual) is type(model.residual):
     if pipe.schedule == 'remat' and cfg.remat == 'none':
-      # The schedule keeps the chunk's backward residuals (`saving_residuals`): with
+      # The schedule keeps the chunk's backward residuals (`own_backward` below): with
       # remat='layer' those are the output buffer and the partial sums the sublayers
       # read, not every sublayer's activations; its backward reruns each sublayer.
       residual = dataclasses.replace(
