@@ -14,8 +14,11 @@ over `stage`); between iterations the stages' outgoing messages rotate by one st
 microbatches, then all backward: GPipe order), which rotates the cotangents the other
 way; `remat` applies per stage as elsewhere, and a chunk that runs the residual's own
 schedule goes through its `custom_stack` (AttnRes: the linear-memory backward,
-resumed from the received carry), whose residuals the 'remat' schedule keeps
-(`saving_residuals`) instead of rerunning the chunk before that backward.
+resumed from the received carry). The 'remat' schedule reruns each iteration from
+what the stages received (`jax.checkpoint`), except where the chunk runs that
+backward: there the iteration is not rerun, and what it keeps is what the custom
+VJPs of `pipeline_vjp.py` keep (the chunk's backward residuals, the final read's
+inputs and weights, scalar conditions), each iteration's only large values.
 
 What crosses a stage boundary is the residual's carry (`Residual.carry_axes` names
 its leaves; `Residual.pipeline_chunk` gives the residual that runs one chunk): the
@@ -47,9 +50,9 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.ad_checkpoint import checkpoint_name
 
 from attnres_jax import pipeline_plan
+from attnres_jax import pipeline_vjp
 from attnres_jax import sharding
 from attnres_jax.pipeline_plan import PipelineConfig, TransferPlan
 from attnres_jax import stack as stack_lib
@@ -85,51 +88,6 @@ def run_chunk(
     resumed, graphdef, chunk_state, carry, positions_BT, cfg=chunk_config
   )
   return carry
-
-
-# The name of what the `remat` schedule keeps of a chunk run through the residual's
-# own backward pass (`saving_residuals`), besides each iteration's carry.
-CHUNK_RESIDUALS = 'pipeline_chunk_residuals'
-
-
-def saving_residuals(chunk_fn, name: str = CHUNK_RESIDUALS):
-  """`chunk_fn(chunk_state, carry, positions_BT, segment_offset) -> carry` with its
-  VJP's residuals and its output named `name` (`checkpoint_name`), except the layer
-  parameters it received (the schedule keeps those anyway). Under
-  `jax.checkpoint` with `save_only_these_names(name)` the backward pass then runs the
-  chunk's own backward from them instead of rerunning the chunk first: AttnRes's
-  linear-memory backward recomputes Phase 1 and the reads itself (and, with
-  `remat='layer'`, each sublayer), so a rerun would compute them once more."""
-
-  def vjp_of(chunk_state, carry, positions_BT, segment_offset):
-    run = lambda s, c: chunk_fn(s, c, positions_BT, segment_offset)
-    return jax.vjp(run, chunk_state, carry)
-
-  @jax.custom_vjp
-  def run(chunk_state, carry, positions_BT, segment_offset):
-    return chunk_fn(chunk_state, carry, positions_BT, segment_offset)
-
-  def forward(chunk_state, carry, positions_BT, segment_offset):
-    out, vjp_fn = vjp_of(chunk_state, carry, positions_BT, segment_offset)
-    received = {id(x) for x in jax.tree.leaves(chunk_state)}
-    named = {}
-
-    def name_of(x):
-      if id(x) in received:
-        return x
-      if id(x) not in named:  # a value both saved and returned is named once
-        named[id(x)] = checkpoint_name(x, name)
-      return named[id(x)]
-
-    residuals = jax.tree.map(name_of, vjp_fn)
-    return jax.tree.map(name_of, out), residuals
-
-  def backward(vjp_fn, d_out):
-    d_chunk_state, d_carry = vjp_fn(d_out)
-    return d_chunk_state, d_carry, None, None
-
-  run.defvjp(forward, backward)
-  return run
 
 
 # -- the transfers ----------------------------------------------------------------------
@@ -168,7 +126,8 @@ class CachedTransfer:
     return jax.tree.map(lambda z, c: z.at[: self.cache_slots].set(c), zero_carry, cached)
 
   def send(self, carry, chunk):
-    start = self.starts[chunk]
+    # A static chunk's start is static (nothing traced for a custom VJP to close over).
+    start = self.plan.starts[chunk] if isinstance(chunk, int) else self.starts[chunk]
     return jax.tree.map(
       lambda x: jax.lax.dynamic_slice_in_dim(x, start, self.plan.width, 0), carry
     )
@@ -210,7 +169,7 @@ def pipeline_hidden(model, x_MBTD, positions_BT, pipe: PipelineConfig):
   custom_stack = None
   if type(residual) is type(model.residual):
     if pipe.schedule == 'remat' and cfg.remat == 'none':
-      # The schedule keeps the chunk's backward residuals (`saving_residuals`): with
+      # The schedule keeps the chunk's backward residuals (`own_backward` below): with
       # remat='layer' those are the output buffer and the partial sums the sublayers
       # read, not every sublayer's activations; its backward reruns each sublayer.
       residual = dataclasses.replace(
@@ -227,11 +186,32 @@ def pipeline_hidden(model, x_MBTD, positions_BT, pipe: PipelineConfig):
   # cache would hold no slot.
   keeps_cache = cached and num_virtual > 1 and transfer.cache_slots > 0
   graphdef, layer_state = nnx.split(model.layers)
-  chunk_stack = custom_stack
-  if custom_stack is not None and pipe.schedule == 'remat':
-    saving = saving_residuals(functools.partial(custom_stack, graphdef))
-    chunk_stack = lambda graphdef, *args: saving(*args)
+  # 'remat' with the residual's own backward pass: the iteration is not rerun (no
+  # `jax.checkpoint` around it); the chunk's VJP keeps what its backward needs, the
+  # final read keeps its weights (`pipeline_vjp.final_read`), and the transfer code
+  # keeps only indices and predicates.
+  own_backward = custom_stack is not None and pipe.schedule == 'remat'
   final_params = model.final_residual
+  final_read = lambda carry: residual.final(carry, final_params)[0]
+  if own_backward:  # AttnRes (no ablations: `pipeline_refusal`)
+    final_read = lambda carry: residual.to_compute(
+      pipeline_vjp.final_read(
+        carry.buffer_KBTD,
+        carry.inv_rms_KBT,
+        final_params.query[...],
+        final_params.gain[...],
+      )
+    )
+  # The first chunk's message: the initial carry's window.
+  embedded = lambda x_MBTD, micro: transfer.send(residual.init(x_MBTD[micro]), 0)
+  chunk_run = None
+  if own_backward:
+    # Both keep what is the same in every iteration (the embedded microbatches, the
+    # stage's parameters), not a slice of it per iteration.
+    embedded = pipeline_vjp.recomputed(embedded)
+    chunk_run = pipeline_vjp.indexing_params(functools.partial(custom_stack, graphdef))
+  # Under `jax.checkpoint` nothing is kept; without it, the scalar conditions.
+  select = pipeline_vjp.select if own_backward else _select
 
   # [L, ...] -> [P, V, layers_per_chunk, ...]: chunk c = v P + p on stage p.
   # Each stage's chunks where the stage is; the other axes as the parameters' names say.
@@ -281,35 +261,39 @@ def pipeline_hidden(model, x_MBTD, positions_BT, pipe: PipelineConfig):
     message = inbox
     if delay:  # stage 0 reads what arrived M - P iterations ago, stores what arrives
       entry = t % delay
-      message = _select(stage == 0, jax.tree.map(lambda w: w[entry], wrap), inbox)
+      message = select(stage == 0, jax.tree.map(lambda w: w[entry], wrap), inbox)
       wrap = jax.tree.map(lambda w, x: w.at[entry].set(x), wrap, inbox)
     # The first chunk starts from the embedding: its message is the initial carry's
     # window (one select of W slots, not of the whole carry). The window lands at
     # slot 0 on a base that is zero there and above (nothing cached yet).
-    message = _select(first, transfer.send(residual.init(x_MBTD[micro]), 0), message)
+    message = select(first, embedded(x_MBTD, micro), message)
     base = zero_carry
     if keeps_cache:
       base = transfer.from_cache(jax.tree.map(lambda c: c[micro], cache), zero_carry)
     carry = transfer.receive(message, base, jnp.maximum(chunk - 1, 0))
     if keeps_cache:  # what this stage had of the microbatch, for its next visit
       cache = jax.tree.map(
-        lambda c, x: c.at[micro].set(jnp.where(valid, x, c[micro])),
+        lambda c, x: c.at[micro].set(select(valid, x, c[micro])),
         cache,
         transfer.to_cache(carry),
       )
-    chunk_state = jax.tree.map(lambda x: x[virtual], virtual_states)
-    carry = run_chunk(
-      residual,
-      graphdef,
-      chunk_state,
-      carry,
-      chunk * segments_per_chunk,
-      positions_BT,
-      model_config=cfg,
-      layers_per_chunk=layers_per_chunk,
-      custom_stack=chunk_stack,
-    )
-    h_BTD, _ = residual.final(carry, final_params)  # used from the last chunk only
+    if chunk_run is not None:
+      carry = chunk_run(
+        virtual_states, virtual, carry, positions_BT, chunk * segments_per_chunk
+      )
+    else:
+      carry = run_chunk(
+        residual,
+        graphdef,
+        jax.tree.map(lambda x: x[virtual], virtual_states),
+        carry,
+        chunk * segments_per_chunk,
+        positions_BT,
+        model_config=cfg,
+        layers_per_chunk=layers_per_chunk,
+        custom_stack=custom_stack,
+      )
+    h_BTD = final_read(carry)  # used from the last chunk only
     return transfer.send(carry, chunk), h_BTD, wrap, cache
 
   stages_step = jax.vmap(
@@ -332,15 +316,12 @@ def pipeline_hidden(model, x_MBTD, positions_BT, pipe: PipelineConfig):
     # is what the backward pass keeps once per iteration.
     return state, _constrain_stages(h_PBTD, sharding.HIDDEN)
 
-  if pipe.schedule in ('remat', 'remat_rerun'):
+  if pipe.schedule in ('remat', 'remat_rerun') and not own_backward:
     # The backward pass reruns each iteration from its saved carry (what the stages
-    # received) instead of keeping the activations of every microbatch in flight;
-    # 'remat' also keeps what the chunk's own backward needs (named in
-    # `saving_residuals`), so the rerun stops before the chunk.
+    # received) instead of keeping the activations of every microbatch in flight.
+    # With the residual's own backward, 'remat' needs no rerun (`own_backward`).
     iteration = jax.checkpoint(
-      iteration,
-      prevent_cse=False,
-      policy=jax.checkpoint_policies.save_only_these_names(CHUNK_RESIDUALS),
+      iteration, prevent_cse=False, policy=jax.checkpoint_policies.nothing_saveable
     )
   _, h_IPBTD = jax.lax.scan(
     iteration, constrain_state(state), jnp.arange(pipe.num_iterations)

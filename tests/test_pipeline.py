@@ -636,6 +636,47 @@ def test_top_kernels_lists_the_loop_kernels_by_cost():
   assert pipeline_plan.top_kernels(_LOOP_HLO, 1.0, 1e30, 1.0, count=1) == top[:1]
 
 
+@pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
+def test_final_read_keeping_its_weights_equals_autodiff(dtype):
+  """`pipeline_vjp.final_read` (its backward written out, from the kept weights and
+  dots) against autodiff of `depth.read_parts`, the read it replaces in the schedule,
+  inverse RMS given: equal values, and gradients up to float32 rounding in another
+  order (the buffer's cotangent then rounded to its dtype)."""
+  import jax
+
+  from attnres_jax import depth
+  from attnres_jax import pipeline_vjp
+
+  keys = jax.random.split(jax.random.key(0), 5)
+  buffer_KBTD = jax.random.normal(keys[0], (5, 2, 3, 16)).astype(dtype)
+  inv_rms_KBT = depth.rms_inverse(buffer_KBTD, 1e-6) * 1.5  # not the buffer's own
+  query_D, gain_D = (
+    jax.random.normal(keys[1], (16,)),
+    1 + jax.random.normal(keys[2], (16,)),
+  )
+  d_h_BTD = jax.random.normal(keys[3], (2, 3, 16)).astype(dtype)
+
+  def reference(*args):
+    buffer, inv_rms, query, gain = args
+    return depth.read_parts(buffer, query, gain, eps=1e-6, inv_rms_KBT=inv_rms)[0]
+
+  args = (buffer_KBTD, inv_rms_KBT, query_D, gain_D)
+  want, want_vjp = jax.vjp(reference, *args)
+  got, got_vjp = jax.vjp(pipeline_vjp.final_read, *args)
+  assert got.dtype == want.dtype
+  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+  # Absolute: float32 sums in another order, measured 4.0e-6 on O(1) inputs (relative
+  # differences are larger only on near-zero entries, where the softmax terms cancel);
+  # the bfloat16 buffer's cotangent, rounded from float32 values that differ by those
+  # ulps, may land one bfloat16 ulp apart: 2^-7 at |x| ~ 2 (measured 7.8e-3).
+  atol = 1e-5 if dtype == 'float32' else 1e-2
+  for g, w in zip(got_vjp(d_h_BTD), want_vjp(d_h_BTD)):
+    assert g.dtype == w.dtype and g.shape == w.shape
+    np.testing.assert_allclose(
+      np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=0, atol=atol
+    )
+
+
 def test_invalid_pipelines_fail_before_compiling():
   model = config_lib.model_config(num_layers=4)
   with pytest.raises(ValueError, match='not divisible by stage x virtual_stages'):
