@@ -97,6 +97,15 @@ def make_stack(residual):
       else depth_pallas.expected_valid(expected_valid)
     )
 
+    def run_segments(layer_state, start, segment_offset, positions_BT, **kwargs):
+      """The stack's layers from `start` (resumed at `segment_offset` for a chunk),
+      the kernels charged as stated above."""
+      runner = stack_lib.Resumed(residual, segment_offset) if resumed else residual
+      with phase1_costs():
+        return stack_lib.run_layers(
+          runner, graphdef, layer_state, start, positions_BT, cfg=stack_cfg, **kwargs
+        )
+
     def sublayer_vjp(which, state_k, h_BTD, positions_BT):
       apply = lambda s, h: functions[which](s, h, positions_BT)
       if cfg.remat == 'none':  # under remat the closure keeps its own (less)
@@ -116,16 +125,9 @@ def make_stack(residual):
         out_BTD, vjp_fn = sublayer_vjp(which, state_k, h_BTD, positions_BT)
         return out_BTD, (partial_BTD, vjp_fn)
 
-      with phase1_costs():
-        carry, (full_ys, tail_ys) = stack_lib.run_layers(
-          runner(segment_offset),
-          graphdef,
-          layer_state,
-          start,
-          positions_BT,
-          cfg=stack_cfg,
-          apply_sublayer=apply_sublayer,
-        )
+      carry, (full_ys, tail_ys) = run_segments(
+        layer_state, start, segment_offset, positions_BT, apply_sublayer=apply_sublayer
+      )
       buffer_KBTD = carry.buffer_KBTD
       saved = tuple(
         None if ys is None else tuple(y[0] for y in ys) for ys in (full_ys, tail_ys)
@@ -383,20 +385,9 @@ def make_stack(residual):
         d_start = d_buffer_KBTD[0].astype(start.dtype)
       return d_layer_state, d_start, None, None
 
-    def runner(segment_offset):
-      return stack_lib.Resumed(residual, segment_offset) if resumed else residual
-
     @jax.custom_vjp
     def after_layers(layer_state, start, segment_offset, positions_BT):
-      with phase1_costs():
-        carry, _ = stack_lib.run_layers(
-          runner(segment_offset),
-          graphdef,
-          layer_state,
-          start,
-          positions_BT,
-          cfg=stack_cfg,
-        )
+      carry, _ = run_segments(layer_state, start, segment_offset, positions_BT)
       return carry if resumed else carry.buffer_KBTD
 
     after_layers.defvjp(forward, backward)
