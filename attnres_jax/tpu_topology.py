@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import importlib.util
+import logging
 import math
 import os
 import re
@@ -91,6 +92,16 @@ def quiet_backend_probe() -> None:
   before JAX's first device query (`import attnres_jax` does it)."""
   if not os.environ.get('JAX_PLATFORMS') and not host_has_tpu():
     _describe_no_tpu_host()
+    # JAX then logs the failed TPU start-up at INFO, which absl's app (train.py,
+    # eval.py, bench/) prints; on a host with no chips it says nothing.
+    logging.getLogger('jax._src.xla_bridge').addFilter(_not_the_tpu_probe)
+
+
+def _not_the_tpu_probe(record: logging.LogRecord) -> bool:
+  return not (
+    record.levelno <= logging.INFO
+    and record.getMessage().startswith("Unable to initialize backend 'tpu'")
+  )
 
 
 def require_libtpu() -> None:

@@ -63,17 +63,23 @@ def test_missing_libtpu_names_the_fix(monkeypatch):
 @pytest.mark.skipif(tpu_topology.host_has_tpu(), reason='the probe finds chips here')
 def test_backend_start_up_is_quiet_without_tpu_chips():
   # JAX probes the installed libtpu at its first device query; importing the package
-  # first describes the absent TPU host, so libtpu's five warning lines never appear.
+  # first describes the absent TPU host, so libtpu's five warning lines never appear,
+  # nor JAX's INFO line on the failed TPU start-up.
   env = {
     k: v for k, v in os.environ.items() if not k.startswith(('JAX_PLATFORMS', 'TPU_'))
   }
-  probe = 'import attnres_jax, jax; print(jax.default_backend())'
+  # Under absl's app (train.py, eval.py, bench/), which prints JAX's INFO logs, too.
+  probe = (
+    'from absl import app\n'
+    'import attnres_jax, jax\n'
+    'app.run(lambda argv: print(jax.default_backend()))\n'
+  )
   done = subprocess.run(
     [sys.executable, '-c', probe], env=env, capture_output=True, text=True, timeout=300
   )
   assert done.returncode == 0, done.stderr
   assert done.stdout.strip() == 'cpu'
-  assert 'TPU' not in done.stderr, done.stderr
+  assert 'TPU' not in done.stderr and 'tpu' not in done.stderr, done.stderr
 
 
 @needs_libtpu
