@@ -12,6 +12,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from attnres_jax import depth
+
 
 class _Param:
   """Where a VJP held a leaf of the chunk's parameters: a pytree node without
@@ -98,12 +100,11 @@ def final_read(buffer_KBTD, inv_rms_KBT, query_D, gain_D):
 
 
 def _final_forward(buffer_KBTD, inv_rms_KBT, query_D, gain_D):
-  folded_D = query_D.astype(jnp.float32) * gain_D.astype(jnp.float32)
-  values_KBTD = buffer_KBTD.astype(jnp.float32)
-  dots_KBT = jnp.sum(values_KBTD * folded_D[None, None, None], axis=-1)
-  weights_KBT = jax.nn.softmax(dots_KBT * inv_rms_KBT, axis=0)
-  h_BTD = jnp.sum(weights_KBT[..., None] * values_KBTD, axis=0)
-  return h_BTD.astype(buffer_KBTD.dtype), (weights_KBT, dots_KBT)
+  # The inverse RMS is given, so read_parts' eps (which would size it) is unused.
+  h_BTD, (weights_KBT, dots_KBT, _) = depth.read_parts(
+    buffer_KBTD, query_D, gain_D, eps=0.0, inv_rms_KBT=inv_rms_KBT
+  )
+  return h_BTD, (weights_KBT, dots_KBT)
 
 
 @jax.custom_vjp
