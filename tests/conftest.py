@@ -34,6 +34,7 @@ import pytest
 from flax import nnx
 from jax.experimental.compilation_cache import compilation_cache as compilation_cache_lib
 
+from attnres_jax import checkpointing
 from attnres_jax import config as config_lib
 from attnres_jax import data as data_lib
 from attnres_jax import model as model_lib
@@ -146,6 +147,18 @@ def tfds_dir(tmp_path_factory) -> str:
     cfg, seq_len=16, global_batch_size=2, seed=0, process_index=0, process_count=1
   )
   return path
+
+
+@pytest.fixture
+def no_compilation(monkeypatch):
+  """Fails the test if training gets as far as building data or tracing the model."""
+
+  def unreachable(*args, **kwargs):
+    raise AssertionError('reached data or model construction')
+
+  monkeypatch.setattr(data_lib, 'build_datasets', unreachable)
+  monkeypatch.setattr(checkpointing, 'abstract_model', unreachable)
+  monkeypatch.setattr(model_lib, 'Transformer', unreachable)
 
 
 def child_env(num_devices: int) -> dict[str, str]:
