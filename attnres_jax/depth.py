@@ -241,10 +241,21 @@ def phase2(
   old_scale_BT = jnp.exp(max_BT - new_max_BT)
   local_weights_JBT = jnp.exp(logits_JBT - new_max_BT[None])  # 0 where not valid
   total_BT = sum_BT * old_scale_BT + jnp.sum(local_weights_JBT, axis=0)
-  h_BTD = out_BTD.astype(jnp.float32) * old_scale_BT[..., None] + jnp.sum(
-    local_weights_JBT[..., None] * local_JBTD.astype(jnp.float32), axis=0
+  h_BTD = out_BTD.astype(jnp.float32) * old_scale_BT[..., None] + slot_sum(
+    local_weights_JBT, local_JBTD
   )
   return (h_BTD / total_BT[..., None]).astype(local_JBTD.dtype)
+
+
+def slot_sum(weights_JBT, slots_JBTD):
+  """sum_j weights_j slots_j, float32 [B, T, D], as J scaled adds (J: a segment's few
+  local slots). Elementwise, XLA fuses it into the merge that consumes it; written as
+  a reduction over the slot axis, the TPU compiler gave it a fusion of its own whose
+  float32 [B, T, D] result went through memory once per sublayer."""
+  total_BTD = weights_JBT[0][..., None] * slots_JBTD[0].astype(jnp.float32)
+  for j in range(1, slots_JBTD.shape[0]):
+    total_BTD += weights_JBT[j][..., None] * slots_JBTD[j].astype(jnp.float32)
+  return total_BTD
 
 
 def phase1_read(phase1_stats, dtype):
@@ -288,8 +299,8 @@ def _merge_fwd(
   scale_BT, alpha_JBT, dots_JBT, inv_rms_JBT, total_BT = _merge_parts(
     max_BT, sum_BT, local_JBTD, valid_J, folded_D, local_inv_rms_JBT, eps
   )
-  h_BTD = out_BTD.astype(jnp.float32) * scale_BT[..., None] + jnp.sum(
-    alpha_JBT[..., None] * local_JBTD.astype(jnp.float32), axis=0
+  h_BTD = out_BTD.astype(jnp.float32) * scale_BT[..., None] + slot_sum(
+    alpha_JBT, local_JBTD
   )
   saved = (sum_BT, out_BTD, local_JBTD, folded_D, local_inv_rms_JBT)
   return h_BTD.astype(local_JBTD.dtype), saved + (
