@@ -1,0 +1,154 @@
+"""The Pallas stream write of HC/mHC (attnres_jax/residuals/hyper_pallas.py) equals the
+XLA one (hyper_streams.write), forward and every cotangent, and the models built
+with it (`depth_kernel='pallas'`) equal those built without.
+
+On the CPU the kernels run in Pallas interpret mode: the same kernel code and the
+same float32 arithmetic as on the TPU. The TPU lowering (Mosaic, under shard_map on
+a data-parallel mesh) is checked by an ahead-of-time compile.
+"""
+
+import importlib.util
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import attnres_jax as ar
+from attnres_jax import aot
+from attnres_jax import modes
+from attnres_jax.residuals import hyper_pallas as hp
+from attnres_jax.residuals import hyper_streams as hs
+from configs import default as default_config
+from tests.test_hyper_connections import TINY
+from tests.test_hyper_connections import randomize
+from tests.test_hyper_connections import tokens
+
+# float32: both versions add the same float32 products; the per-token weight
+# cotangents are sums over D = 128 in a different order (XLA's reduction tree against
+# the kernel's), a few ulps (2^-24) of the sum of |terms|, which for unit-normal
+# inputs is ~sqrt(D) = 11x the result's scale: 1e-5 of the largest. The element-wise
+# results are the same sums of m + 1 products in the same order. Measured: see below.
+F32_TOL = 1e-5
+# bfloat16 streams: the element-wise results are the bfloat16 rounding of two float32
+# values as close as above, so at worst one bfloat16 ulp apart (2^-8 of the value);
+# the weight cotangents are float32 and keep F32_TOL.
+BF16_TOL = 2.0**-8
+
+
+def inputs(m, batch, length, dim, dtype, seed=0):
+  keys = jax.random.split(jax.random.key(seed), 4)
+  return (
+    jax.random.normal(keys[0], (m, m, batch, length)),
+    jax.random.normal(keys[1], (m, batch, length)),
+    jax.random.normal(keys[2], (m, batch, length, dim)).astype(dtype),
+    jax.random.normal(keys[3], (batch, length, dim)).astype(dtype),
+  )
+
+
+def value_and_grads(write, args, seed=1):
+  """The new streams and the gradients of a random weighting of them w.r.t. every
+  input (each new stream gets its own cotangent)."""
+  weights = jax.random.normal(jax.random.key(seed), args[2].shape)
+
+  def loss(*args):
+    new = write(*args)
+    return jnp.sum(new.astype(jnp.float32) * weights), new
+
+  grads, new = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(*args)
+  return new, grads
+
+
+def assert_close(actual, expected, tol, what):
+  actual, expected = (np.asarray(x, np.float32) for x in (actual, expected))
+  assert actual.shape == expected.shape, what
+  scale = float(np.abs(expected).max()) + 1e-30
+  np.testing.assert_allclose(actual / scale, expected / scale, atol=tol, err_msg=what)
+
+
+@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize('m,tile_bytes', [(4, None), (4, 1), (2, None), (1, None)])
+def test_kernel_equals_the_xla_write(dtype, m, tile_bytes, monkeypatch):
+  """Values and the cotangents of the mixing, the write weights, the streams and
+  f(h). tile_bytes=1: the narrowest tile (16 tokens), two tiles along T."""
+  if tile_bytes is not None:
+    monkeypatch.setattr(hp, 'TILE_VMEM_BYTES', tile_bytes)
+  args = inputs(m, 2, 32, 128, dtype)
+  new, grads = value_and_grads(hp.write, args)
+  ref_new, ref_grads = value_and_grads(hs.write, args)
+  assert new.dtype == ref_new.dtype == dtype
+  tol = F32_TOL if dtype == jnp.float32 else BF16_TOL
+  assert_close(new, ref_new, tol, 'new streams')
+  names = ('mix', 'write weights', 'streams', 'f(h)')
+  for name, g, ref_g, primal in zip(names, grads, ref_grads, args):
+    assert g.dtype == ref_g.dtype == primal.dtype, name
+    assert_close(g, ref_g, tol if g.dtype == jnp.bfloat16 else F32_TOL, name)
+
+
+def test_tile_choice():
+  # d1024, m = 4, bfloat16: 256 tokens fit the budget, 512 do not.
+  assert hp.choose_tile(1024, 4, 1024, 2) == 256
+  assert hp.vmem_bytes(256, 4, 1024, 2) <= hp.TILE_VMEM_BYTES
+  assert hp.vmem_bytes(512, 4, 1024, 2) > hp.TILE_VMEM_BYTES
+  assert hp.choose_tile(12, 4, 32, 4) == 12  # no multiple of 16 divides: all of T
+  assert hp.choose_tile(1, 4, 32, 4) == 1  # a decoding step
+
+
+def model_loss_and_grads(residual, kernel, dtype='float32'):
+  cfg = ar.model_config(
+    **TINY, residual=residual, depth_kernel=kernel, dtype=dtype, param_dtype='float32'
+  )
+  model = randomize(ar.Transformer(cfg, rngs=nnx.Rngs(0)))
+  graphdef, state = nnx.split(model)
+  tokens_BT = tokens(length=32)
+
+  def loss(state):
+    logits = nnx.merge(graphdef, state)(tokens_BT)
+    return jnp.mean(jax.nn.log_softmax(logits.astype(jnp.float32))[..., 0])
+
+  return jax.jit(jax.value_and_grad(loss))(state)
+
+
+@pytest.mark.parametrize('residual', ['hc', 'mhc'])
+def test_model_with_the_kernel_equals_the_xla_model(residual):
+  """Loss and every parameter's gradient, float32, dynamic HC / mHC with every
+  parameter moved from its initial value: only the weight cotangents' summation
+  order differs (above), through four sublayers: 1e-5 of each gradient's scale."""
+  loss, grads = model_loss_and_grads(residual, 'pallas')
+  ref_loss, ref_grads = model_loss_and_grads(residual, 'xla')
+  np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
+  flat, ref_flat = (jax.tree.leaves_with_path(g) for g in (grads, ref_grads))
+  for (path, g), (_, ref_g) in zip(flat, ref_flat):
+    assert_close(g, ref_g, 1e-5, jax.tree_util.keystr(path))
+
+
+def test_option_is_validated_and_parsed():
+  assert modes.fields('mhc/pallas') == dict(
+    residual='mhc', hc_streams=4, depth_kernel='pallas'
+  )
+  with pytest.raises(ValueError, match='apply to full and block only'):
+    modes.fields('hc/bf16')
+  with pytest.raises(ValueError, match='depth_kernel must be one of'):
+    ar.model_config(**TINY, residual='hc', depth_kernel='triton')
+
+
+needs_libtpu = pytest.mark.skipif(
+  importlib.util.find_spec('libtpu') is None,
+  reason='libtpu (the TPU compiler) is not installed',
+)
+
+
+@needs_libtpu
+@pytest.mark.parametrize('residual', ['hc', 'mhc'])
+def test_train_step_compiles_for_tpu_with_the_kernel(residual, tmp_path):
+  """Mosaic lowers both kernels inside the production train step (data parallel on
+  v5e:2x2: the kernels run per device under shard_map)."""
+  config = default_config.get_config('tiny')
+  config.model.update(dtype='bfloat16', residual=residual, depth_kernel='pallas')
+  report = aot.compile_report(config, 'v5e:2x2', steps=('train',), hlo_dir=str(tmp_path))
+  assert report['steps']['train']['bytes_accessed'] > 0
+  with open(os.path.join(tmp_path, 'train.hlo.txt'), encoding='utf-8') as f:
+    text = f.read()
+  assert text.count('custom_call_target="tpu_custom_call"') >= 2  # forward, backward
