@@ -72,10 +72,10 @@ def assert_close(actual, expected, tol, what):
 @pytest.mark.parametrize('m,tile_bytes', [(4, None), (4, 1), (2, None), (1, None)])
 def test_kernel_equals_the_xla_write(dtype, m, tile_bytes, monkeypatch):
   """Values and the cotangents of the mixing, the write weights, the streams and
-  f(h). tile_bytes=1: the narrowest tile (16 tokens), two tiles along T."""
+  f(h). tile_bytes=1: the narrowest tile (128 tokens), two tiles along T."""
   if tile_bytes is not None:
     monkeypatch.setattr(hp, 'TILE_VMEM_BYTES', tile_bytes)
-  args = inputs(m, 2, 32, 128, dtype)
+  args = inputs(m, 2, 256, 128, dtype)
   new, grads = value_and_grads(hp.write, args)
   ref_new, ref_grads = value_and_grads(hs.write, args)
   assert new.dtype == ref_new.dtype == dtype
@@ -92,7 +92,7 @@ def test_tile_choice():
   assert hp.choose_tile(1024, 4, 1024, 2) == 256
   assert hp.vmem_bytes(256, 4, 1024, 2) <= hp.TILE_VMEM_BYTES
   assert hp.vmem_bytes(512, 4, 1024, 2) > hp.TILE_VMEM_BYTES
-  assert hp.choose_tile(12, 4, 32, 4) == 12  # no multiple of 16 divides: all of T
+  assert hp.choose_tile(96, 4, 32, 4) == 96  # no multiple of 128 divides: all of T
   assert hp.choose_tile(1, 4, 32, 4) == 1  # a decoding step
 
 

@@ -13,8 +13,10 @@
 The kernels see the streams d-minor, as the TPU compiler lays them out for the XLA
 version ([m, B, T, D]{3,2,1,0}): a program's block is a tile of tokens of every
 stream, [m, t, D], the width on the lanes, so no relayout at the kernel's boundary.
-The per-token weights travel token-major as one [B, T, m^2 + m] float32 array (a
-few bytes a token next to the streams' m D), whose columns broadcast over the lanes.
+The per-token weights travel tokens-minor, as the model computes them, as one
+[B, m^2 + m, T] float32 array; inside, a product with the identity on the (otherwise
+idle) MXU turns a block to tokens-major so that each weight is a [t, 1] column that
+broadcasts over the lanes (and the weights' cotangents back).
 The grid runs over (batch row, tile of T), both 'parallel' (a megacore chip splits
 them). Off the TPU (the CPU tests) the same kernels run in Pallas interpret mode;
 under the model's mesh they run per device in `jax.shard_map` (streams split over
@@ -40,7 +42,7 @@ _SQ = pl.squeezed
 TILE_VMEM_BYTES = 32 * 2**20
 HEADROOM_VMEM_BYTES = 16 * 2**20
 VMEM_BYTES = 64 * 2**20
-SUBLANES = 16  # a bfloat16 tile's sublanes (packed pairs): tokens per tile step
+LANES = 128  # tokens per tile step: the per-token weights hold the tokens on lanes
 
 
 # -- the kernels: one program = one tile of tokens of every stream ------------------
@@ -51,10 +53,39 @@ def _column(coef_tK, k):
   return coef_tK[:, k : k + 1]
 
 
+_TN = (((0,), (0,)), ((), ()))  # a^T . b
+_NT = (((1,), (1,)), ((), ()))  # a . b^T
+
+
+def _eye(n):
+  rows = jax.lax.broadcasted_iota(jnp.int32, (n, n), 0)
+  return (rows == jax.lax.broadcasted_iota(jnp.int32, (n, n), 1)).astype(F32)
+
+
+def _tokens_major(coef_Kt):
+  """[K, t] (tokens on the lanes, as stored) -> [t, K]: a product with the identity
+  on the MXU (exact at HIGHEST precision), where a vector transpose of a [K, t]
+  block whose K is no multiple of 128 would need relayouts."""
+  return jax.lax.dot_general(
+    coef_Kt, _eye(coef_Kt.shape[0]), _TN, precision=_HIGHEST, preferred_element_type=F32
+  )
+
+
+def _tokens_minor(coef_tK):
+  """[t, K] -> [K, t], the same way."""
+  return jax.lax.dot_general(
+    _eye(coef_tK.shape[1]), coef_tK, _NT, precision=_HIGHEST, preferred_element_type=F32
+  )
+
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
 def forward_kernel(coef_ref, streams_ref, out_ref, new_ref, *, m):
-  """coef [t, m^2 + m] (R_ij at i m + j, then b_j), streams [m, t, D], f(h) [t, D]
-  -> new streams [m, t, D]; the sums in the XLA version's order."""
-  coef_tK = coef_ref[...]
+  """coef [K, t] (K = m^2 + m rows, R_ij at i m + j, then b_j; tokens on the lanes),
+  streams [m, t, D], f(h) [t, D] -> new streams [m, t, D]; the sums in the XLA
+  version's order."""
+  coef_tK = _tokens_major(coef_ref[...])
   h_tD = [streams_ref[i].astype(F32) for i in range(m)]
   out_tD = out_ref[...].astype(F32)
   for j in range(m):
@@ -68,10 +99,10 @@ def forward_kernel(coef_ref, streams_ref, out_ref, new_ref, *, m):
 def backward_kernel(
   coef_ref, streams_ref, out_ref, dnew_ref, dstreams_ref, dout_ref, dcoef_ref, *, m
 ):
-  """coef [t, K], streams [m, t, D], f(h) [t, D], the new streams' cotangents
+  """coef [K, t], streams [m, t, D], f(h) [t, D], the new streams' cotangents
   [m, t, D] -> the streams' cotangents [m, t, D], f(h)'s [t, D] and the weights'
-  [t, K] (float32; per token a reduction over the lanes)."""
-  coef_tK = coef_ref[...]
+  [K, t] (float32; per token a reduction over the lanes)."""
+  coef_tK = _tokens_major(coef_ref[...])
   lane_tK = jax.lax.broadcasted_iota(jnp.int32, coef_tK.shape, 1)
   dcoef_tK = jnp.zeros(coef_tK.shape, F32)
 
@@ -95,7 +126,7 @@ def backward_kernel(
       dh_tD = term if dh_tD is None else dh_tD + term
       dcoef_tK = put(dcoef_tK, i * m + j, h_tD, dnew_tD[j])
     dstreams_ref[i] = dh_tD.astype(dstreams_ref.dtype)
-  dcoef_ref[...] = dcoef_tK
+  dcoef_ref[...] = _tokens_minor(dcoef_tK)
 
 
 def vmem_bytes(tile, m, dim, itemsize):
@@ -108,16 +139,16 @@ def vmem_bytes(tile, m, dim, itemsize):
 
 
 def choose_tile(length, m, dim, itemsize):
-  """Tokens per program: the largest multiple of 16 dividing `length` whose kernels
-  fit TILE_VMEM_BYTES (at least 16), or all of T when no multiple of 16 divides it."""
+  """Tokens per program: the largest multiple of 128 dividing `length` whose kernels
+  fit TILE_VMEM_BYTES (at least 128), or all of T when no multiple of 128 divides it."""
   fits = [
     t
-    for t in range(SUBLANES, length + 1, SUBLANES)
+    for t in range(LANES, length + 1, LANES)
     if length % t == 0 and vmem_bytes(t, m, dim, itemsize) <= TILE_VMEM_BYTES
   ]
   if fits:
     return max(fits)
-  return SUBLANES if length % SUBLANES == 0 else length
+  return LANES if length % LANES == 0 else length
 
 
 # -- the launches ---------------------------------------------------------------------
@@ -125,15 +156,15 @@ def choose_tile(length, m, dim, itemsize):
 
 def _launch(kernel, args, kinds, outs, m, cost):
   """The pallas_call of `kernel` over (batch row, tile of T) on `args` whose blocks
-  `kinds` name ('coef' [B, T, K], 'streams' [m, B, T, D], 'one' [B, T, D]); `outs`:
+  `kinds` name ('coef' [B, K, T], 'streams' [m, B, T, D], 'one' [B, T, D]); `outs`:
   (kind, shape, dtype) per result; `cost`: (flops, HBM bytes). Mosaic on the TPU,
   interpret mode elsewhere."""
   _, batch, length, dim = args[1].shape
-  num_coef = args[0].shape[-1]
+  num_coef = args[0].shape[1]
   tile = choose_tile(length, m, dim, args[1].dtype.itemsize)
   vmem = vmem_bytes(tile, m, dim, args[1].dtype.itemsize)
   specs = dict(
-    coef=pl.BlockSpec((_SQ, tile, num_coef), lambda b, t: (b, t, 0)),
+    coef=pl.BlockSpec((_SQ, num_coef, tile), lambda b, t: (b, 0, t)),
     streams=pl.BlockSpec((m, _SQ, tile, dim), lambda b, t: (0, b, t, 0)),
     one=pl.BlockSpec((_SQ, tile, dim), lambda b, t: (b, t, 0)),
   )
@@ -160,16 +191,16 @@ def _launch(kernel, args, kinds, outs, m, cost):
   )
 
 
-def _forward_device(coef_BTK, streams_MBTD, out_BTD):
+def _forward_device(coef_BKT, streams_MBTD, out_BTD):
   m, batch, length, dim = streams_MBTD.shape
   tokens, size = batch * length, streams_MBTD.dtype.itemsize
   cost = (
     tokens * dim * 2 * m * (m + 1),  # m + 1 multiply-adds per output element
-    tokens * (dim * (2 * m + 1) * size + coef_BTK.shape[-1] * 4),
+    tokens * (dim * (2 * m + 1) * size + coef_BKT.shape[1] * 4),
   )
   (new_MBTD,) = _launch(
     forward_kernel,
-    (coef_BTK, streams_MBTD, out_BTD),
+    (coef_BKT, streams_MBTD, out_BTD),
     ('coef', 'streams', 'one'),
     [('streams', streams_MBTD.shape, streams_MBTD.dtype)],
     m,
@@ -178,10 +209,10 @@ def _forward_device(coef_BTK, streams_MBTD, out_BTD):
   return new_MBTD
 
 
-def _backward_device(coef_BTK, streams_MBTD, out_BTD, dnew_MBTD):
+def _backward_device(coef_BKT, streams_MBTD, out_BTD, dnew_MBTD):
   m, batch, length, dim = streams_MBTD.shape
   tokens, size = batch * length, streams_MBTD.dtype.itemsize
-  num_coef = coef_BTK.shape[-1]
+  num_coef = coef_BKT.shape[1]
   cost = (
     # the m + 1 cotangents' multiply-adds and the m^2 + m dots, per element
     tokens * dim * 2 * (m * (m + 1) + num_coef),
@@ -189,12 +220,12 @@ def _backward_device(coef_BTK, streams_MBTD, out_BTD, dnew_MBTD):
   )
   return _launch(
     backward_kernel,
-    (coef_BTK, streams_MBTD, out_BTD, dnew_MBTD),
+    (coef_BKT, streams_MBTD, out_BTD, dnew_MBTD),
     ('coef', 'streams', 'one', 'streams'),
     [
       ('streams', streams_MBTD.shape, streams_MBTD.dtype),
       ('one', out_BTD.shape, out_BTD.dtype),
-      ('coef', coef_BTK.shape, F32),
+      ('coef', coef_BKT.shape, F32),
     ],
     m,
     cost,
@@ -219,7 +250,7 @@ def _per_device(fn, shape, in_kinds, out_kinds):
       f"length, width) on mesh {dict(mesh.shape)}: map 'depth' and 'hidden' to no "
       f"mesh axis or use depth_kernel='xla'."
     )
-  spec = dict(streams=P(None, b, t, None), token=P(b, t, None)).get
+  spec = dict(streams=P(None, b, t, None), one=P(b, t, None), coef=P(b, None, t)).get
   return jax.shard_map(
     fn,
     mesh=mesh,
@@ -235,10 +266,11 @@ def _per_device(fn, shape, in_kinds, out_kinds):
 
 
 def _coefficients(mix_MMBT, write_MBT):
-  """[B, T, m^2 + m] float32: R_ij at column i m + j, then b_j."""
+  """[B, m^2 + m, T] float32 (tokens minor, as the model computes them): R_ij at
+  row i m + j, then b_j."""
   m = write_MBT.shape[0]
   flat_KBT = jnp.concatenate([mix_MMBT.reshape(m * m, *write_MBT.shape[1:]), write_MBT])
-  return jnp.moveaxis(flat_KBT.astype(F32), 0, -1)
+  return jnp.swapaxes(flat_KBT.astype(F32), 0, 1)
 
 
 @jax.custom_vjp
@@ -249,27 +281,27 @@ def write(mix_MMBT, write_MBT, streams_MBTD, out_BTD):
 
 
 def _write_fwd(mix_MMBT, write_MBT, streams_MBTD, out_BTD):
-  coef_BTK = _coefficients(mix_MMBT, write_MBT)
+  coef_BKT = _coefficients(mix_MMBT, write_MBT)
   fn = _per_device(
-    _forward_device, streams_MBTD.shape, ('token', 'streams', 'token'), 'streams'
+    _forward_device, streams_MBTD.shape, ('coef', 'streams', 'one'), 'streams'
   )
-  new_MBTD = fn(coef_BTK, streams_MBTD, out_BTD)
-  return new_MBTD, (coef_BTK, streams_MBTD, out_BTD)
+  new_MBTD = fn(coef_BKT, streams_MBTD, out_BTD)
+  return new_MBTD, (coef_BKT, streams_MBTD, out_BTD)
 
 
 def _write_bwd(saved, dnew_MBTD):
-  coef_BTK, streams_MBTD, out_BTD = saved
+  coef_BKT, streams_MBTD, out_BTD = saved
   m = streams_MBTD.shape[0]
   fn = _per_device(
     _backward_device,
     streams_MBTD.shape,
-    ('token', 'streams', 'token', 'streams'),
-    ('streams', 'token', 'token'),
+    ('coef', 'streams', 'one', 'streams'),
+    ('streams', 'one', 'coef'),
   )
-  dstreams_MBTD, dout_BTD, dcoef_BTK = fn(
-    coef_BTK, streams_MBTD, out_BTD, dnew_MBTD.astype(streams_MBTD.dtype)
+  dstreams_MBTD, dout_BTD, dcoef_BKT = fn(
+    coef_BKT, streams_MBTD, out_BTD, dnew_MBTD.astype(streams_MBTD.dtype)
   )
-  dcoef_KBT = jnp.moveaxis(dcoef_BTK, -1, 0)
+  dcoef_KBT = jnp.swapaxes(dcoef_BKT, 0, 1)
   d_mix = dcoef_KBT[: m * m].reshape(m, m, *dcoef_KBT.shape[1:])
   return d_mix, dcoef_KBT[m * m :], dstreams_MBTD, dout_BTD
 
