@@ -40,6 +40,7 @@ from attnres_jax import sharding
 from attnres_jax.residuals import base
 from attnres_jax.residuals import hyper_pallas
 from attnres_jax.residuals import hyper_streams
+from attnres_jax.residuals import sinkhorn_pallas
 
 STREAMS = sharding.DEPTH_BUFFER  # [m, B, T, D]: the streams shard like the depth buffer
 STREAM_AXIS = STREAMS[0]  # the logical name of a stream axis in parameters (never split)
@@ -294,9 +295,12 @@ class HyperConnectionResidual(base.Residual):
       post_MBT = post_MBT + _row(params.post_scale, which) * post_KBT
       res_MMBT = res_MMBT + _row(params.res_scale, which) * res_KBT.reshape(m, m, *batch)
     # Recomputed in the backward pass: only the logits are kept, not 20 iterations.
-    h_res_MMBT = jax.checkpoint(sinkhorn, static_argnums=(1, 2))(
-      res_MMBT, self.cfg.sinkhorn_iters, (0, 1)
-    )
+    if self.cfg.depth_kernel == 'pallas':  # the iterations in VMEM (sinkhorn_pallas)
+      h_res_MMBT = sinkhorn_pallas.sinkhorn(res_MMBT, self.cfg.sinkhorn_iters)
+    else:
+      h_res_MMBT = jax.checkpoint(sinkhorn, static_argnums=(1, 2))(
+        res_MMBT, self.cfg.sinkhorn_iters, (0, 1)
+      )
     return Coefficients(
       read_MBT=jax.nn.sigmoid(pre_MBT),
       mix_MMBT=jnp.swapaxes(h_res_MMBT, 0, 1),  # [from, to, B, T]

@@ -250,7 +250,12 @@ def _per_device(fn, shape, in_kinds, out_kinds):
       f"length, width) on mesh {dict(mesh.shape)}: map 'depth' and 'hidden' to no "
       f"mesh axis or use depth_kernel='xla'."
     )
-  spec = dict(streams=P(None, b, t, None), one=P(b, t, None), coef=P(b, None, t)).get
+  spec = dict(
+    streams=P(None, b, t, None),  # [m, B, T, D]
+    one=P(b, t, None),  # [B, T, D]
+    coef=P(b, None, t),  # [B, K, T]
+    maps=P(b, None, None, t),  # [B, m, m, T] (sinkhorn_pallas)
+  ).get
   return jax.shard_map(
     fn,
     mesh=mesh,
