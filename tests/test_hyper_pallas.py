@@ -123,6 +123,17 @@ def sharded_errors():
     )
     jaxpr = jax.make_jaxpr(lambda *a: under_rules(hp.write, *a))(*args)
     out[f'{name}_per_device'] = 'shard_map' in str(jaxpr)
+    logits = 3 * args[0]  # [m, m, B, T]
+    sinkhorns = [
+      jax.jit(jax.value_and_grad(lambda x, f=f: jnp.sum(under_rules(f, x) * logits)))(
+        logits
+      )
+      for f in (lambda x: sp.sinkhorn(x, 20), lambda x: hcl.sinkhorn(x, 20, (0, 1)))
+    ]
+    out[f'{name}_sinkhorn'] = max(
+      float(np.abs(a - b).max() / (np.abs(b).max() + 1e-30))
+      for a, b in zip(jax.tree.leaves(sinkhorns[0]), jax.tree.leaves(sinkhorns[1]))
+    )
   rules = {**sharding.DEFAULT_RULES, 'batch': ('data',), 'hidden': ('fsdp',)}
   try:
     with sharding.logical_rules(mesh, rules):
@@ -134,9 +145,10 @@ def sharded_errors():
 
 
 def test_kernel_on_a_mesh_equals_xla():
-  """Streams split over batch, or over batch and length (4 CPU devices)."""
+  """Streams (and mHC's maps) split over batch, or over batch and length (4 CPU
+  devices): the write and Sinkhorn equal XLA."""
   errors = child_result(__file__, 4, 'sharded')
-  assert len(errors) == 2 * len(MESH_RULES) + 1
+  assert len(errors) == 3 * len(MESH_RULES) + 1
   for name, error in errors.items():
     if name.endswith(('per_device', 'refused')):
       assert error is True, name
