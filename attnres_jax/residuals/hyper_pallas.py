@@ -55,6 +55,7 @@ def _column(coef_tK, k):
 
 _TN = (((0,), (0,)), ((), ()))  # a^T . b
 _NT = (((1,), (1,)), ((), ()))  # a . b^T
+_HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def _eye(n):
@@ -64,8 +65,9 @@ def _eye(n):
 
 def _tokens_major(coef_Kt):
   """[K, t] (tokens on the lanes, as stored) -> [t, K]: a product with the identity
-  on the MXU (exact at HIGHEST precision), where a vector transpose of a [K, t]
-  block whose K is no multiple of 128 would need relayouts."""
+  on the MXU (exact at HIGHEST precision: each float32 value enters as bfloat16
+  parts that sum back to it), where a vector transpose of a [K, t] block whose K is
+  no multiple of 128 would need relayouts."""
   return jax.lax.dot_general(
     coef_Kt, _eye(coef_Kt.shape[0]), _TN, precision=_HIGHEST, preferred_element_type=F32
   )
@@ -76,9 +78,6 @@ def _tokens_minor(coef_tK):
   return jax.lax.dot_general(
     _eye(coef_tK.shape[1]), coef_tK, _NT, precision=_HIGHEST, preferred_element_type=F32
   )
-
-
-_HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def forward_kernel(coef_ref, streams_ref, out_ref, new_ref, *, m):
@@ -132,8 +131,9 @@ def backward_kernel(
 def vmem_bytes(tile, m, dim, itemsize):
   """On-chip memory of the larger (backward) kernel at `tile` tokens: its blocks
   double buffered (streams, f(h), the cotangents in; the streams' and f(h)'s
-  cotangents out; the weights and their cotangents, [t, K] padded to 128 lanes) and
-  the 2m + 2 float32 [t, D] copies of its inputs and results it works on."""
+  cotangents out; the weights and their cotangents, counted as [t, K] padded to 128
+  lanes, as they are inside) and the 2m + 2 float32 [t, D] copies of its inputs and
+  results it works on."""
   blocks = (3 * m + 2) * tile * dim * itemsize + 2 * tile * 128 * 4
   return 2 * blocks + (2 * m + 2) * tile * dim * 4
 
@@ -232,9 +232,10 @@ def _backward_device(coef_BKT, streams_MBTD, out_BTD, dnew_MBTD):
   )
 
 
-def _per_device(fn, shape, in_kinds, out_kinds):
-  """`fn` per device under the active mesh (the streams split over batch and length
-  as the sharding rules say), or `fn` as is on one device."""
+def per_device(fn, shape, in_kinds, out_kinds):
+  """`fn` per device under the active mesh, or `fn` as is on one device: the streams
+  (of `shape`) split over batch and length as the sharding rules say, every operand
+  and result (`in_kinds`, `out_kinds`: 'streams', 'one', 'coef' or 'maps') alike."""
   active = sharding._ACTIVE.get()
   if active is None or active[0].size == 1:
     return fn
@@ -281,13 +282,14 @@ def _coefficients(mix_MMBT, write_MBT):
 @jax.custom_vjp
 def write(mix_MMBT, write_MBT, streams_MBTD, out_BTD):
   """`hyper_streams.write` by the Pallas kernels: the new streams [m, B, T, D] in the
-  streams' dtype; mix[i, j]: from stream i to stream j."""
+  streams' dtype; mix[i, j]: from stream i to stream j. The per-token weights are
+  float32 (as `Coefficients` holds them), and so are their cotangents."""
   return _write_fwd(mix_MMBT, write_MBT, streams_MBTD, out_BTD)[0]
 
 
 def _write_fwd(mix_MMBT, write_MBT, streams_MBTD, out_BTD):
   coef_BKT = _coefficients(mix_MMBT, write_MBT)
-  fn = _per_device(
+  fn = per_device(
     _forward_device, streams_MBTD.shape, ('coef', 'streams', 'one'), 'streams'
   )
   new_MBTD = fn(coef_BKT, streams_MBTD, out_BTD)
@@ -297,7 +299,7 @@ def _write_fwd(mix_MMBT, write_MBT, streams_MBTD, out_BTD):
 def _write_bwd(saved, dnew_MBTD):
   coef_BKT, streams_MBTD, out_BTD = saved
   m = streams_MBTD.shape[0]
-  fn = _per_device(
+  fn = per_device(
     _backward_device,
     streams_MBTD.shape,
     ('coef', 'streams', 'one', 'streams'),

@@ -159,7 +159,7 @@ def _backward_device(logits_BMMT, dout_BMMT, *, iters):
 def _maps(fn, shape, count):
   """`fn` per device on `count` [B, m, m, T] maps, split like the streams."""
   stream_shape = (shape[1], shape[0], shape[3], 1)
-  return hyper_pallas._per_device(fn, stream_shape, ('maps',) * count, 'maps')
+  return hyper_pallas.per_device(fn, stream_shape, ('maps',) * count, 'maps')
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
