@@ -9,9 +9,9 @@ AttnRes options follow, each after a '/': `one_shot` or `two_phase` picks the re
 (`depth_read`), `bf16` or `f32` the depth state's storage (`depth_dtype`), e.g.
 `block:4/bf16` or `full/one_shot`; `pallas` computes Phase 1 with the Pallas
 kernel (`depth_kernel`), e.g. `block:4/bf16/pallas`; for `hc`/`mhc` (its only
-option) the stream write's and mHC's Sinkhorn kernels, e.g. `mhc/pallas`. A tool whose block
-size follows the depth (bench/decode.py: about 8 blocks at every depth) accepts a
-bare `block` and supplies S. A mode string names model fields only; every other field
+option) the stream write's and mHC's Sinkhorn kernels, e.g. `mhc/pallas`. A tool
+whose block size follows the depth (bench/decode.py: about 8 blocks at every depth)
+accepts a bare `block` and supplies S. A mode string names model fields only; every other field
 keeps its value.
 
 Directory and run names cannot hold ':' everywhere, so runs are named by `run_name`
