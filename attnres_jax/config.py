@@ -84,7 +84,8 @@ class ModelConfig:
   # compute dtype (Phase 1 outputs float32) | 'bfloat16' | 'float32'
   depth_dtype: str = ''
   # AttnRes Phase 1 (the read of the completed slots) and its VJP: 'xla' (jnp) |
-  # 'pallas' (the TPU kernel of depth_pallas.py; interpret mode off the TPU)
+  # 'pallas' (the TPU kernel of depth_pallas.py; interpret mode off the TPU); HC/mHC:
+  # the stream write and mHC's Sinkhorn (hyper_pallas.py, sinkhorn_pallas.py)
   depth_kernel: str = 'xla'
   depth_query_input: bool = False  # ablation: query += W RMSNorm(latest source) / sqrt(D)
   depth_normalizer: str = 'softmax'  # ablation: 'softmax' | 'sigmoid'

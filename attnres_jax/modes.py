@@ -8,9 +8,10 @@ runs the AttnRes block schedule in segments of G layers (`schedule_layers`), and
 AttnRes options follow, each after a '/': `one_shot` or `two_phase` picks the read
 (`depth_read`), `bf16` or `f32` the depth state's storage (`depth_dtype`), e.g.
 `block:4/bf16` or `full/one_shot`; `pallas` computes Phase 1 with the Pallas
-kernel (`depth_kernel`), e.g. `block:4/bf16/pallas`. A tool whose block
-size follows the depth (bench/decode.py: about 8 blocks at every depth) accepts a
-bare `block` and supplies S. A mode string names model fields only; every other field
+kernel (`depth_kernel`), e.g. `block:4/bf16/pallas`; for `hc`/`mhc` (its only
+option) the stream write's and mHC's Sinkhorn kernels, e.g. `mhc/pallas`. A tool
+whose block size follows the depth (bench/decode.py: about 8 blocks at every depth)
+accepts a bare `block` and supplies S. A mode string names model fields only; every other field
 keeps its value.
 
 Directory and run names cannot hold ':' everywhere, so runs are named by `run_name`
@@ -22,7 +23,7 @@ from __future__ import annotations
 SYNTAX = (
   'standard | full | block:S | hc[:m] | mhc[:m], then optionally @G (segment layers) '
   'and AttnRes options /one_shot or /two_phase (the read), /bf16 or /f32 (storage), '
-  '/pallas (the Phase 1 kernel)'
+  '/pallas (the Phase 1 kernel; for hc and mhc the write and Sinkhorn kernels)'
 )
 OPTIONS = {  # AttnRes option -> (model field, value)
   'one_shot': ('depth_read', 'one_shot'),
@@ -73,8 +74,8 @@ def fields(mode: str, *, block_size: int | None = None) -> dict[str, object]:
       raise _error(mode, '@G (segment layers) applies to full and block only')
     out['schedule_layers'] = _positive_int(mode, segment, 'the segment length G')
   for option in options:
-    if residual not in ('full', 'block'):
-      raise _error(mode, '/options apply to full and block only')
+    if residual not in ('full', 'block') and option != 'pallas':
+      raise _error(mode, '/options apply to full and block only (hc, mhc: /pallas)')
     if option not in OPTIONS:
       raise _error(mode, f'options are {tuple(OPTIONS)}, got {option!r}')
     field, value = OPTIONS[option]

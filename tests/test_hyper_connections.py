@@ -175,7 +175,8 @@ def test_identity_init_matches_the_standard_model(residual):
 
 @pytest.mark.parametrize('residual', ['hc', 'mhc'])
 def test_execution_variants_equal_the_scan(residual):
-  """E4: scan = unrolled loop, remat = no remat, forward and gradients."""
+  """E4: scan = unrolled loop, remat = no remat, forward and gradients; also the
+  Pallas kernels (`depth_kernel='pallas'`, interpret mode) under remat."""
   x = tokens()
 
   def loss_and_grads(**overrides):
@@ -185,7 +186,11 @@ def test_execution_variants_equal_the_scan(residual):
     return jax.jit(jax.value_and_grad(loss))(params)
 
   loss, grads = loss_and_grads()
-  for execution in (dict(scan_layers=False), dict(remat='sublayer')):
+  for execution in (
+    dict(scan_layers=False),
+    dict(remat='sublayer'),
+    dict(remat='sublayer', depth_kernel='pallas'),
+  ):
     loss_other, grads_other = loss_and_grads(**execution)
     # Same float32 operations, fused or ordered differently by XLA: a few ulps.
     np.testing.assert_allclose(loss_other, loss, rtol=1e-5, err_msg=str(execution))
@@ -219,9 +224,11 @@ def test_gradients_are_finite_and_reach_every_parameter(residual):
     assert float(jnp.abs(g).max()) > 0, name
 
 
+@pytest.mark.parametrize('kernel', ['xla', 'pallas'])
 @pytest.mark.parametrize('residual', ['hc', 'mhc'])
-def test_cached_decoding_equals_recomputation(residual):
-  model = randomize(make_model(residual))
+def test_cached_decoding_equals_recomputation(residual, kernel):
+  """Also with the Pallas write and Sinkhorn (`depth_kernel`): one token a step."""
+  model = randomize(make_model(residual, depth_kernel=kernel))
   x = tokens(length=10)
   full = jitted(lambda m, x: m(x), model, x)
   scale = float(jnp.abs(full).max())

@@ -38,7 +38,9 @@ from flax import nnx
 from attnres_jax import depth
 from attnres_jax import sharding
 from attnres_jax.residuals import base
+from attnres_jax.residuals import hyper_pallas
 from attnres_jax.residuals import hyper_streams
+from attnres_jax.residuals import sinkhorn_pallas
 
 STREAMS = sharding.DEPTH_BUFFER  # [m, B, T, D]: the streams shard like the depth buffer
 STREAM_AXIS = STREAMS[0]  # the logical name of a stream axis in parameters (never split)
@@ -47,6 +49,9 @@ DYNAMIC_SCALE_INIT = 0.01
 # mHC's static logits at initialisation: the selected stream / the diagonal get 0 or
 # +8, the others -8 (sigmoid(-8) = 3.4e-4), so the start is close to HC's.
 MHC_LOGIT = 8.0
+# How the stream write is computed (`depth_kernel`): XLA (hyper_streams) or the Pallas
+# kernels (hyper_pallas; interpret mode off the TPU).
+WRITE_KERNELS = {'xla': hyper_streams.write, 'pallas': hyper_pallas.write}
 
 
 def sinkhorn(logits, iters: int, axes: tuple[int, int] = (-2, -1)):
@@ -182,6 +187,11 @@ class HyperConnectionResidual(base.Residual):
       base.invalid(f'hc_dynamic must be True or False, got {cfg.hc_dynamic!r}.')
     if self.manifold and (not base.is_int(cfg.sinkhorn_iters) or cfg.sinkhorn_iters < 1):
       base.invalid(f'sinkhorn_iters must be an integer >= 1, got {cfg.sinkhorn_iters!r}.')
+    if cfg.depth_kernel not in WRITE_KERNELS:
+      base.invalid(
+        f'depth_kernel must be one of {tuple(WRITE_KERNELS)} (for HC/mHC: how the '
+        f'stream write is computed), got {cfg.depth_kernel!r}.'
+      )
     if cfg.ablations:
       base.invalid(
         f'the depth-read ablations {cfg.ablations} apply to AttnRes, not to '
@@ -285,9 +295,12 @@ class HyperConnectionResidual(base.Residual):
       post_MBT = post_MBT + _row(params.post_scale, which) * post_KBT
       res_MMBT = res_MMBT + _row(params.res_scale, which) * res_KBT.reshape(m, m, *batch)
     # Recomputed in the backward pass: only the logits are kept, not 20 iterations.
-    h_res_MMBT = jax.checkpoint(sinkhorn, static_argnums=(1, 2))(
-      res_MMBT, self.cfg.sinkhorn_iters, (0, 1)
-    )
+    if self.cfg.depth_kernel == 'pallas':  # the iterations in VMEM (sinkhorn_pallas)
+      h_res_MMBT = sinkhorn_pallas.sinkhorn(res_MMBT, self.cfg.sinkhorn_iters)
+    else:
+      h_res_MMBT = jax.checkpoint(sinkhorn, static_argnums=(1, 2))(
+        res_MMBT, self.cfg.sinkhorn_iters, (0, 1)
+      )
     return Coefficients(
       read_MBT=jax.nn.sigmoid(pre_MBT),
       mix_MMBT=jnp.swapaxes(h_res_MMBT, 0, 1),  # [from, to, B, T]
@@ -303,7 +316,7 @@ class HyperConnectionResidual(base.Residual):
     h_BTD = hyper_streams.read(coeffs.read_MBT, streams_MBTD)
     h_BTD = sharding.constrain(h_BTD, sharding.HIDDEN)
     out_BTD, saved = branch(h_BTD)
-    new_MBTD = hyper_streams.write(
+    new_MBTD = WRITE_KERNELS[self.cfg.depth_kernel](
       coeffs.mix_MMBT, coeffs.write_MBT, streams_MBTD, out_BTD
     )
     inner = inner._replace(streams_MBTD=sharding.constrain(new_MBTD, STREAMS))

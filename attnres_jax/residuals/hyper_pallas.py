@@ -1,0 +1,316 @@
+"""HC/mHC's stream write as a Pallas TPU kernel and its VJP (`model.depth_kernel=
+'pallas'` with residual 'hc' or 'mhc'), the same function as `hyper_streams.write`:
+
+    H'_j = sum_i R_ij H_i + b_j f(h)
+
+  forward:   the m streams and f(h) in, the m new streams out (storage dtype), the
+             float32 accumulation inside the kernel;
+  backward:  the streams' cotangents dH_i = sum_j R_ij dH'_j, f(h)'s
+             df(h) = sum_j b_j dH'_j and the m^2 + m per-token weight cotangents
+             dR_ij = <H_i, dH'_j>, db_j = <f(h), dH'_j> in one pass over the tiles:
+             each stream and cotangent read once, no float32 copy of either in memory.
+
+The kernels see the streams d-minor, as the TPU compiler lays them out for the XLA
+version ([m, B, T, D]{3,2,1,0}): a program's block is a tile of tokens of every
+stream, [m, t, D], the width on the lanes, so no relayout at the kernel's boundary.
+The per-token weights travel tokens-minor, as the model computes them, as one
+[B, m^2 + m, T] float32 array; inside, a product with the identity on the (otherwise
+idle) MXU turns a block to tokens-major so that each weight is a [t, 1] column that
+broadcasts over the lanes (and the weights' cotangents back).
+The grid runs over (batch row, tile of T), both 'parallel' (a megacore chip splits
+them). Off the TPU (the CPU tests) the same kernels run in Pallas interpret mode;
+under the model's mesh they run per device in `jax.shard_map` (streams split over
+batch and length; a split over the streams or the width is refused).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.sharding import PartitionSpec as P
+
+from attnres_jax import sharding
+
+F32 = jnp.float32
+_SQ = pl.squeezed
+# What one program's blocks (double buffered) and float32 temporaries may take, and
+# the headroom asked of Mosaic above that estimate (v5p has 64 MiB a core).
+TILE_VMEM_BYTES = 32 * 2**20
+HEADROOM_VMEM_BYTES = 16 * 2**20
+VMEM_BYTES = 64 * 2**20
+LANES = 128  # tokens per tile step: the per-token weights hold the tokens on lanes
+
+
+# -- the kernels: one program = one tile of tokens of every stream ------------------
+
+
+def _column(coef_tK, k):
+  """Per-token weight k as a [t, 1] column (broadcasts over the lanes)."""
+  return coef_tK[:, k : k + 1]
+
+
+_TN = (((0,), (0,)), ((), ()))  # a^T . b
+_NT = (((1,), (1,)), ((), ()))  # a . b^T
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def _eye(n):
+  rows = jax.lax.broadcasted_iota(jnp.int32, (n, n), 0)
+  return (rows == jax.lax.broadcasted_iota(jnp.int32, (n, n), 1)).astype(F32)
+
+
+def _tokens_major(coef_Kt):
+  """[K, t] (tokens on the lanes, as stored) -> [t, K]: a product with the identity
+  on the MXU (exact at HIGHEST precision: each float32 value enters as bfloat16
+  parts that sum back to it), where a vector transpose of a [K, t] block whose K is
+  no multiple of 128 would need relayouts."""
+  return jax.lax.dot_general(
+    coef_Kt, _eye(coef_Kt.shape[0]), _TN, precision=_HIGHEST, preferred_element_type=F32
+  )
+
+
+def _tokens_minor(coef_tK):
+  """[t, K] -> [K, t], the same way."""
+  return jax.lax.dot_general(
+    _eye(coef_tK.shape[1]), coef_tK, _NT, precision=_HIGHEST, preferred_element_type=F32
+  )
+
+
+def forward_kernel(coef_ref, streams_ref, out_ref, new_ref, *, m):
+  """coef [K, t] (K = m^2 + m rows, R_ij at i m + j, then b_j; tokens on the lanes),
+  streams [m, t, D], f(h) [t, D] -> new streams [m, t, D]; the sums in the XLA
+  version's order."""
+  coef_tK = _tokens_major(coef_ref[...])
+  h_tD = [streams_ref[i].astype(F32) for i in range(m)]
+  out_tD = out_ref[...].astype(F32)
+  for j in range(m):
+    acc_tD = _column(coef_tK, j) * h_tD[0]
+    for i in range(1, m):
+      acc_tD = acc_tD + _column(coef_tK, i * m + j) * h_tD[i]
+    acc_tD = acc_tD + _column(coef_tK, m * m + j) * out_tD
+    new_ref[j] = acc_tD.astype(new_ref.dtype)
+
+
+def backward_kernel(
+  coef_ref, streams_ref, out_ref, dnew_ref, dstreams_ref, dout_ref, dcoef_ref, *, m
+):
+  """coef [K, t], streams [m, t, D], f(h) [t, D], the new streams' cotangents
+  [m, t, D] -> the streams' cotangents [m, t, D], f(h)'s [t, D] and the weights'
+  [K, t] (float32; per token a reduction over the lanes)."""
+  coef_tK = _tokens_major(coef_ref[...])
+  lane_tK = jax.lax.broadcasted_iota(jnp.int32, coef_tK.shape, 1)
+  dcoef_tK = jnp.zeros(coef_tK.shape, F32)
+
+  def put(dcoef_tK, k, x_tD, y_tD):
+    dot_t1 = jnp.sum(x_tD * y_tD, axis=1, keepdims=True)
+    return jnp.where(lane_tK == k, dot_t1, dcoef_tK)
+
+  dnew_tD = [dnew_ref[j].astype(F32) for j in range(m)]
+  out_tD = out_ref[...].astype(F32)
+  dout_tD = None
+  for j in range(m):
+    term = _column(coef_tK, m * m + j) * dnew_tD[j]
+    dout_tD = term if dout_tD is None else dout_tD + term
+    dcoef_tK = put(dcoef_tK, m * m + j, dnew_tD[j], out_tD)
+  dout_ref[...] = dout_tD.astype(dout_ref.dtype)
+  for i in range(m):
+    h_tD = streams_ref[i].astype(F32)
+    dh_tD = None
+    for j in range(m):
+      term = _column(coef_tK, i * m + j) * dnew_tD[j]
+      dh_tD = term if dh_tD is None else dh_tD + term
+      dcoef_tK = put(dcoef_tK, i * m + j, h_tD, dnew_tD[j])
+    dstreams_ref[i] = dh_tD.astype(dstreams_ref.dtype)
+  dcoef_ref[...] = _tokens_minor(dcoef_tK)
+
+
+def vmem_bytes(tile, m, dim, itemsize):
+  """On-chip memory of the larger (backward) kernel at `tile` tokens: its blocks
+  double buffered (streams, f(h), the cotangents in; the streams' and f(h)'s
+  cotangents out; the weights and their cotangents, counted as [t, K] padded to 128
+  lanes, as they are inside) and the 2m + 2 float32 [t, D] copies of its inputs and
+  results it works on."""
+  blocks = (3 * m + 2) * tile * dim * itemsize + 2 * tile * 128 * 4
+  return 2 * blocks + (2 * m + 2) * tile * dim * 4
+
+
+def choose_tile(length, m, dim, itemsize):
+  """Tokens per program: the largest multiple of 128 dividing `length` whose kernels
+  fit TILE_VMEM_BYTES (at least 128), or all of T when no multiple of 128 divides it."""
+  fits = [
+    t
+    for t in range(LANES, length + 1, LANES)
+    if length % t == 0 and vmem_bytes(t, m, dim, itemsize) <= TILE_VMEM_BYTES
+  ]
+  if fits:
+    return max(fits)
+  return LANES if length % LANES == 0 else length
+
+
+# -- the launches ---------------------------------------------------------------------
+
+
+def _launch(kernel, args, kinds, outs, m, cost):
+  """The pallas_call of `kernel` over (batch row, tile of T) on `args` whose blocks
+  `kinds` name ('coef' [B, K, T], 'streams' [m, B, T, D], 'one' [B, T, D]); `outs`:
+  (kind, shape, dtype) per result; `cost`: (flops, HBM bytes). Mosaic on the TPU,
+  interpret mode elsewhere."""
+  _, batch, length, dim = args[1].shape
+  num_coef = args[0].shape[1]
+  tile = choose_tile(length, m, dim, args[1].dtype.itemsize)
+  vmem = vmem_bytes(tile, m, dim, args[1].dtype.itemsize)
+  specs = dict(
+    coef=pl.BlockSpec((_SQ, num_coef, tile), lambda b, t: (b, 0, t)),
+    streams=pl.BlockSpec((m, _SQ, tile, dim), lambda b, t: (0, b, t, 0)),
+    one=pl.BlockSpec((_SQ, tile, dim), lambda b, t: (b, t, 0)),
+  )
+
+  def make(interpret):
+    return pl.pallas_call(
+      functools.partial(kernel, m=m),
+      out_shape=[jax.ShapeDtypeStruct(shape, dtype) for _, shape, dtype in outs],
+      grid=(batch, length // tile),
+      in_specs=[specs[kind] for kind in kinds],
+      out_specs=[specs[kind] for kind, _, _ in outs],
+      compiler_params=pltpu.CompilerParams(
+        dimension_semantics=('parallel', 'parallel'),
+        vmem_limit_bytes=min(VMEM_BYTES, vmem + HEADROOM_VMEM_BYTES),
+      ),
+      cost_estimate=pl.CostEstimate(
+        flops=int(cost[0]), transcendentals=0, bytes_accessed=int(cost[1])
+      ),
+      interpret=interpret,
+    )
+
+  return jax.lax.platform_dependent(
+    *args, tpu=lambda *a: make(False)(*a), default=lambda *a: make(True)(*a)
+  )
+
+
+def _forward_device(coef_BKT, streams_MBTD, out_BTD):
+  m, batch, length, dim = streams_MBTD.shape
+  tokens, size = batch * length, streams_MBTD.dtype.itemsize
+  cost = (
+    tokens * dim * 2 * m * (m + 1),  # m + 1 multiply-adds per output element
+    tokens * (dim * (2 * m + 1) * size + coef_BKT.shape[1] * 4),
+  )
+  (new_MBTD,) = _launch(
+    forward_kernel,
+    (coef_BKT, streams_MBTD, out_BTD),
+    ('coef', 'streams', 'one'),
+    [('streams', streams_MBTD.shape, streams_MBTD.dtype)],
+    m,
+    cost,
+  )
+  return new_MBTD
+
+
+def _backward_device(coef_BKT, streams_MBTD, out_BTD, dnew_MBTD):
+  m, batch, length, dim = streams_MBTD.shape
+  tokens, size = batch * length, streams_MBTD.dtype.itemsize
+  num_coef = coef_BKT.shape[1]
+  cost = (
+    # the m + 1 cotangents' multiply-adds and the m^2 + m dots, per element
+    tokens * dim * 2 * (m * (m + 1) + num_coef),
+    tokens * (dim * (3 * m + 2) * size + 2 * num_coef * 4),
+  )
+  return _launch(
+    backward_kernel,
+    (coef_BKT, streams_MBTD, out_BTD, dnew_MBTD),
+    ('coef', 'streams', 'one', 'streams'),
+    [
+      ('streams', streams_MBTD.shape, streams_MBTD.dtype),
+      ('one', out_BTD.shape, out_BTD.dtype),
+      ('coef', coef_BKT.shape, F32),
+    ],
+    m,
+    cost,
+  )
+
+
+def per_device(fn, shape, in_kinds, out_kinds):
+  """`fn` per device under the active mesh, or `fn` as is on one device: the streams
+  (of `shape`) split over batch and length as the sharding rules say, every operand
+  and result (`in_kinds`, `out_kinds`: 'streams', 'one', 'coef' or 'maps') alike."""
+  active = sharding._ACTIVE.get()
+  if active is None or active[0].size == 1:
+    return fn
+  mesh, rules = active
+  spec = tuple(
+    sharding.logical_to_spec(sharding.DEPTH_BUFFER, rules, mesh=mesh, shape=shape)
+  )
+  k, b, t, d = spec + (None,) * (4 - len(spec))
+  if k is not None or d is not None:
+    raise ValueError(
+      f"depth_kernel='pallas' needs the HC/mHC streams split over batch and length "
+      f'only; the sharding rules split them as {P(k, b, t, d)} (streams, batch, '
+      f"length, width) on mesh {dict(mesh.shape)}: map 'depth' and 'hidden' to no "
+      f"mesh axis or use depth_kernel='xla'."
+    )
+  spec = dict(
+    streams=P(None, b, t, None),  # [m, B, T, D]
+    one=P(b, t, None),  # [B, T, D]
+    coef=P(b, None, t),  # [B, K, T]
+    maps=P(b, None, None, t),  # [B, m, m, T] (sinkhorn_pallas)
+  ).get
+  return jax.shard_map(
+    fn,
+    mesh=mesh,
+    in_specs=tuple(map(spec, in_kinds)),
+    out_specs=tuple(map(spec, out_kinds))
+    if isinstance(out_kinds, tuple)
+    else spec(out_kinds),
+    check_vma=False,
+  )
+
+
+# -- the custom VJP ---------------------------------------------------------------------
+
+
+def _coefficients(mix_MMBT, write_MBT):
+  """[B, m^2 + m, T] float32 (tokens minor, as the model computes them): R_ij at
+  row i m + j, then b_j."""
+  m = write_MBT.shape[0]
+  flat_KBT = jnp.concatenate([mix_MMBT.reshape(m * m, *write_MBT.shape[1:]), write_MBT])
+  return jnp.swapaxes(flat_KBT.astype(F32), 0, 1)
+
+
+@jax.custom_vjp
+def write(mix_MMBT, write_MBT, streams_MBTD, out_BTD):
+  """`hyper_streams.write` by the Pallas kernels: the new streams [m, B, T, D] in the
+  streams' dtype; mix[i, j]: from stream i to stream j. The per-token weights are
+  float32 (as `Coefficients` holds them), and so are their cotangents."""
+  return _write_fwd(mix_MMBT, write_MBT, streams_MBTD, out_BTD)[0]
+
+
+def _write_fwd(mix_MMBT, write_MBT, streams_MBTD, out_BTD):
+  coef_BKT = _coefficients(mix_MMBT, write_MBT)
+  fn = per_device(
+    _forward_device, streams_MBTD.shape, ('coef', 'streams', 'one'), 'streams'
+  )
+  new_MBTD = fn(coef_BKT, streams_MBTD, out_BTD)
+  return new_MBTD, (coef_BKT, streams_MBTD, out_BTD)
+
+
+def _write_bwd(saved, dnew_MBTD):
+  coef_BKT, streams_MBTD, out_BTD = saved
+  m = streams_MBTD.shape[0]
+  fn = per_device(
+    _backward_device,
+    streams_MBTD.shape,
+    ('coef', 'streams', 'one', 'streams'),
+    ('streams', 'one', 'coef'),
+  )
+  dstreams_MBTD, dout_BTD, dcoef_BKT = fn(
+    coef_BKT, streams_MBTD, out_BTD, dnew_MBTD.astype(streams_MBTD.dtype)
+  )
+  dcoef_KBT = jnp.swapaxes(dcoef_BKT, 0, 1)
+  d_mix = dcoef_KBT[: m * m].reshape(m, m, *dcoef_KBT.shape[1:])
+  return d_mix, dcoef_KBT[m * m :], dstreams_MBTD, dout_BTD
+
+
+write.defvjp(_write_fwd, _write_bwd)

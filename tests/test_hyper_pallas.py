@@ -1,0 +1,258 @@
+"""The Pallas stream write of HC/mHC (attnres_jax/residuals/hyper_pallas.py) equals the
+XLA one (hyper_streams.write), forward and every cotangent, and the models built
+with it (`depth_kernel='pallas'`) equal those built without.
+
+On the CPU the kernels run in Pallas interpret mode: the same kernel code and the
+same float32 arithmetic as on the TPU. The TPU lowering (Mosaic, under shard_map on
+a data-parallel mesh) is checked by an ahead-of-time compile.
+"""
+
+import importlib.util
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import attnres_jax as ar
+from attnres_jax import aot
+from attnres_jax import modes
+from attnres_jax import sharding
+from attnres_jax.residuals import hyper_connections as hcl
+from attnres_jax.residuals import hyper_pallas as hp
+from attnres_jax.residuals import hyper_streams as hs
+from attnres_jax.residuals import sinkhorn_pallas as sp
+from configs import default as default_config
+from conftest import child_result
+from tests.test_hyper_connections import TINY
+from tests.test_hyper_connections import randomize
+from tests.test_hyper_connections import tokens
+
+# float32: both versions add the same float32 products; the per-token weight
+# cotangents are sums over D = 128 in a different order (XLA's reduction tree against
+# the kernel's), a few ulps (2^-24) of the sum of |terms|, which for unit-normal
+# inputs is ~sqrt(D) = 11x the result's scale: 1e-5 of the largest. The element-wise
+# results are the same sums of m + 1 products in the same order (on the TPU the
+# compiler may reassociate them: a few ulps). Measured in interpret mode: element-wise
+# results identical, weight cotangents <= 1.8e-7.
+F32_TOL = 1e-5
+# bfloat16 streams: the element-wise results are the bfloat16 rounding of two float32
+# values as close as above, so at worst one bfloat16 ulp apart (2^-8 of the value);
+# the weight cotangents are float32 and keep F32_TOL. Measured: identical, <= 9.3e-8.
+BF16_TOL = 2.0**-8
+
+
+def inputs(m, batch, length, dim, dtype, seed=0):
+  keys = jax.random.split(jax.random.key(seed), 4)
+  return (
+    jax.random.normal(keys[0], (m, m, batch, length)),
+    jax.random.normal(keys[1], (m, batch, length)),
+    jax.random.normal(keys[2], (m, batch, length, dim)).astype(dtype),
+    jax.random.normal(keys[3], (batch, length, dim)).astype(dtype),
+  )
+
+
+def value_and_grads(write, args, seed=1):
+  """The new streams and the gradients of a random weighting of them w.r.t. every
+  input (each new stream gets its own cotangent)."""
+  weights = jax.random.normal(jax.random.key(seed), args[2].shape)
+
+  def loss(*args):
+    new = write(*args)
+    return jnp.sum(new.astype(jnp.float32) * weights), new
+
+  grads, new = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(*args)
+  return new, grads
+
+
+def assert_close(actual, expected, tol, what):
+  actual, expected = (np.asarray(x, np.float32) for x in (actual, expected))
+  assert actual.shape == expected.shape, what
+  scale = float(np.abs(expected).max()) + 1e-30
+  np.testing.assert_allclose(actual / scale, expected / scale, atol=tol, err_msg=what)
+
+
+@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize('m,tile_bytes', [(4, None), (4, 1), (2, None), (1, None)])
+def test_kernel_equals_the_xla_write(dtype, m, tile_bytes, monkeypatch):
+  """Values and the cotangents of the mixing, the write weights, the streams and
+  f(h). tile_bytes=1: the narrowest tile (128 tokens), two tiles along T."""
+  if tile_bytes is not None:
+    monkeypatch.setattr(hp, 'TILE_VMEM_BYTES', tile_bytes)
+  args = inputs(m, 2, 256, 128, dtype)
+  new, grads = value_and_grads(hp.write, args)
+  ref_new, ref_grads = value_and_grads(hs.write, args)
+  assert new.dtype == ref_new.dtype == dtype
+  tol = F32_TOL if dtype == jnp.float32 else BF16_TOL
+  assert_close(new, ref_new, tol, 'new streams')
+  names = ('mix', 'write weights', 'streams', 'f(h)')
+  for name, g, ref_g, primal in zip(names, grads, ref_grads, args):
+    assert g.dtype == ref_g.dtype == primal.dtype, name
+    assert_close(g, ref_g, tol if g.dtype == jnp.bfloat16 else F32_TOL, name)
+
+
+MESH_RULES = {
+  'batch': dict(batch=('data', 'fsdp')),
+  'batch_length': dict(batch=('data',), length=('fsdp',)),
+}
+
+
+def sharded_errors():
+  """The child: on a (2, 2, 1) mesh under each of MESH_RULES, the largest relative
+  difference between the Pallas and the XLA write (values and cotangents), whether
+  the kernel runs per device, and whether a split of the width is refused."""
+  mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 2, 1), sharding.AXIS_NAMES)
+  args = inputs(4, 4, 256, 128, jnp.float32)
+  out = {}
+  for name, rules in MESH_RULES.items():
+    rules = {**sharding.DEFAULT_RULES, **rules}
+
+    def under_rules(write, *args, rules=rules):
+      with sharding.logical_rules(mesh, rules):
+        return write(*args)
+
+    pallas = value_and_grads(lambda *a: under_rules(hp.write, *a), args)
+    xla = value_and_grads(lambda *a: under_rules(hs.write, *a), args)
+    out[name] = max(
+      float(np.abs(a - b).max() / (np.abs(b).max() + 1e-30))
+      for a, b in zip(jax.tree.leaves(pallas), jax.tree.leaves(xla))
+    )
+    jaxpr = jax.make_jaxpr(lambda *a: under_rules(hp.write, *a))(*args)
+    out[f'{name}_per_device'] = 'shard_map' in str(jaxpr)
+    logits = 3 * args[0]  # [m, m, B, T]
+    sinkhorns = [
+      jax.jit(jax.value_and_grad(lambda x, f=f: jnp.sum(under_rules(f, x) * logits)))(
+        logits
+      )
+      for f in (lambda x: sp.sinkhorn(x, 20), lambda x: hcl.sinkhorn(x, 20, (0, 1)))
+    ]
+    out[f'{name}_sinkhorn'] = max(
+      float(np.abs(a - b).max() / (np.abs(b).max() + 1e-30))
+      for a, b in zip(jax.tree.leaves(sinkhorns[0]), jax.tree.leaves(sinkhorns[1]))
+    )
+  rules = {**sharding.DEFAULT_RULES, 'batch': ('data',), 'hidden': ('fsdp',)}
+  try:
+    with sharding.logical_rules(mesh, rules):
+      hp.write(*args)
+    out['width_split_refused'] = False
+  except ValueError as e:
+    out['width_split_refused'] = "map 'depth' and 'hidden' to no mesh axis" in str(e)
+  return out
+
+
+def test_kernel_on_a_mesh_equals_xla():
+  """Streams (and mHC's maps) split over batch, or over batch and length (4 CPU
+  devices): the write and Sinkhorn equal XLA."""
+  errors = child_result(__file__, 4, 'sharded')
+  assert len(errors) == 3 * len(MESH_RULES) + 1
+  for name, error in errors.items():
+    if name.endswith(('per_device', 'refused')):
+      assert error is True, name
+    else:
+      assert error <= F32_TOL, (name, error)
+
+
+@pytest.mark.parametrize('scale', [1.0, 3.0, 30.0, 1e4])
+@pytest.mark.parametrize('max_tile', [None, 128])
+def test_sinkhorn_kernel_equals_the_xla_sinkhorn(scale, max_tile, monkeypatch):
+  """mHC's maps [m, m, B, T] (rows i, columns j), values and the logits' gradient of
+  a random weighting; max_tile=128: two tiles along T. Values: the same float32
+  operations, sums over 4 terms in another order: a few ulps of entries <= 1 (1e-6;
+  measured <= 2.4e-7). Gradients: 20 iterations back, 1e-5 of the largest (measured
+  <= 5.4e-7 up to scale 30). At scale 1e4 a log-domain value carries an absolute
+  rounding error of ~2^-24 |logit| ~ 1e-3 in either version, which exp() turns into
+  relative errors of that size (measured 3.4e-4 between the two): there the
+  gradient is only checked to be finite."""
+  if max_tile is not None:
+    monkeypatch.setattr(sp, 'MAX_TILE', max_tile)
+  logits = scale * jax.random.normal(jax.random.key(0), (4, 4, 2, 256))
+  weights = jax.random.normal(jax.random.key(1), logits.shape)
+
+  def value_and_grad(fn):
+    loss = lambda x: jnp.sum(fn(x) * weights)
+    return jax.jit(lambda x: (fn(x), jax.grad(loss)(x)))(logits)
+
+  out, grad = value_and_grad(lambda x: sp.sinkhorn(x, 20))
+  ref_out, ref_grad = value_and_grad(lambda x: hcl.sinkhorn(x, 20, (0, 1)))
+  np.testing.assert_allclose(out, ref_out, atol=1e-6)
+  np.testing.assert_allclose(out.sum(1), 1.0, atol=1e-6)  # rows, as the reference
+  assert bool(jnp.all(jnp.isfinite(grad)))
+  if scale <= 30:
+    assert_close(grad, ref_grad, F32_TOL, 'logits')
+
+
+def test_tile_choice():
+  # d1024, m = 4, bfloat16: 256 tokens fit the budget, 512 do not.
+  assert hp.choose_tile(1024, 4, 1024, 2) == 256
+  assert hp.vmem_bytes(256, 4, 1024, 2) <= hp.TILE_VMEM_BYTES
+  assert hp.vmem_bytes(512, 4, 1024, 2) > hp.TILE_VMEM_BYTES
+  assert hp.choose_tile(96, 4, 32, 4) == 96  # no multiple of 128 divides: all of T
+  assert hp.choose_tile(1, 4, 32, 4) == 1  # a decoding step
+  assert sp.choose_tile(1024) == sp.MAX_TILE and sp.choose_tile(96) == 96
+
+
+def model_loss_and_grads(residual, kernel, dtype='float32'):
+  cfg = ar.model_config(
+    **TINY, residual=residual, depth_kernel=kernel, dtype=dtype, param_dtype='float32'
+  )
+  model = randomize(ar.Transformer(cfg, rngs=nnx.Rngs(0)))
+  graphdef, state = nnx.split(model)
+  tokens_BT = tokens(length=32)
+
+  def loss(state):
+    logits = nnx.merge(graphdef, state)(tokens_BT)
+    return jnp.mean(jax.nn.log_softmax(logits.astype(jnp.float32))[..., 0])
+
+  return jax.jit(jax.value_and_grad(loss))(state)
+
+
+@pytest.mark.parametrize('residual', ['hc', 'mhc'])
+def test_model_with_the_kernel_equals_the_xla_model(residual):
+  """Loss and every parameter's gradient, float32, dynamic HC / mHC with every
+  parameter moved from its initial value: only the weight cotangents' summation
+  order differs (above), through four sublayers: 1e-5 of each gradient's scale.
+  Measured: losses identical, gradients <= 5.8e-7 of their scale."""
+  loss, grads = model_loss_and_grads(residual, 'pallas')
+  ref_loss, ref_grads = model_loss_and_grads(residual, 'xla')
+  np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
+  flat, ref_flat = (jax.tree.leaves_with_path(g) for g in (grads, ref_grads))
+  for (path, g), (_, ref_g) in zip(flat, ref_flat):
+    assert_close(g, ref_g, 1e-5, jax.tree_util.keystr(path))
+
+
+def test_option_is_validated_and_parsed():
+  assert modes.fields('mhc/pallas') == dict(
+    residual='mhc', hc_streams=4, depth_kernel='pallas'
+  )
+  with pytest.raises(ValueError, match='apply to full and block only'):
+    modes.fields('hc/bf16')
+  with pytest.raises(ValueError, match='depth_kernel must be one of'):
+    ar.model_config(**TINY, residual='hc', depth_kernel='triton')
+
+
+needs_libtpu = pytest.mark.skipif(
+  importlib.util.find_spec('libtpu') is None,
+  reason='libtpu (the TPU compiler) is not installed',
+)
+
+
+@needs_libtpu
+@pytest.mark.parametrize('residual', ['hc', 'mhc'])
+def test_train_step_compiles_for_tpu_with_the_kernel(residual, tmp_path):
+  """Mosaic lowers both kernels inside the production train step (data parallel on
+  v5e:2x2: the kernels run per device under shard_map)."""
+  config = default_config.get_config('tiny')
+  config.model.update(dtype='bfloat16', residual=residual, depth_kernel='pallas')
+  report = aot.compile_report(config, 'v5e:2x2', steps=('train',), hlo_dir=str(tmp_path))
+  assert report['steps']['train']['bytes_accessed'] > 0
+  with open(os.path.join(tmp_path, 'train.hlo.txt'), encoding='utf-8') as f:
+    text = f.read()
+  assert text.count('custom_call_target="tpu_custom_call"') >= 2  # forward, backward
+
+
+if __name__ == '__main__' and sys.argv[1:] == ['sharded']:
+  print(json.dumps(sharded_errors()))
