@@ -210,10 +210,22 @@ def phase1(
 
 
 def phase2(
-  phase1_stats, local_JBTD, valid_J, query_D, gain_D, *, eps, local_inv_rms_JBT=None
+  phase1_stats,
+  local_JBTD,
+  valid_J,
+  query_D,
+  gain_D,
+  *,
+  eps,
+  local_inv_rms_JBT=None,
+  num_written=None,
 ):
   """Phase 2: one sublayer merges its Phase 1 statistics with the J local sources
   (those of `valid_J` only) by online softmax. Returns h in the local sources' dtype.
+  `num_written` (static): only the first local slots can be valid, and the merge's
+  forward reduces over those alone (Full's sublayers read 1 to J - 1 of a segment's J
+  slots; masked, each empty slot still cost a pass over D: bench/aot.py d1024
+  v5p:2x2x1, full/pallas 55.94 -> 55.27 ms, temp unchanged).
 
   At least one source must be valid across both phases (Phase 1 always has the
   embedding). With several local sources (Full) the VJP is written out (`_merge_bwd`):
@@ -234,6 +246,7 @@ def phase2(
       folded_D,
       local_inv_rms_JBT,
       float(eps),
+      local_JBTD.shape[0] if num_written is None else num_written,
     )
   dots_JBT, inv_rms_JBT = _source_logits(local_JBTD, folded_D, eps, local_inv_rms_JBT)
   logits_JBT = jnp.where(valid_J[:, None, None], dots_JBT * inv_rms_JBT, -jnp.inf)
@@ -284,23 +297,65 @@ def _merge_parts(max_BT, sum_BT, local_JBTD, valid_J, folded_D, local_inv_rms_JB
   )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _written(num_written, local_JBTD, local_inv_rms_JBT):
+  """The first `num_written` local slots and their given inverse RMS (or None)."""
+  if local_inv_rms_JBT is not None:
+    local_inv_rms_JBT = local_inv_rms_JBT[:num_written]
+  return local_JBTD[:num_written], local_inv_rms_JBT
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
 def _merge(
-  max_BT, sum_BT, out_BTD, local_JBTD, valid_J, folded_D, local_inv_rms_JBT, eps
+  max_BT,
+  sum_BT,
+  out_BTD,
+  local_JBTD,
+  valid_J,
+  folded_D,
+  local_inv_rms_JBT,
+  eps,
+  num_written,
 ):
   return _merge_fwd(
-    max_BT, sum_BT, out_BTD, local_JBTD, valid_J, folded_D, local_inv_rms_JBT, eps
+    max_BT,
+    sum_BT,
+    out_BTD,
+    local_JBTD,
+    valid_J,
+    folded_D,
+    local_inv_rms_JBT,
+    eps,
+    num_written,
   )[0]
 
 
 def _merge_fwd(
-  max_BT, sum_BT, out_BTD, local_JBTD, valid_J, folded_D, local_inv_rms_JBT, eps
+  max_BT,
+  sum_BT,
+  out_BTD,
+  local_JBTD,
+  valid_J,
+  folded_D,
+  local_inv_rms_JBT,
+  eps,
+  num_written,
 ):
+  # Only the written slots enter the reductions. The slots are kept whole for the
+  # backward pass (a kept slice is a copy), which runs over all J with the per-token
+  # values zero-padded: reducing over the written slots there too, or padding its
+  # [J, B, T, D] result, took more temporary memory (bench/aot.py, full/pallas).
+  written_NBTD, written_inv_rms_NBT = _written(num_written, local_JBTD, local_inv_rms_JBT)
   scale_BT, alpha_JBT, dots_JBT, inv_rms_JBT, total_BT = _merge_parts(
-    max_BT, sum_BT, local_JBTD, valid_J, folded_D, local_inv_rms_JBT, eps
+    max_BT,
+    sum_BT,
+    written_NBTD,
+    valid_J[:num_written],
+    folded_D,
+    written_inv_rms_NBT,
+    eps,
   )
   h_BTD = out_BTD.astype(jnp.float32) * scale_BT[..., None] + slot_sum(
-    alpha_JBT, local_JBTD
+    alpha_JBT, written_NBTD
   )
   saved = (sum_BT, out_BTD, local_JBTD, folded_D, local_inv_rms_JBT)
   return h_BTD.astype(local_JBTD.dtype), saved + (
@@ -312,15 +367,18 @@ def _merge_fwd(
   )
 
 
-def _merge_bwd(eps, saved, d_h_BTD):
+def _merge_bwd(eps, num_written, saved, d_h_BTD):
   """h = c o + sum_j alpha_j v_j (c = s / total, alpha_j = w_j / total). With g = dh:
   <g, h> = c <g, o> + sum_j alpha_j <g, v_j> (reductions over D of g against the
   inputs; h is not rebuilt), dl_j = alpha_j (<g, v_j> - <g, h>), do = c g,
   d sum = -c <g, h>, d max = c (<g, o> - sum <g, h>) (through s; the new max is
   stop-gradient), dv_j = alpha_j g + dl_j r_j f - (r_j^3 / D) dl_j dot_j v_j (the last
-  term when r is computed here; a given r gets dl_j dot_j), df = sum dl_j r_j v_j."""
+  term when r is computed here; a given r gets dl_j dot_j), df = sum dl_j r_j v_j.
+  Over all J slots (alpha, dot and r zero-padded past the written ones)."""
   sum_BT, out_BTD, local_JBTD, folded_D, local_inv_rms_JBT = saved[:5]
-  scale_BT, alpha_JBT, dots_JBT, inv_rms_JBT, _ = saved[5:]
+  scale_BT, *per_token = saved[5:9]
+  to_all = lambda x: jnp.pad(x, [(0, local_JBTD.shape[0] - num_written), (0, 0), (0, 0)])
+  alpha_JBT, dots_JBT, inv_rms_JBT = map(to_all, per_token)
   g_BTD = d_h_BTD.astype(jnp.float32)
   g_out_BT = jnp.sum(g_BTD * out_BTD.astype(jnp.float32), axis=-1)
   g_local_JBT = jnp.sum(g_BTD[None] * local_JBTD.astype(jnp.float32), axis=-1)

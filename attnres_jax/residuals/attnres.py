@@ -190,6 +190,7 @@ class AttnResResidual(base.Residual):
         gain_D,
         eps=self.cfg.attn_res_eps,
         local_inv_rms_JBT=local_inv_rms_JBT,
+        num_written=num_valid,
       )
     else:  # a segment's first sublayer: no local slot to merge
       h_BTD = depth.phase1_read(phase1_stats, local_JBTD.dtype)
