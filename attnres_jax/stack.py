@@ -105,6 +105,17 @@ def segment_layers_of(grouped, size: int):
   return tuple(jax.tree.map(lambda x: x[j], grouped) for j in range(size))
 
 
+def index_segment_layers(tree, segment, size: int):
+  """Segment `segment`'s layers (may be traced) of per-layer stacked arrays [L, ...],
+  each indexed in the whole stack: `segment_layers_of` without the segment's slice."""
+  return tuple(
+    jax.tree.map(
+      lambda x: jax.lax.dynamic_index_in_dim(x, segment * size + j, 0, False), tree
+    )
+    for j in range(size)
+  )
+
+
 def ungroup_layers(grouped):
   """The inverse of `group_segments` for trees: one stack over all layers [L, ...]
   (a reshape when there is no shorter last segment)."""
@@ -178,6 +189,7 @@ def run_layers(
   collect_stats=False,
   stats_weights_BT=None,
   extra_xs=None,
+  index_layers: bool = False,
 ):
   """Runs every layer through `residual`; returns (final carry, per-layer outputs).
 
@@ -187,6 +199,11 @@ def run_layers(
   ...], one per position, the last shorter segment's a tuple of trees; `join_layers`
   stacks them over layers.
   `extra_xs`: per-layer inputs stacked over layers (a KV cache), handed to the hook.
+  `index_layers`: the scan over whole segments indexes each layer's parameters in the
+  whole stack [L, ...] (`index_segment_layers`: one dynamic slice per layer) instead of
+  slicing a segment [size, ...] and then its layers (each slice a copy of parameters).
+  Only where the scan is not differentiated (a custom VJP's forward): autodiff would
+  add a cotangent of the whole stack per segment.
   """
   if apply_sublayer is None:
     functions = [
@@ -245,14 +262,17 @@ def run_layers(
         if grouped_extras is None
         else segment_layers_of(grouped_extras, size)
       )
-      return run_segment(
-        carry, (segment_layers_of(grouped_states, size), segment, extras_j)
+      layers = (
+        index_segment_layers(layer_state, segment, size)
+        if grouped_states is None
+        else segment_layers_of(grouped_states, size)
       )
+      return run_segment(carry, (layers, segment, extras_j))
 
     carry, full_ys = scan_or_loop(
       run_grouped,
       carry,
-      (states[0], jnp.arange(num_full), extras[0]),
+      (None if index_layers else states[0], jnp.arange(num_full), extras[0]),
       unroll=not cfg.scan_layers,
     )
   if states[1] is not None:

@@ -30,22 +30,7 @@ from attnres_jax import depth
 from attnres_jax import depth_pallas
 from attnres_jax import sharding
 from attnres_jax import stack as stack_lib
-
-
-def _saveable(primitive, *avals, **params) -> bool:
-  """What the sublayer's VJP closure keeps: everything computed from a float value,
-  as plain autodiff keeps it. Values computed from integers and booleans alone (the
-  causal mask from iotas, position indices) are recomputed in the backward pass:
-  plain autodiff of a scan saves such loop-invariant values once, but a closure that
-  this backward's scan returns would stack them once per segment (for attention, a
-  boolean [B, N, T, T] mask per layer)."""
-  del primitive, params
-  return any(jnp.issubdtype(aval.dtype, jnp.inexact) for aval in avals)
-
-
-def keeping_float_residuals(fn):
-  """`fn` whose VJP keeps what `_saveable` allows and recomputes the rest."""
-  return jax.checkpoint(fn, policy=_saveable, prevent_cse=False)
+from attnres_jax.residuals.float_residuals import keeping_float_residuals
 
 
 def make_stack(residual):
@@ -103,7 +88,14 @@ def make_stack(residual):
       runner = stack_lib.Resumed(residual, segment_offset) if resumed else residual
       with phase1_costs():
         return stack_lib.run_layers(
-          runner, graphdef, layer_state, start, positions_BT, cfg=stack_cfg, **kwargs
+          runner,
+          graphdef,
+          layer_state,
+          start,
+          positions_BT,
+          cfg=stack_cfg,
+          index_layers=True,
+          **kwargs,
         )
 
     def sublayer_vjp(which, state_k, h_BTD, positions_BT):
@@ -333,12 +325,12 @@ def make_stack(residual):
           )
 
         def body(d_carry, xs):
-          grouped_states, index, saved, local_JBTD = xs
+          index, saved, local_JBTD = xs
           d_buffer_KBTD, d_states, d_inv_rms_KBT = segment_backward(
             buffer_KBTD,
             d_carry[0],
             received(d_carry[1]),
-            stack_lib.segment_layers_of(grouped_states, size),
+            stack_lib.index_segment_layers(layer_state, index, size),
             offset + index,
             saved,
             positions_BT,
@@ -347,27 +339,36 @@ def make_stack(residual):
             else (sharding.constrain(local_JBTD, sharding.DEPTH_BUFFER), embedding_BTD),
             expected_valid,
           )
-          # Written in place into the gradients of all layers [L, ...], in the
-          # parameters' dtype: stacked per segment as the scan's output, they would
-          # come out [segments, G, ...], and the optimizer's fusions would not see
-          # through the reshape (bench/aot.py, d1024 v5p-8: they wrote the moments
-          # in that layout and read them back).
+          d_segment = jax.tree.map(  # [G, ...], in the parameters' dtype
+            lambda x, *d: jnp.stack(d).astype(x.dtype), layer_state, *d_states
+          )
+          if resumed:  # the scan's output (below)
+            return (d_buffer_KBTD, d_inv_rms_KBT, None), d_segment
+          # Written in place into the gradients of all layers [L, ...]: as the scan's
+          # output, [segments, G, ...], the optimizer's fusions would not see through
+          # the reshape (bench/aot.py, d1024 v5p-8: they wrote the moments in that
+          # layout and read them back). A pipeline chunk's go to the schedule's sum,
+          # not to the optimizer, and the stages' vmap batches the in-place write as a
+          # scatter of all [L, ...] per segment: there, the scan's output
+          # (bench/pipeline.py v5p, Block S=4 at P=2 V=1: 81.5 -> 81.1 ms).
           d_layers = jax.tree.map(
-            lambda d_all, *d: jax.lax.dynamic_update_slice_in_dim(
-              d_all, jnp.stack(d).astype(d_all.dtype), index * size, 0
+            lambda d_all, d: jax.lax.dynamic_update_slice_in_dim(
+              d_all, d, index * size, 0
             ),
             d_carry[2],
-            *d_states,
+            d_segment,
           )
           return (d_buffer_KBTD, d_inv_rms_KBT, d_layers), None
 
         zeros = jax.tree.map(lambda x: jnp.zeros_like(x[: num_full * size]), layer_state)
-        (d_buffer_KBTD, d_inv_rms_KBT, d_full), _ = jax.lax.scan(
+        (d_buffer_KBTD, d_inv_rms_KBT, d_full), d_ys = jax.lax.scan(
           body,
-          (d_buffer_KBTD, d_inv_rms_KBT, zeros),
-          (full_states, jnp.arange(num_full), full_saved, full_local_SJBTD),
+          (d_buffer_KBTD, d_inv_rms_KBT, None if resumed else zeros),
+          (jnp.arange(num_full), full_saved, full_local_SJBTD),
           reverse=True,
         )
+        if resumed:  # [segments, G, ...] -> [L, ...]
+          d_full = jax.tree.map(lambda y: y.reshape(-1, *y.shape[2:]), d_ys)
       if d_tail is not None:
         d_tail = jax.tree.map(lambda *y: jnp.stack(y), *d_tail)
       parts = [d for d in (d_full, d_tail) if d is not None]
