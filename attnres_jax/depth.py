@@ -305,28 +305,9 @@ def _written(num_written, local_JBTD, local_inv_rms_JBT):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
-def _merge(
-  max_BT,
-  sum_BT,
-  out_BTD,
-  local_JBTD,
-  valid_J,
-  folded_D,
-  local_inv_rms_JBT,
-  eps,
-  num_written,
-):
-  return _merge_fwd(
-    max_BT,
-    sum_BT,
-    out_BTD,
-    local_JBTD,
-    valid_J,
-    folded_D,
-    local_inv_rms_JBT,
-    eps,
-    num_written,
-  )[0]
+def _merge(*args):
+  """h of `_merge_fwd`'s arguments (eps and num_written static)."""
+  return _merge_fwd(*args)[0]
 
 
 def _merge_fwd(

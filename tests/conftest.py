@@ -121,6 +121,14 @@ def train_config(**overrides):
   return config
 
 
+def tiny_run_config(tfds_dir, **train_overrides):
+  """The 'tiny' run config on the session's prepared dataset, `train` overridden."""
+  config = default_config.get_config('tiny')
+  config.data.tfds_data_dir = tfds_dir
+  config.train.update(train_overrides)
+  return config
+
+
 def equality_train_config(**overrides):
   """The train config of the tests that compare a sharded or pipelined step with one
   device. Adam's first step is g / (|g| + eps): a moderate eps keeps the update

@@ -26,18 +26,12 @@ from attnres_jax import train as train_lib
 from attnres_jax import workdir as workdir_lib
 from configs import default as default_config
 
+from conftest import tiny_run_config
 from conftest import child_env
 
 # The session's persistent compilation cache: a run of a config compiled before loads
 # its steps instead of compiling them again.
 pytestmark = pytest.mark.usefixtures('compilation_cache')
-
-
-def _config(tfds_dir, **train_overrides):
-  config = default_config.get_config('tiny')
-  config.data.tfds_data_dir = tfds_dir
-  config.train.update(train_overrides)
-  return config
 
 
 def _train_records(workdir) -> list[dict]:
@@ -61,7 +55,7 @@ def _tensorboard_steps(workdir, tag='train/loss') -> list[int]:
 
 
 def test_trains_on_embedded_corpus(tfds_dir, tmp_path):
-  config = _config(tfds_dir)
+  config = tiny_run_config(tfds_dir)
   seen = []
   result = train_lib.train_and_evaluate(
     config, str(tmp_path), on_metrics=lambda step, record: seen.append((step, record))
@@ -151,7 +145,7 @@ N = 4  # resume tests: 2N steps, checkpoint every N
 @pytest.fixture(scope='module')
 def uninterrupted(tfds_dir, tmp_path_factory):
   """(config, workdir, result) of a 2N-step run that was never interrupted."""
-  config = _config(
+  config = tiny_run_config(
     tfds_dir, num_steps=2 * N, checkpoint_every=N, log_every=1, warmup_steps=2
   )
   workdir = str(tmp_path_factory.mktemp('uninterrupted'))

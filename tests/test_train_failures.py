@@ -28,17 +28,12 @@ from attnres_jax import train as train_lib
 from attnres_jax import workdir as workdir_lib
 from configs import default as default_config
 
+from conftest import tiny_run_config
+
 
 # The session's persistent compilation cache: a run of a config compiled before loads
 # its steps instead of compiling them again.
 pytestmark = pytest.mark.usefixtures('compilation_cache')
-
-
-def _config(tfds_dir, **train_overrides):
-  config = default_config.get_config('tiny')
-  config.data.tfds_data_dir = tfds_dir
-  config.train.update(train_overrides)
-  return config
 
 
 def _checkpoint_entries(workdir) -> list[str]:
@@ -78,7 +73,7 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(
 
   monkeypatch.setattr(data_lib, 'build_datasets', poisoned)
   # The tiny run's 30 steps (a program compiled before, see compilation_cache).
-  config = _config(tfds_dir, checkpoint_every=5, keep_checkpoints=None)
+  config = tiny_run_config(tfds_dir, checkpoint_every=5, keep_checkpoints=None)
   with pytest.raises(
     train_lib.NonFiniteLossError, match=r'at step 10 .*last good checkpoint is step 5'
   ):
@@ -98,7 +93,7 @@ def test_non_finite_loss_before_any_checkpoint_says_so(tfds_dir, tmp_path, monke
     return dataclasses.replace(datasets, train=_PoisonedWeights(datasets.train, at=3))
 
   monkeypatch.setattr(data_lib, 'build_datasets', poisoned)
-  config = _config(tfds_dir, checkpoint_every=5)  # the tiny run's 30 steps
+  config = tiny_run_config(tfds_dir, checkpoint_every=5)  # the tiny run's 30 steps
   with pytest.raises(
     train_lib.NonFiniteLossError,
     match=r'at step 3 .*Step 3 was not saved; no checkpoint was saved '
@@ -134,7 +129,7 @@ def test_failed_background_save_stops_training_with_its_cause(
     'disk_usage',
     lambda path: shutil._ntuple_diskusage(10**9, 10**9 - 1024, 1024),
   )
-  config = _config(tfds_dir, checkpoint_every=4, log_every=1)  # tiny's 30 steps
+  config = tiny_run_config(tfds_dir, checkpoint_every=4, log_every=1)  # tiny's 30 steps
   # Noticed at the first step that starts after the background save ended: at step 8,
   # 9 or 10 (step 9's hook waits for the save; step 10 is dispatched before step 9 is
   # read). Without the check, the run would compute until the next save, step 12
@@ -238,7 +233,7 @@ def test_unknown_dataset_is_a_short_message(tmp_path, no_compilation):
 
 def test_empty_eval_split_is_a_clear_error(tfds_dir, tmp_path, monkeypatch):
   monkeypatch.setattr(checkpointing, 'abstract_model', None)  # never reached
-  config = _config(tfds_dir)
+  config = tiny_run_config(tfds_dir)
   config.data.eval_split = 'validation[:0]'
   with pytest.raises(
     ValueError,
