@@ -23,6 +23,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from attnres_jax import sharding
+
 F32 = jnp.float32
 
 
@@ -149,6 +151,10 @@ def normed_projection(phi, streams_MBTD, eps: float, per_stream: bool):
   normalised streams are never stored: HC (`per_stream`) normalises each stream,
   [K, m, B, T]; mHC their concatenation, [K, B, T]. float32; the small result is
   transposed to its outputs leading (tokens minor) after the dot."""
+  # phi (D x K, K tiny) whole on every device: split over D (FSDP) XLA computes the
+  # projection and dphi as windowed dot loops (all-gather, reduce-scatter) around
+  # tokens-minor copies of the streams.
+  phi = sharding.constrain(phi, (None,) * phi.ndim)
   return jnp.moveaxis(_normed_projection(phi, streams_MBTD, eps, per_stream), -1, 0)
 
 
