@@ -51,7 +51,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec as P
 
-from attnres_jax import sharding
+from attnres_jax import pallas_mesh
 from attnres_jax.depth_pallas_kernels import backward_cost
 from attnres_jax.depth_pallas_kernels import HEADROOM_VMEM_BYTES
 from attnres_jax.depth_pallas_kernels import LANES
@@ -281,21 +281,10 @@ def _sharded(fn, shape, in_specs, out_specs):
   """`fn` per device under the active mesh, the buffer [K, B, T, D] split as the
   sharding rules say over batch and length (a split over slots or width is refused),
   or `fn` as is on one device."""
-  active = sharding._ACTIVE.get()
-  if active is None or active[0].size == 1:
+  split = pallas_mesh.batch_length_split(shape, 'the depth buffer', 'slots')
+  if split is None:
     return fn
-  mesh, rules = active
-  spec = tuple(
-    sharding.logical_to_spec(sharding.DEPTH_BUFFER, rules, mesh=mesh, shape=shape)
-  )
-  k, b, t, d = spec + (None,) * (4 - len(spec))
-  if k is not None or d is not None:
-    raise ValueError(
-      f"depth_kernel='pallas' needs the depth buffer split over batch and length "
-      f'only; the sharding rules split it as {P(k, b, t, d)} (slots, batch, length, '
-      f"width) on mesh {dict(mesh.shape)}: map 'depth' and 'hidden' to no mesh axis "
-      f"or use depth_kernel='xla'."
-    )
+  mesh, b, t = split
   spec = dict(
     buf=P(None, b, t, None),  # [K, B, T, D]
     rms=P(None, b, t),  # [K, B, T]

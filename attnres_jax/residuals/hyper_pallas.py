@@ -33,7 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec as P
 
-from attnres_jax import sharding
+from attnres_jax import pallas_mesh
 
 F32 = jnp.float32
 _SQ = pl.squeezed
@@ -236,21 +236,10 @@ def per_device(fn, shape, in_kinds, out_kinds):
   """`fn` per device under the active mesh, or `fn` as is on one device: the streams
   (of `shape`) split over batch and length as the sharding rules say, every operand
   and result (`in_kinds`, `out_kinds`: 'streams', 'one', 'coef' or 'maps') alike."""
-  active = sharding._ACTIVE.get()
-  if active is None or active[0].size == 1:
+  split = pallas_mesh.batch_length_split(shape, 'the HC/mHC streams', 'streams')
+  if split is None:
     return fn
-  mesh, rules = active
-  spec = tuple(
-    sharding.logical_to_spec(sharding.DEPTH_BUFFER, rules, mesh=mesh, shape=shape)
-  )
-  k, b, t, d = spec + (None,) * (4 - len(spec))
-  if k is not None or d is not None:
-    raise ValueError(
-      f"depth_kernel='pallas' needs the HC/mHC streams split over batch and length "
-      f'only; the sharding rules split them as {P(k, b, t, d)} (streams, batch, '
-      f"length, width) on mesh {dict(mesh.shape)}: map 'depth' and 'hidden' to no "
-      f"mesh axis or use depth_kernel='xla'."
-    )
+  mesh, b, t = split
   spec = dict(
     streams=P(None, b, t, None),  # [m, B, T, D]
     one=P(b, t, None),  # [B, T, D]

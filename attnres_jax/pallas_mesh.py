@@ -1,0 +1,34 @@
+"""How the Pallas kernels (depth_pallas.py, residuals/hyper_pallas.py,
+residuals/sinkhorn_pallas.py) run under the model's mesh: per device, in
+`jax.shard_map`, on arrays laid out like the depth buffer [K, B, T, D] (logical axes
+`sharding.DEPTH_BUFFER`; HC's streams share them) and split over batch and length
+only. Each kernel works on whole slots (or streams) and the whole width."""
+
+from __future__ import annotations
+
+from jax.sharding import PartitionSpec as P
+
+from attnres_jax import sharding
+
+
+def batch_length_split(shape, what: str, first_axis: str):
+  """Under the active mesh: (mesh, the batch's mesh axes, the length's) of a
+  [K, B, T, D] array of `shape` as the sharding rules split it; None on one device or
+  outside a mesh. A split over K or the width is refused; `what` names the array and
+  `first_axis` its K in the message."""
+  active = sharding._ACTIVE.get()
+  if active is None or active[0].size == 1:
+    return None
+  mesh, rules = active
+  spec = tuple(
+    sharding.logical_to_spec(sharding.DEPTH_BUFFER, rules, mesh=mesh, shape=shape)
+  )
+  k, b, t, d = spec + (None,) * (4 - len(spec))
+  if k is not None or d is not None:
+    raise ValueError(
+      f"depth_kernel='pallas' needs {what} split over batch and length only; the "
+      f'sharding rules split it as {P(k, b, t, d)} ({first_axis}, batch, '
+      f"length, width) on mesh {dict(mesh.shape)}: map 'depth' and 'hidden' to no "
+      f"mesh axis or use depth_kernel='xla'."
+    )
+  return mesh, b, t
