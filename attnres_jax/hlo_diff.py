@@ -27,9 +27,11 @@ from attnres_jax import hlo_text
 
 
 class Kernel(NamedTuple):
-  """One instruction of the program, with its loop's trip count (`times`), the
-  compiler's cycles for one execution and our roofline seconds for one."""
+  """One instruction of the program (in computation `computation`), with its loop's
+  trip count (`times`), the compiler's cycles for one execution and our roofline
+  seconds for one."""
 
+  computation: str
   name: str
   opcode: str
   type_str: str
@@ -59,7 +61,11 @@ class Kernel(NamedTuple):
 
 def kernels(text: str, peak_flops: float, bandwidth: float) -> list[Kernel]:
   """Every instruction of one device's optimized HLO with its trip count."""
-  computations, entry = hlo_text.parse_module(text)
+  return module_kernels(*hlo_text.parse_module(text), peak_flops, bandwidth)
+
+
+def module_kernels(computations, entry: str, peak_flops: float, bandwidth: float):
+  """`kernels` of an HLO module already parsed (`hlo_text.parse_module`)."""
   counts, _ = hlo_loops.multiplicities(computations, entry)
   found = []
   for name, times in counts.items():
@@ -71,6 +77,7 @@ def kernels(text: str, peak_flops: float, bandwidth: float) -> list[Kernel]:
       op_name = re.search(r'op_name="([^"]*)"', instruction.attrs)
       found.append(
         Kernel(
+          computation=name,
           name=instruction.name,
           opcode=instruction.opcode,
           type_str=instruction.type_str,

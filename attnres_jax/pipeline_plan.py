@@ -13,8 +13,7 @@ import re
 from typing import Any
 
 from attnres_jax import depth
-from attnres_jax import hlo_cost
-from attnres_jax import hlo_loops
+from attnres_jax import hlo_diff
 from attnres_jax import hlo_text
 from attnres_jax import residuals
 from attnres_jax import sharding
@@ -241,12 +240,10 @@ LOOP_KINDS = ('matmul', 'other', 'copies', 'async copies', 'collectives')
 
 
 def _kernels(text: str, peak_flops: float, bandwidth: float):
-  """(loop, kind, roofline seconds with the loop's trip counts, instruction) per
+  """(loop, kind, roofline seconds with the loop's trip counts, `hlo_diff.Kernel`) per
   kernel of one device's optimized HLO. Loops are named by their op_name (fwd /
   rerun / bwd, outer / chunk); kinds as `hlo_cost`'s, with the asynchronous copies
   (copy-start) apart from the others."""
-  computations, entry = hlo_text.parse_module(text)
-  counts, _ = hlo_loops.multiplicities(computations, entry)
   names = {}
   for match in re.finditer(r'while\(.*?body=%(\S+?)[,\s].*?op_name="([^"]*)"', text):
     op_name = match.group(2)
@@ -254,17 +251,13 @@ def _kernels(text: str, peak_flops: float, bandwidth: float):
       'rerun' if 'rematted' in op_name else 'bwd' if 'transpose' in op_name else 'fwd'
     )
     names[match.group(1)] = where + ('/chunk' if op_name.count('while') > 1 else '/outer')
-  for name, times in counts.items():
-    computation = hlo_text.Computation(computations[name])
-    loop = names.get(name, 'entry' if name == entry else 'called')
-    for instruction in computation.instructions:
-      flops, _ = hlo_cost.arithmetic(instruction, computation, computations)
-      reads, written = hlo_cost.kernel_bytes(instruction, computation, computations)
-      seconds = times * max(flops / peak_flops, (sum(reads) + written) / bandwidth)
-      kind = hlo_cost.kind_of(instruction, computations)
-      if instruction.opcode == 'copy-start':
-        kind = 'async copies'
-      yield loop, kind, seconds, instruction
+  computations, entry = hlo_text.parse_module(text)
+  for kernel in hlo_diff.module_kernels(computations, entry, peak_flops, bandwidth):
+    loop = names.get(
+      kernel.computation, 'entry' if kernel.computation == entry else 'called'
+    )
+    kind = 'async copies' if kernel.opcode == 'copy-start' else kernel.kind
+    yield loop, kind, kernel.times * kernel.roofline_seconds, kernel
 
 
 def time_by_loop(text: str, est_seconds: float, peak_flops: float, bandwidth: float):
@@ -299,18 +292,17 @@ def top_kernels(
   result type and the JAX op that made them: what the schedule loop's transfer code
   and final read cost, kernel by kernel."""
   found, total = [], 0.0
-  for loop, kind, seconds, instruction in _kernels(text, peak_flops, bandwidth):
+  for loop, kind, seconds, kernel in _kernels(text, peak_flops, bandwidth):
     total += seconds
     if loop in loops:
-      op_name = re.search(r'op_name="([^"]*)"', instruction.attrs)
       found.append(
         dict(
           loop=loop,
           kind=kind,
           seconds=seconds,
-          opcode=instruction.opcode,
-          type=instruction.type_str,
-          op_name=op_name.group(1) if op_name else '',
+          opcode=kernel.opcode,
+          type=kernel.type_str,
+          op_name=kernel.op_name,
         )
       )
   scale = est_seconds / total if total else 0.0
