@@ -293,7 +293,8 @@ def make_stack(residual):
       )
       size = residual.segment_layers
       num_full = num_layers // size
-      full_states, tail_states = stack_lib.group_segments(layer_state, num_layers, size)
+      # The full segments index their layers in the whole stack (no grouped copy).
+      _, tail_states = stack_lib.group_segments(layer_state, num_layers, size)
       d_full = d_tail = None
       # `kernel_layout`: a segment's slots, [J, ...], or for the full segments
       # [segments, J, ...] (consecutive in the buffer: segments start on block
@@ -316,7 +317,7 @@ def make_stack(residual):
           if kernel_layout
           else None,
         )
-      if full_states is not None:
+      if num_full:
         full_local_SJBTD = None
         if kernel_layout:
           num_local = residual.local_slots(size)
