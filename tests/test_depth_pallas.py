@@ -247,6 +247,9 @@ def loss_and_grads(model, **changes):
     ('block', 3, dict(linear_memory_backward=False)),  # plain autodiff of the kernel
     ('full', 1, {}),
     ('block', 4, dict(dtype='bfloat16', depth_dtype='bfloat16')),
+    # Full's fused backward (cotangent_into) with bfloat16 Phase 1 outputs: the
+    # build `full/bf16/pallas` that the TPU report quotes.
+    ('full', 1, dict(dtype='bfloat16', depth_dtype='bfloat16')),
   ],
 )
 def test_tiny_model_loss_and_gradients_equal_xla(residual, block_size, changes):
