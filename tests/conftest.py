@@ -300,3 +300,46 @@ def assert_same_greedy_run(
     assert_greedy_choices(
       tokens_b[end - 1 : end], logits_a[end - 1 : end], atol=atol, rtol=rtol
     )
+
+
+# -- the order in which pytest-xdist's workers take the test files ---------------------
+
+# Seconds each file takes (its tests and module fixtures, summed from `--durations=0` of
+# a full run on 2 cores); a file not listed counts as quick.
+FILE_SECONDS = {
+  'test_pipeline.py': 160,
+  'test_sharding.py': 95,
+  'test_bench_smoke.py': 85,
+  'test_multiprocess.py': 78,
+  'test_eval.py': 70,
+  'test_notebooks.py': 65,
+  'test_reliability.py': 65,
+  'test_depth.py': 60,
+  'test_memory.py': 60,
+  'test_train.py': 60,
+  'test_tokenizer.py': 55,
+  'test_hyper_connections.py': 55,
+  'test_cotangent_into.py': 50,
+  'test_two_phase.py': 50,
+}
+
+
+def pytest_xdist_make_scheduler(config, log):
+  """`--dist loadfile` (pyproject.toml), the slowest remaining file first. xdist's own
+  order (most tests first) leaves the slow files of few tests (the multi-process and
+  notebook runs) to the end, where one worker runs them while the other idles; slowest
+  first, the files left at the end are quick ones and both workers finish together."""
+  if config.getvalue('dist') != 'loadfile':
+    return None
+  from xdist.scheduler import LoadFileScheduling  # pylint: disable=g-import-not-at-top
+
+  class SlowestFileFirst(LoadFileScheduling):
+    def _assign_work_unit(self, node):
+      # The queue holds one entry per file; ties keep xdist's order.
+      slowest = max(
+        self.workqueue, key=lambda path: FILE_SECONDS.get(os.path.basename(path), 0)
+      )
+      self.workqueue.move_to_end(slowest, last=False)
+      super()._assign_work_unit(node)
+
+  return SlowestFileFirst(config, log)
