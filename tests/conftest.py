@@ -304,23 +304,38 @@ def assert_same_greedy_run(
 
 # -- the order in which pytest-xdist's workers take the test files ---------------------
 
-# Seconds each file takes (its tests and module fixtures, summed from `--durations=0` of
-# a full run on 2 cores); a file not listed counts as quick.
+# What each file costs, in its tests' and module fixtures' seconds (`--durations=0`,
+# summed per file) in one full run on 2 shared cores (load ~8: about 2.8 times an idle
+# machine's seconds; only the order matters). A file not listed counts as quick.
 FILE_SECONDS = {
-  'test_pipeline.py': 160,
-  'test_sharding.py': 95,
-  'test_bench_smoke.py': 85,
-  'test_multiprocess.py': 78,
-  'test_eval.py': 70,
-  'test_notebooks.py': 65,
-  'test_reliability.py': 65,
-  'test_depth.py': 60,
-  'test_memory.py': 60,
-  'test_train.py': 60,
-  'test_tokenizer.py': 55,
-  'test_hyper_connections.py': 55,
-  'test_cotangent_into.py': 50,
-  'test_two_phase.py': 50,
+  'test_pipeline.py': 500,
+  'test_memory.py': 391,
+  'test_hyper_connections.py': 340,
+  'test_cotangent_into.py': 329,
+  'test_sharding.py': 315,
+  'test_depth_pallas.py': 298,
+  'test_two_phase.py': 298,
+  'test_eval.py': 239,
+  'test_bench_smoke.py': 235,
+  'test_model.py': 181,
+  'test_decode.py': 179,
+  'test_multiprocess.py': 163,
+  'test_hyper_pallas.py': 150,
+  'test_train.py': 131,
+  'test_notebooks.py': 114,
+  'test_ablations.py': 110,
+  'test_reliability.py': 101,
+  'test_aot.py': 85,
+  'test_tokenizer.py': 85,
+  'test_residual.py': 71,
+  'test_hyper_streams.py': 67,
+  'test_train_step.py': 64,
+  'test_data.py': 50,
+  'test_cloud_workdir.py': 38,
+  'test_pipeline_index_layers.py': 19,
+  'test_train_failures.py': 15,
+  'test_depth.py': 9,
+  'test_scaling.py': 3,
 }
 
 
