@@ -339,6 +339,7 @@ FILE_SECONDS = {
 }
 
 
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, when it is loaded
 def pytest_xdist_make_scheduler(config, log):
   """`--dist loadfile` (pyproject.toml), the slowest remaining file first. xdist's own
   order (most tests first) leaves the slow files of few tests (the multi-process and
