@@ -300,3 +300,62 @@ def assert_same_greedy_run(
     assert_greedy_choices(
       tokens_b[end - 1 : end], logits_a[end - 1 : end], atol=atol, rtol=rtol
     )
+
+
+# -- the order in which pytest-xdist's workers take the test files ---------------------
+
+# What each file costs, in its tests' and module fixtures' seconds (`--durations=0`,
+# summed per file) in one full run on 2 shared cores (load ~8: about 2.8 times an idle
+# machine's seconds; only the order matters). A file not listed counts as quick.
+FILE_SECONDS = {
+  'test_pipeline.py': 500,
+  'test_memory.py': 391,
+  'test_hyper_connections.py': 340,
+  'test_cotangent_into.py': 329,
+  'test_sharding.py': 315,
+  'test_depth_pallas.py': 298,
+  'test_two_phase.py': 298,
+  'test_eval.py': 239,
+  'test_bench_smoke.py': 235,
+  'test_model.py': 181,
+  'test_decode.py': 179,
+  'test_multiprocess.py': 163,
+  'test_hyper_pallas.py': 150,
+  'test_train.py': 131,
+  'test_notebooks.py': 114,
+  'test_ablations.py': 110,
+  'test_reliability.py': 101,
+  'test_aot.py': 85,
+  'test_tokenizer.py': 85,
+  'test_residual.py': 71,
+  'test_hyper_streams.py': 67,
+  'test_train_step.py': 64,
+  'test_data.py': 50,
+  'test_cloud_workdir.py': 38,
+  'test_pipeline_index_layers.py': 19,
+  'test_train_failures.py': 15,
+  'test_depth.py': 9,
+  'test_scaling.py': 3,
+}
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, when it is loaded
+def pytest_xdist_make_scheduler(config, log):
+  """`--dist loadfile` (pyproject.toml), the slowest remaining file first. xdist's own
+  order (most tests first) leaves the slow files of few tests (the multi-process and
+  notebook runs) to the end, where one worker runs them while the other idles; slowest
+  first, the files left at the end are quick ones and both workers finish together."""
+  if config.getvalue('dist') != 'loadfile':
+    return None
+  from xdist.scheduler import LoadFileScheduling  # pylint: disable=g-import-not-at-top
+
+  class SlowestFileFirst(LoadFileScheduling):
+    def _assign_work_unit(self, node):
+      # The queue holds one entry per file; ties keep xdist's order.
+      slowest = max(
+        self.workqueue, key=lambda path: FILE_SECONDS.get(os.path.basename(path), 0)
+      )
+      self.workqueue.move_to_end(slowest, last=False)
+      super()._assign_work_unit(node)
+
+  return SlowestFileFirst(config, log)

@@ -165,18 +165,6 @@ def test_sweep_runs_resumes_and_reports(tmp_path, tfds_dir):
   root = tmp_path / 'sweep'
   out = _sweep(root, tfds_dir, '0')
   assert '2 runs to train (0 done)' in out and out.count(' ok') == 2
-  # Finished runs are skipped; an interrupted one resumes from its last checkpoint.
-  resumed = root / 'abl_window2' / 'seed_0'
-  os.remove(resumed / 'eval_final.json')
-  out = _sweep(root, tfds_dir, '0')
-  assert '1 runs to train (1 done)' in out
-  assert 'Resuming from the checkpoint of step 4' in (resumed / 'train.log').read_text()
-  # Evaluated again, it still reports the training loss it logged before.
-  logged = [r for r in _read_jsonl(resumed / 'metrics.jsonl') if 'train/loss' in r]
-  assert (
-    json.load(open(resumed / 'eval_final.json'))['train_loss']
-    == (logged[-1]['train/loss'])
-  )
   # A second seed, finished: each run's seed-0 directory copied with another held-out
   # result (training it would prove nothing more), so the report has two seeds to pool.
   for name in ('standard', 'abl_window2'):
@@ -185,8 +173,19 @@ def test_sweep_runs_resumes_and_reports(tmp_path, tfds_dir):
     record = json.load(open(final))
     record['bits_per_byte'] += 0.25
     final.write_text(json.dumps(record))
+  # Finished runs are skipped; an interrupted one resumes from its last checkpoint.
+  resumed = root / 'abl_window2' / 'seed_0'
+  os.remove(resumed / 'eval_final.json')
   out = _sweep(root, tfds_dir, '0,1')
-  assert '0 runs to train (4 done)' in out
+  assert '1 runs to train (3 done)' in out and out.count(' ok') == 1
+  assert 'abl_window2 seed 0: ' in out
+  assert 'Resuming from the checkpoint of step 4' in (resumed / 'train.log').read_text()
+  # Evaluated again, it still reports the training loss it logged before.
+  logged = [r for r in _read_jsonl(resumed / 'metrics.jsonl') if 'train/loss' in r]
+  assert (
+    json.load(open(resumed / 'eval_final.json'))['train_loss']
+    == (logged[-1]['train/loss'])
+  )
 
   rows = {row['run']: row for row in json.load(open(root / 'results.json'))}
   assert set(rows) == {'standard', 'abl_window2'}

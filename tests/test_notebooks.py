@@ -20,8 +20,9 @@ NOTEBOOKS = REPO / 'notebooks'
 CELL_TIMEOUT_S = 300
 
 # Both with a small SentencePiece vocabulary (the byte tokenizer is the presets' own):
-# trained once on the plays into the shared data dir, copied into each run.
-SUBWORD = dict(TOKENIZER='sentencepiece', VOCAB_SIZE=400)
+# trained once on the plays into the shared data dir, copied into each run; on 200 kB
+# of them, as tests/test_tokenizer.py does (the presets' 10 MB take ~20 s more).
+SUBWORD = dict(TOKENIZER='sentencepiece', VOCAB_SIZE=400, TOKENIZER_BYTES=200_000)
 TINY = {
   'quickstart.ipynb': dict(CONFIG='tiny', NUM_STEPS=10, SAMPLE_LENGTH=20, **SUBWORD),
   'analysis.ipynb': dict(CONFIG='tiny', NUM_STEPS=10, EVAL_BATCHES=2, **SUBWORD),
@@ -206,5 +207,5 @@ def test_notebook_is_committed_stripped_and_colab_ready(name):
   assert 'use a CPU runtime' not in sources and '!pip install -q -r' not in sources
   assert '!pip install -q -e /content/attnres_jax' in sources
   parameters = nb.cells[parameters_index(nb)].source
-  for name in ('TOKENIZER = ', 'VOCAB_SIZE = ', 'BATCH_SIZES = '):
+  for name in ('TOKENIZER = ', 'VOCAB_SIZE = ', 'TOKENIZER_BYTES = ', 'BATCH_SIZES = '):
     assert name in parameters
