@@ -219,9 +219,12 @@ def phase2(
   eps,
   local_inv_rms_JBT=None,
   num_written=None,
+  num_local=None,
 ):
   """Phase 2: one sublayer merges its Phase 1 statistics with the J local sources
   (those of `valid_J` only) by online softmax. Returns h in the local sources' dtype.
+  `num_local` (static): J, where `local_JBTD` holds only the first slots (those read);
+  the merge is chosen as for J.
   `num_written` (static): only the first local slots can be valid, and the merge's
   forward reduces over those alone (Full's sublayers read 1 to J - 1 of a segment's J
   slots; masked, each empty slot still cost a pass over D: bench/aot.py d1024
@@ -236,7 +239,7 @@ def phase2(
   """
   max_BT, sum_BT, out_BTD = phase1_stats
   folded_D = _folded_query(query_D, gain_D)
-  if local_JBTD.shape[0] > 1:
+  if (num_local or local_JBTD.shape[0]) > 1:
     return _merge(
       max_BT,
       sum_BT,

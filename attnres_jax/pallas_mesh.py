@@ -2,10 +2,13 @@
 residuals/sinkhorn_pallas.py) run under the model's mesh: per device, in
 `jax.shard_map`, on arrays laid out like the depth buffer [K, B, T, D] (logical axes
 `sharding.DEPTH_BUFFER`; HC's streams share them) and split over batch and length
-only. Each kernel works on whole slots (or streams) and the whole width."""
+only. Each kernel works on whole slots (or streams) and the whole width. Also a
+slot's memory layout pinned per device (`width_minor`, any split)."""
 
 from __future__ import annotations
 
+import jax
+from jax.experimental import layout
 from jax.sharding import PartitionSpec as P
 
 from attnres_jax import sharding
@@ -32,3 +35,26 @@ def batch_length_split(shape, what: str, first_axis: str):
       f"mesh axis or use depth_kernel='xla'."
     )
   return mesh, b, t
+
+
+def width_minor(slot_BTD):
+  """`slot_BTD` [B, T, D] laid out with its width minor (each token's D values
+  contiguous), as the sublayers' activations are; the TPU compiler may otherwise
+  pick the depth buffer's tokens-minor layout for it and relayout what meets it.
+  Pinned per device: under a mesh, outside `shard_map`, the compiler gathers a
+  layout-constrained array whole."""
+  pin = lambda x: layout.with_layout_constraint(
+    x, layout.Layout(major_to_minor=tuple(range(x.ndim)))
+  )
+  active = sharding._ACTIVE.get()
+  if active is None or active[0].size == 1:
+    return pin(slot_BTD)
+  mesh, rules = active
+  spec = P(
+    *sharding.logical_to_spec(
+      sharding.DEPTH_BUFFER[1:], rules, mesh=mesh, shape=slot_BTD.shape
+    )
+  )
+  return jax.shard_map(pin, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)(
+    slot_BTD
+  )

@@ -174,11 +174,14 @@ class AttnResResidual(base.Residual):
     first,
     embedding_BTD,
     local_inv_rms_JBT=None,
+    num_local=None,
   ):
     """Phase 2 of one sublayer: its Phase 1 statistics merged with the local slots it
-    reads. The model's first sublayer reads the embedding alone, whatever its query:
-    it takes it as is, so that its query's gradient is exactly zero (through the
-    online softmax it would be two float32 terms that cancel only to a few ulps)."""
+    reads (`local_JBTD`: the segment's J slots, or where `num_local` gives J, the ones
+    it reads alone, None if none). The model's first sublayer reads the embedding
+    alone, whatever its query: it takes it as is, so that its query's gradient is
+    exactly zero (through the online softmax it would be two float32 terms that cancel
+    only to a few ulps)."""
     _, num_valid = self.local_index(layer_in_segment, which)
     if num_valid:
       valid_J = jnp.arange(local_JBTD.shape[0]) < num_valid
@@ -191,9 +194,10 @@ class AttnResResidual(base.Residual):
         eps=self.cfg.attn_res_eps,
         local_inv_rms_JBT=local_inv_rms_JBT,
         num_written=num_valid,
+        num_local=num_local,
       )
     else:  # a segment's first sublayer: no local slot to merge
-      h_BTD = depth.phase1_read(phase1_stats, local_JBTD.dtype)
+      h_BTD = depth.phase1_read(phase1_stats, embedding_BTD.dtype)
     if layer_in_segment == 0 and which == 0:
       h_BTD = jnp.where(first == 1, embedding_BTD, h_BTD)
     return self.to_compute(h_BTD)

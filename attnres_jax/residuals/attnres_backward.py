@@ -28,6 +28,7 @@ from flax import nnx
 
 from attnres_jax import depth
 from attnres_jax import depth_pallas
+from attnres_jax import pallas_mesh
 from attnres_jax import sharding
 from attnres_jax import stack as stack_lib
 from attnres_jax.residuals.float_residuals import keeping_float_residuals
@@ -180,12 +181,25 @@ def make_stack(residual):
         d_buffer_KBTD = jax.lax.dynamic_update_slice_in_dim(
           d_buffer_KBTD, jnp.zeros_like(d_local_JBTD), first, 0
         )
+      # Each slot's cotangent apart and, with several (Full), width-minor: a
+      # sublayer's read adds to the slots it read alone. As one [J, ...] array every
+      # read's add wrote all J slots; apart with no layout pinned, the compiler gave
+      # the slots the buffer's tokens-minor layout and relayouted the carried
+      # cotangent around the fused Phase 1 backward in every segment (bench/aot.py
+      # full/bf16/pallas d1024 v5p:2x2x1: 53.84 ms; 54.28 apart; 52.78 pinned). With
+      # one slot (Block) the pin only cost (S=8: 50.42 -> 50.53 ms).
+      apart = (
+        pallas_mesh.width_minor
+        if num_local > 1
+        else lambda x: sharding.constrain(x, sharding.DEPTH_BUFFER[1:])
+      )
+      d_slots = [apart(d_local_JBTD[s]) for s in range(num_local)]
       d_layer_states, d_stats = [None] * num_layers, [None] * num_layers
       d_embedding_sum_BTD = None  # the first sublayer's read (see AttnResResidual.merge)
       for j in reversed(range(num_layers)):
         state_j, d_stats_j = layer_states[j], [None, None]
         for which in reversed(stack_lib.SUBLAYERS):
-          index, _ = residual.local_index(j, which)
+          index, num_valid = residual.local_index(j, which)
           partial_BTD, vjp_fn = saved[j][which]
           # The local slots as this sublayer read them: earlier ones complete, its own
           # holding the partial sum it saw (when not read, Full or first in its block,
@@ -193,6 +207,7 @@ def make_stack(residual):
           view_JBTD = (
             local_JBTD if partial_BTD is None else local_JBTD.at[index].set(partial_BTD)
           )
+          view_JBTD = view_JBTD[:num_valid] if num_valid else None  # the slots read
 
           def read(stats_mine, view_JBTD, state_j, embedding_BTD, j=j, which=which):
             params = nnx.merge(graphdef, state_j).residual
@@ -205,6 +220,7 @@ def make_stack(residual):
               which,
               first,
               embedding_BTD,
+              num_local=num_local,
             )
 
           mine = stats[j][which]
@@ -213,7 +229,7 @@ def make_stack(residual):
           if vjp_fn is None:
             _, vjp_fn = sublayer_vjp(which, state_j, h_BTD, positions_BT)
           # The write's cotangent, in the dtype of the sublayer's output.
-          d_state_f, d_h_BTD = vjp_fn(d_local_JBTD[index].astype(h_BTD.dtype))
+          d_state_f, d_h_BTD = vjp_fn(d_slots[index].astype(h_BTD.dtype))
           d_stats_j[which], d_view_JBTD, d_state_read, d_embedding_BTD = read_vjp(d_h_BTD)
           d_embedding_sum_BTD = (
             d_embedding_BTD
@@ -222,9 +238,8 @@ def make_stack(residual):
           )
           # Slot `index` before the write is the partial sum: its cotangent passes
           # through the write unchanged and gains the read's.
-          d_local_JBTD = sharding.constrain(
-            d_local_JBTD + d_view_JBTD, sharding.DEPTH_BUFFER
-          )
+          for s in range(num_valid):
+            d_slots[s] = apart(d_slots[s] + d_view_JBTD[s])
           for d in (d_state_f, d_state_read):
             d_layer_states[j] = (
               d
