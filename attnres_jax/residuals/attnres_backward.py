@@ -181,19 +181,12 @@ def make_stack(residual):
         d_buffer_KBTD = jax.lax.dynamic_update_slice_in_dim(
           d_buffer_KBTD, jnp.zeros_like(d_local_JBTD), first, 0
         )
-      # Each slot's cotangent apart and, with several (Full), width-minor: a
-      # sublayer's read adds to the slots it read alone. As one [J, ...] array every
-      # read's add wrote all J slots; apart with no layout pinned, the compiler gave
-      # the slots the buffer's tokens-minor layout and relayouted the carried
-      # cotangent around the fused Phase 1 backward in every segment (bench/aot.py
-      # full/bf16/pallas d1024 v5p:2x2x1: 53.84 ms; 54.28 apart; 52.78 pinned). With
-      # one slot (Block) the pin only cost (S=8: 50.42 -> 50.53 ms).
-      apart = (
-        pallas_mesh.width_minor
-        if num_local > 1
-        else lambda x: sharding.constrain(x, sharding.DEPTH_BUFFER[1:])
-      )
-      d_slots = [apart(d_local_JBTD[s]) for s in range(num_local)]
+      # Each slot's cotangent apart, width-minor: a sublayer's read adds to the slots
+      # it read alone. As one [J, ...] array every read's add wrote all J slots; apart
+      # with no layout pinned, the compiler laid them tokens-minor and relayouted the
+      # carried cotangent around the fused Phase 1 backward every segment (bench/aot.py
+      # d1024 v5p:2x2x1, full/bf16/pallas: 53.84 ms; 54.28 apart; 52.78 pinned).
+      d_slots = [pallas_mesh.width_minor(d_local_JBTD[s]) for s in range(num_local)]
       d_layer_states, d_stats = [None] * num_layers, [None] * num_layers
       d_embedding_sum_BTD = None  # the first sublayer's read (see AttnResResidual.merge)
       for j in reversed(range(num_layers)):
@@ -239,7 +232,7 @@ def make_stack(residual):
           # Slot `index` before the write is the partial sum: its cotangent passes
           # through the write unchanged and gains the read's.
           for s in range(num_valid):
-            d_slots[s] = apart(d_slots[s] + d_view_JBTD[s])
+            d_slots[s] = pallas_mesh.width_minor(d_slots[s] + d_view_JBTD[s])
           for d in (d_state_f, d_state_read):
             d_layer_states[j] = (
               d
