@@ -37,24 +37,18 @@ def batch_length_split(shape, what: str, first_axis: str):
   return mesh, b, t
 
 
-def width_minor(slot_BTD):
-  """`slot_BTD` [B, T, D] laid out with its width minor (each token's D values
-  contiguous), as the sublayers' activations are; the TPU compiler may otherwise
-  pick the depth buffer's tokens-minor layout for it and relayout what meets it.
-  Pinned per device: under a mesh, outside `shard_map`, the compiler gathers a
-  layout-constrained array whole."""
-  pin = lambda x: layout.with_layout_constraint(
-    x, layout.Layout(major_to_minor=tuple(range(x.ndim)))
+def width_minor(x, axes=sharding.DEPTH_BUFFER[1:]):
+  """`x` (a slot [B, T, D], or with `axes` the buffer [K, B, T, D]) laid out with its
+  width minor (each token's D values contiguous), as the sublayers' activations are;
+  the TPU compiler may otherwise pick the depth buffer's tokens-minor layout for it
+  and relayout what meets it. Pinned per device: under a mesh, outside `shard_map`,
+  the compiler gathers a layout-constrained array whole."""
+  pin = lambda y: layout.with_layout_constraint(
+    y, layout.Layout(major_to_minor=tuple(range(y.ndim)))
   )
   active = sharding._ACTIVE.get()
   if active is None or active[0].size == 1:
-    return pin(slot_BTD)
+    return pin(x)
   mesh, rules = active
-  spec = P(
-    *sharding.logical_to_spec(
-      sharding.DEPTH_BUFFER[1:], rules, mesh=mesh, shape=slot_BTD.shape
-    )
-  )
-  return jax.shard_map(pin, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)(
-    slot_BTD
-  )
+  spec = P(*sharding.logical_to_spec(axes, rules, mesh=mesh, shape=x.shape))
+  return jax.shard_map(pin, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)(x)

@@ -67,6 +67,11 @@ def make_stack(residual):
     # either alone moves more bytes, and the XLA path (no relayouts to remove) or
     # Block gain copies (bench/aot.py, d1024 v5p-8).
     kernel_layout = cfg.depth_kernel == 'pallas' and residual.block_size == 1
+    # There, a pipeline chunk's carried cotangent is pinned width-minor per segment:
+    # under the stages' vmap the compiler held it tokens-minor in the reverse scan and
+    # copied it to and from the kernel's layout every trip (bench/pipeline.py v5p,
+    # P=2 V=1, full/bf16/pallas: 93.60 -> 91.60 ms). Block's got slower pinned
+    # (block:4/bf16/pallas V=2: 74.89 -> 78.90 ms).
     recompute_sublayers = cfg.remat == 'layer'
     # What the Phase 1 kernels' cost estimates charge a call in the scan over the full
     # segments (`first`, their num_valid, traced there): the mean of `first` over the
@@ -352,6 +357,10 @@ def make_stack(residual):
             lambda x, *d: jnp.stack(d).astype(x.dtype), layer_state, *d_states
           )
           if resumed:  # the scan's output (below)
+            if kernel_layout:  # pinned: see `kernel_layout` above
+              d_buffer_KBTD = pallas_mesh.width_minor(
+                d_buffer_KBTD, sharding.DEPTH_BUFFER
+              )
             return (d_buffer_KBTD, d_inv_rms_KBT, None), d_segment
           # Written in place into the gradients of all layers [L, ...]: as the scan's
           # output, [segments, G, ...], the optimizer's fusions would not see through
