@@ -14,13 +14,19 @@ from jax.sharding import PartitionSpec as P
 from attnres_jax import sharding
 
 
+def _multi_device_mesh():
+  """(mesh, sharding rules) of the active mesh; None on one device or outside one."""
+  active = sharding._ACTIVE.get()
+  return None if active is None or active[0].size == 1 else active
+
+
 def batch_length_split(shape, what: str, first_axis: str):
   """Under the active mesh: (mesh, the batch's mesh axes, the length's) of a
   [K, B, T, D] array of `shape` as the sharding rules split it; None on one device or
   outside a mesh. A split over K or the width is refused; `what` names the array and
   `first_axis` its K in the message."""
-  active = sharding._ACTIVE.get()
-  if active is None or active[0].size == 1:
+  active = _multi_device_mesh()
+  if active is None:
     return None
   mesh, rules = active
   spec = tuple(
@@ -46,8 +52,8 @@ def width_minor(x, axes=sharding.DEPTH_BUFFER[1:]):
   pin = lambda y: layout.with_layout_constraint(
     y, layout.Layout(major_to_minor=tuple(range(y.ndim)))
   )
-  active = sharding._ACTIVE.get()
-  if active is None or active[0].size == 1:
+  active = _multi_device_mesh()
+  if active is None:
     return pin(x)
   mesh, rules = active
   spec = P(*sharding.logical_to_spec(axes, rules, mesh=mesh, shape=x.shape))
