@@ -34,6 +34,19 @@ def sublayer_function(graphdef, which: int, remat: bool):
   return jax.checkpoint(apply) if remat else apply
 
 
+def sublayer_halves(graphdef, which: int):
+  """`sublayer_function` split at its PreNorm, as pure functions: (norm(layer_state,
+  h) -> normed, body(layer_state, normed, positions) -> raw output)."""
+
+  def norm(layer_state, h_BTD):
+    return nnx.merge(graphdef, layer_state).sublayer_norm(which, h_BTD)
+
+  def body(layer_state, normed_BTD, positions_BT):
+    return nnx.merge(graphdef, layer_state).sublayer_body(which, normed_BTD, positions_BT)
+
+  return norm, body
+
+
 def scan_or_loop(step, carry, xs, *, unroll: bool = False):
   """`jax.lax.scan(step, carry, xs)`, or the same as a Python loop when `unroll`."""
   if not unroll:

@@ -77,13 +77,14 @@ def test_linear_memory_backward_equals_plain_autodiff(
 
 def test_sublayer_vjp_keeps_no_boolean_residuals():
   # The causal mask is built from iotas: plain `jax.vjp` of the attention sublayer
-  # keeps it as a boolean residual (which the custom backward's scan would stack per
-  # segment); under `keeping_float_residuals` it is recomputed, and every residual
-  # with a shape that it keeps is one plain autodiff keeps.
+  # after its PreNorm (what the custom backward keeps a closure of) keeps it as a
+  # boolean residual (which the custom backward's scan would stack per segment);
+  # under `keeping_float_residuals` it is recomputed, and every residual with a shape
+  # that it keeps is one plain autodiff keeps.
   model = tiny_model('block', 2)
   graphdef, state = nnx.split(model.layers)
   layer = jax.tree.map(lambda x: x[0], state)
-  attention = stack.sublayer_function(graphdef, 0, remat=False)
+  _, attention = stack.sublayer_halves(graphdef, 0)
   h_BTD = jnp.ones((2, 12, model.cfg.d_model), jnp.float32)
   positions_BT = jnp.broadcast_to(jnp.arange(12), (2, 12))
 
@@ -99,6 +100,36 @@ def test_sublayer_vjp_keeps_no_boolean_residuals():
   assert any(dtype == 'bool' for _, dtype in dropped)  # the mask (plain keeps it)
   # Dropped besides: booleans and float scalars (constants), nothing with a shape.
   assert all(dtype == 'bool' or shape == () for shape, dtype in dropped), dropped
+
+
+@pytest.mark.parametrize(
+  'residual,block_size,per_layer_stacks',
+  [
+    ('standard', 1, 4),  # each sublayer's input and its normed input
+    ('block', 2, 3),  # the normed inputs, and the partial sum the MLP reads
+    ('full', 1, 2),  # the normed inputs alone
+  ],
+)
+def test_backward_keeps_no_float32_activation_and_no_sublayer_input(
+  residual, block_size, per_layer_stacks
+):
+  # bfloat16 activations. The PreNorm is checkpointed: autodiff keeps its bfloat16
+  # input, not the float32 upcast and normed values (before: six float32 [L, B, T, D]
+  # stacks in every mode). AttnRes's linear-memory backward keeps no sublayer input
+  # at all: it recomputes the read anyway and reruns the norm from it.
+  model = tiny_model(residual, block_size, dtype='bfloat16')
+  if residual != 'standard':
+    model = with_config(model, linear_memory_backward=True)
+  x = jax.random.randint(jax.random.key(2), (2, 12), 0, 256)
+  graphdef, state = nnx.split(model)
+  loss = lambda s: jnp.mean(nnx.merge(graphdef, s)(x).astype(jnp.float32) ** 2)
+  _, vjp_fn = jax.vjp(loss, state)
+  activation = (2, 12, model.cfg.d_model)
+  kept = [x for x in jax.tree.leaves(vjp_fn) if x.shape[-3:] == activation]
+  per_layer = [x for x in kept if x.shape[:-3] == (model.cfg.num_layers,)]
+  assert not [x.shape for x in per_layer if x.dtype != jnp.bfloat16]
+  assert not [x.shape for x in kept if x.shape == activation and x.dtype != jnp.bfloat16]
+  assert len(per_layer) == per_layer_stacks
 
 
 def assert_within_twice_the_rounding(linear, plain, exact):

@@ -5,9 +5,10 @@ is in the carry and Phase 1 reads it), so memory grows with depth squared. But t
 buffer is append-only: a segment only writes its own slots, which are zero before it
 and final after it, so every segment's view of the buffer can be rebuilt from the
 final one. This custom VJP keeps the final buffer once, plus per sublayer what plain
-autodiff would keep of the sublayer itself (its VJP closure; the layer parameters in
-it are forwarded by the scans, not copied) and, for Block, the running partial sum
-the sublayer read. The backward pass runs the segments in reverse: Phase 1 is
+autodiff would keep of the sublayer after its PreNorm (its VJP closure; the layer
+parameters in it are forwarded by the scans, not copied) and, for Block, the running
+partial sum the sublayer read. The sublayer's input is not kept: the backward
+recomputes the read anyway, and reruns the norm from it. The backward pass runs the segments in reverse: Phase 1 is
 recomputed and differentiated once per segment (its cotangents summed over the
 segment's sublayers), Phase 2 once per sublayer. Contract: gradients equal plain
 autodiff of the same schedule (tests/test_memory.py).
@@ -54,9 +55,10 @@ def make_stack(residual):
     )
     carry_type = type(start)
     functions = [
-      stack_lib.sublayer_function(graphdef, which, cfg.remat == 'sublayer')
+      stack_lib.sublayer_function(graphdef, which, remat=False)
       for which in stack_lib.SUBLAYERS
     ]
+    halves = [stack_lib.sublayer_halves(graphdef, w) for w in stack_lib.SUBLAYERS]
     keeps_partial = residual.block_size > 1  # Full: a sublayer's own slot starts empty
     # Full AttnRes with the Phase 1 kernel: the buffer and Phase 1's cotangent of it
     # have the kernel's layout (tokens on the lanes), and a slice of the buffer in the
@@ -104,11 +106,30 @@ def make_stack(residual):
           **kwargs,
         )
 
-    def sublayer_vjp(which, state_k, h_BTD, positions_BT):
-      apply = lambda s, h: functions[which](s, h, positions_BT)
-      if cfg.remat == 'none':  # under remat the closure keeps its own (less)
+    def body_vjp(which, state_k, h_BTD, positions_BT):
+      """A sublayer's output and the VJP of its body (after the PreNorm), the part
+      kept for the backward: the norm's input is the read's output, which the
+      backward recomputes anyway, so the norm is rerun there from it rather than its
+      float32 input kept (bench/aot.py d1024 v5p:2x2x1, block:4/bf16/pallas: temp
+      12.98 -> 11.48 GiB, 48.50 -> 47.89 ms)."""
+      apply = lambda s, normed: halves[which][1](s, normed, positions_BT)
+      if cfg.remat == 'sublayer':  # the closure keeps the normed input alone
+        apply = jax.checkpoint(apply)
+      else:
         apply = keeping_float_residuals(apply)
-      return jax.vjp(apply, state_k, h_BTD)
+      return jax.vjp(apply, state_k, halves[which][0](state_k, h_BTD))
+
+    def sublayer_backward(which, state_j, h_BTD, saved_vjp, d_out_BTD, positions_BT):
+      """(the layer state's cotangents, the input's) of one sublayer: through its
+      kept body VJP and the norm rerun, or (remat='layer', none kept) all rerun."""
+      if saved_vjp is None:
+        apply = lambda s, h: functions[which](s, h, positions_BT)
+        d_state, d_h_BTD = jax.vjp(apply, state_j, h_BTD)[1](d_out_BTD)
+        return [d_state], d_h_BTD
+      _, norm_vjp = jax.vjp(halves[which][0], state_j, h_BTD)
+      d_state_body, d_normed_BTD = saved_vjp(d_out_BTD)
+      d_state_norm, d_h_BTD = norm_vjp(d_normed_BTD)
+      return [d_state_body, d_state_norm], d_h_BTD
 
     def forward(layer_state, start, segment_offset, positions_BT):
       def apply_sublayer(which, layer_in_segment, state_k, h_BTD, inner, extra):
@@ -120,8 +141,8 @@ def make_stack(residual):
         partial_BTD = inner.local_JBTD[index] if reads_own else None
         if recompute_sublayers:
           return functions[which](state_k, h_BTD, positions_BT), (partial_BTD, None)
-        out_BTD, vjp_fn = sublayer_vjp(which, state_k, h_BTD, positions_BT)
-        return out_BTD, (partial_BTD, vjp_fn)
+        out_BTD, saved_vjp = body_vjp(which, state_k, h_BTD, positions_BT)
+        return out_BTD, (partial_BTD, saved_vjp)
 
       carry, (full_ys, tail_ys) = run_segments(
         layer_state, start, segment_offset, positions_BT, apply_sublayer=apply_sublayer
@@ -198,7 +219,7 @@ def make_stack(residual):
         state_j, d_stats_j = layer_states[j], [None, None]
         for which in reversed(stack_lib.SUBLAYERS):
           index, num_valid = residual.local_index(j, which)
-          partial_BTD, vjp_fn = saved[j][which]
+          partial_BTD, saved_vjp = saved[j][which]
           # The local slots as this sublayer read them: earlier ones complete, its own
           # holding the partial sum it saw (when not read, Full or first in its block,
           # left as it is: its weight is zero).
@@ -224,10 +245,15 @@ def make_stack(residual):
           mine = stats[j][which]
           embedding_BTD = buffer_KBTD[0] if sliced is None else sliced[1]
           h_BTD, read_vjp = jax.vjp(read, mine, view_JBTD, state_j, embedding_BTD)
-          if vjp_fn is None:
-            _, vjp_fn = sublayer_vjp(which, state_j, h_BTD, positions_BT)
           # The write's cotangent, in the dtype of the sublayer's output.
-          d_state_f, d_h_BTD = vjp_fn(d_slots[index].astype(h_BTD.dtype))
+          d_states, d_h_BTD = sublayer_backward(
+            which,
+            state_j,
+            h_BTD,
+            saved_vjp,
+            d_slots[index].astype(h_BTD.dtype),
+            positions_BT,
+          )
           d_stats_j[which], d_view_JBTD, d_state_read, d_embedding_BTD = read_vjp(d_h_BTD)
           d_embedding_sum_BTD = (
             d_embedding_BTD
@@ -238,7 +264,7 @@ def make_stack(residual):
           # through the write unchanged and gains the read's.
           for s in range(num_valid):
             d_slots[s] = pallas_mesh.width_minor(d_slots[s] + d_view_JBTD[s])
-          for d in (d_state_f, d_state_read):
+          for d in d_states + [d_state_read]:
             d_layer_states[j] = (
               d
               if d_layer_states[j] is None
