@@ -120,15 +120,15 @@ def test_backward_keeps_no_float32_activation_and_no_sublayer_input(
   model = tiny_model(residual, block_size, dtype='bfloat16')
   if residual != 'standard':
     model = with_config(model, linear_memory_backward=True)
-  x = jax.random.randint(jax.random.key(2), (2, 12), 0, 256)
+  tokens = jax.random.randint(jax.random.key(2), (2, 12), 0, 256)
   graphdef, state = nnx.split(model)
-  loss = lambda s: jnp.mean(nnx.merge(graphdef, s)(x).astype(jnp.float32) ** 2)
+  loss = lambda s: jnp.mean(nnx.merge(graphdef, s)(tokens).astype(jnp.float32) ** 2)
   _, vjp_fn = jax.vjp(loss, state)
-  activation = (2, 12, model.cfg.d_model)
-  kept = [x for x in jax.tree.leaves(vjp_fn) if x.shape[-3:] == activation]
-  per_layer = [x for x in kept if x.shape[:-3] == (model.cfg.num_layers,)]
-  assert not [x.shape for x in per_layer if x.dtype != jnp.bfloat16]
-  assert not [x.shape for x in kept if x.shape == activation and x.dtype != jnp.bfloat16]
+  activation = (2, 12, model.cfg.d_model)  # [B, T, D], alone or stacked
+  kept = [v for v in jax.tree.leaves(vjp_fn) if v.shape[-3:] == activation]
+  per_layer = [v for v in kept if v.shape[:-3] == (model.cfg.num_layers,)]
+  assert not [v.shape for v in per_layer if v.dtype != jnp.bfloat16]
+  assert not [v.shape for v in kept if v.shape == activation and v.dtype != jnp.bfloat16]
   assert len(per_layer) == per_layer_stacks
 
 

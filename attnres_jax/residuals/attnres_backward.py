@@ -8,9 +8,9 @@ final one. This custom VJP keeps the final buffer once, plus per sublayer what p
 autodiff would keep of the sublayer after its PreNorm (its VJP closure; the layer
 parameters in it are forwarded by the scans, not copied) and, for Block, the running
 partial sum the sublayer read. The sublayer's input is not kept: the backward
-recomputes the read anyway, and reruns the norm from it. The backward pass runs the segments in reverse: Phase 1 is
-recomputed and differentiated once per segment (its cotangents summed over the
-segment's sublayers), Phase 2 once per sublayer. Contract: gradients equal plain
+recomputes the read anyway, and reruns the norm from it. The backward pass runs the
+segments in reverse: Phase 1 is recomputed and differentiated once per segment (its
+cotangents summed over the segment's sublayers), Phase 2 once per sublayer. Contract: gradients equal plain
 autodiff of the same schedule (tests/test_memory.py).
 
 The same backward runs a pipeline chunk (`pipeline.py`): layers in the middle of the
