@@ -33,6 +33,7 @@ from attnres_jax import checkpointing
 from attnres_jax import config as config_lib
 from attnres_jax import flops as flops_lib
 from attnres_jax import hlo_cost
+from attnres_jax import hlo_diff
 from attnres_jax import hlo_hbm
 from attnres_jax import kv_cache
 from attnres_jax import model as model_lib
@@ -193,6 +194,13 @@ def _summarize(compiled, seconds: float, topo: Topology, model_flops: float) -> 
     'xla_bytes_loops_once': float(cost.get('bytes accessed', 0.0)),
     'xla_seconds_loops_once': compiler_seconds,
     'est_step_seconds': step_seconds,
+    # A second view of the step: the compiler's own per-kernel cycle estimates summed
+    # with loops counted. `est_step_seconds` scales the compiler's whole-program
+    # seconds (loops once) by our roofline's loop factor, which can move two programs
+    # apart when their loop bodies differ (docs/results.md, tenth pass).
+    'compiler_cycles_loops_counted': hlo_diff.total_cycles(
+      hlo_diff.kernels(text, topo.device_peak_flops, bandwidth)
+    ),
     'model_flops': model_flops,
     'est_mfu': model_flops / (step_seconds * peak) if step_seconds else None,
     'collectives': costs['collectives'],
