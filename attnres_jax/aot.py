@@ -33,7 +33,6 @@ from attnres_jax import checkpointing
 from attnres_jax import config as config_lib
 from attnres_jax import flops as flops_lib
 from attnres_jax import hlo_cost
-from attnres_jax import hlo_diff
 from attnres_jax import hlo_hbm
 from attnres_jax import kv_cache
 from attnres_jax import model as model_lib
@@ -198,9 +197,7 @@ def _summarize(compiled, seconds: float, topo: Topology, model_flops: float) -> 
     # with loops counted. `est_step_seconds` scales the compiler's whole-program
     # seconds (loops once) by our roofline's loop factor, which can move two programs
     # apart when their loop bodies differ (docs/results.md, tenth pass).
-    'compiler_cycles_loops_counted': hlo_diff.total_cycles(
-      hlo_diff.kernels(text, topo.device_peak_flops, bandwidth)
-    ),
+    'compiler_cycles_loops_counted': costs['cycles'],
     'model_flops': model_flops,
     'est_mfu': model_flops / (step_seconds * peak) if step_seconds else None,
     'collectives': costs['collectives'],

@@ -90,8 +90,7 @@ def main(argv=None):
   rows = []
   print(
     f'{"mode":<12}{"size":<6}{"topology":<9}{"est. ms":>9}{"vs std":>7}{"cyc x":>7}'
-    f'{"MFU":>6}'
-    f'{"HBM GiB":>9}{"temp":>7}{"GB acc.":>9}{"extra":>7}{"/min":>6}'
+    f'{"MFU":>6}{"HBM GiB":>9}{"temp":>7}{"GB acc.":>9}{"extra":>7}{"/min":>6}'
     f'{"coll. GB":>9}{"HBM GB":>8}{"x std":>7}{"compile s":>10}  note'
   )
   for topo_label in args.topologies.split(','):
