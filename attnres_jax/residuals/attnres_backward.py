@@ -54,11 +54,13 @@ def make_stack(residual):
       num_layers=num_layers, remat=cfg.remat, scan_layers=cfg.scan_layers
     )
     carry_type = type(start)
-    functions = [
-      stack_lib.sublayer_function(graphdef, which, remat=False)
-      for which in stack_lib.SUBLAYERS
-    ]
     halves = [stack_lib.sublayer_halves(graphdef, w) for w in stack_lib.SUBLAYERS]
+
+    def sublayer(which, state, h_BTD, positions_BT):
+      """The whole sublayer (remat='layer' reruns it): its norm, then its body."""
+      norm, body = halves[which]
+      return body(state, norm(state, h_BTD), positions_BT)
+
     keeps_partial = residual.block_size > 1  # Full: a sublayer's own slot starts empty
     # Full AttnRes with the Phase 1 kernel: the buffer and Phase 1's cotangent of it
     # have the kernel's layout (tokens on the lanes), and a slice of the buffer in the
@@ -123,7 +125,7 @@ def make_stack(residual):
       """(the layer state's cotangents, the input's) of one sublayer: through its
       kept body VJP and the norm rerun, or (remat='layer', none kept) all rerun."""
       if saved_vjp is None:
-        apply = lambda s, h: functions[which](s, h, positions_BT)
+        apply = lambda s, h: sublayer(which, s, h, positions_BT)
         d_state, d_h_BTD = jax.vjp(apply, state_j, h_BTD)[1](d_out_BTD)
         return [d_state], d_h_BTD
       _, norm_vjp = jax.vjp(halves[which][0], state_j, h_BTD)
@@ -140,7 +142,7 @@ def make_stack(residual):
         reads_own = keeps_partial and num_valid > index
         partial_BTD = inner.local_JBTD[index] if reads_own else None
         if recompute_sublayers:
-          return functions[which](state_k, h_BTD, positions_BT), (partial_BTD, None)
+          return sublayer(which, state_k, h_BTD, positions_BT), (partial_BTD, None)
         out_BTD, saved_vjp = body_vjp(which, state_k, h_BTD, positions_BT)
         return out_BTD, (partial_BTD, saved_vjp)
 
