@@ -63,13 +63,14 @@ def make_stack(residual):
 
     keeps_partial = residual.block_size > 1  # Full: a sublayer's own slot starts empty
     # Full AttnRes with the Phase 1 kernel: the buffer and Phase 1's cotangent of it
-    # have the kernel's layout (tokens on the lanes), and a slice of the buffer in the
-    # segments' reverse scan relayouts all of it once per segment. There, Phase 2's
-    # slots of the final buffer are sliced once outside the scan, and Phase 1's
-    # cotangent is summed into the carried one by its backward kernel
-    # (`depth_pallas.cotangent_into`: width on the lanes, in place). Both or nothing:
-    # either alone moves more bytes, and the XLA path (no relayouts to remove) or
-    # Block gain copies (bench/aot.py, d1024 v5p-8).
+    # have the kernel's layout (tokens on the lanes), and Phase 1's cotangent is
+    # summed into the carried one by its backward kernel
+    # (`depth_pallas.cotangent_into`: width on the lanes, in place). The XLA path or
+    # Block gain copies from it (bench/aot.py, d1024 v5p-8). Each segment's slots
+    # are sliced from the final buffer inside the reverse scan, as without the
+    # kernel: sliced once before it, all of them at once, that copy cost more than
+    # the per-segment slices (d1024 v5p:2x2x1 full/bf16/pallas: 51.60 -> 51.14 ms,
+    # temp 12.56 -> 12.06 GiB).
     kernel_layout = cfg.depth_kernel == 'pallas' and residual.block_size == 1
     # There, a pipeline chunk's carried cotangent is pinned width-minor per segment:
     # under the stages' vmap the compiler held it tokens-minor in the reverse scan and
@@ -166,14 +167,14 @@ def make_stack(residual):
       segment,
       saved,
       positions_BT,
-      sliced=None,
+      embedding_BTD=None,
       mean_valid=None,
     ):
       """Cotangents through one segment: (d_buffer before it, d_layer_states, and
       resumed, the received inverse RMS' cotangent). `received`: None, or (the
-      received inverse RMS, its cotangent so far, the chunk's first slot). With
-      `kernel_layout`: `sliced`, the segment's slots of the final buffer and its slot
-      0, sliced by the caller. `mean_valid`: what the Phase 1 kernels' cost
+      received inverse RMS, its cotangent so far, the chunk's first slot).
+      `embedding_BTD`: slot 0 of the final buffer, sliced by the caller, or None.
+      `mean_valid`: what the Phase 1 kernels' cost
       estimates charge for a traced `first` (the mean over the scan's segments)."""
       num_layers = len(layer_states)
       first = residual.first_local_slot(segment)
@@ -199,11 +200,9 @@ def make_stack(residual):
       ):
         stats, phase1_vjp = jax.vjp(phase1, *primals)
       # The segment's slots: final values, and the cotangent they got after it ended.
-      local_JBTD = (
-        jax.lax.dynamic_slice_in_dim(buffer_KBTD, first, num_local, 0)
-        if sliced is None
-        else sliced[0]
-      )
+      local_JBTD = jax.lax.dynamic_slice_in_dim(buffer_KBTD, first, num_local, 0)
+      if embedding_BTD is None:
+        embedding_BTD = buffer_KBTD[0]
       d_local_JBTD = jax.lax.dynamic_slice_in_dim(d_buffer_KBTD, first, num_local, 0)
       if not kernel_layout:  # there, Phase 1's VJP zeroes them
         d_buffer_KBTD = jax.lax.dynamic_update_slice_in_dim(
@@ -245,7 +244,6 @@ def make_stack(residual):
             )
 
           mine = stats[j][which]
-          embedding_BTD = buffer_KBTD[0] if sliced is None else sliced[1]
           h_BTD, read_vjp = jax.vjp(read, mine, view_JBTD, state_j, embedding_BTD)
           # The write's cotangent, in the dtype of the sublayer's output.
           d_states, d_h_BTD = sublayer_backward(
@@ -337,15 +335,11 @@ def make_stack(residual):
       # The full segments index their layers in the whole stack (no grouped copy).
       _, tail_states = stack_lib.group_segments(layer_state, num_layers, size)
       d_full = d_tail = None
-      # `kernel_layout`: a segment's slots, [J, ...], or for the full segments
-      # [segments, J, ...] (consecutive in the buffer: segments start on block
-      # boundaries), and slot 0.
-      local_slots = lambda segment, num: jax.lax.dynamic_slice_in_dim(
-        buffer_KBTD, residual.first_local_slot(segment), num, 0
-      )
+      # With `kernel_layout`, slot 0 sliced once, outside the reverse scan: sliced
+      # in it, every trip relayouted it (d1024 v5p:2x2x1 full/bf16/pallas: 52.2 ms,
+      # against 51.14).
       embedding_BTD = buffer_KBTD[0] if kernel_layout else None
       if tail_states is not None:
-        tail_slots = residual.local_slots(num_layers % size)
         d_buffer_KBTD, d_tail, d_inv_rms_KBT = segment_backward(
           buffer_KBTD,
           d_buffer_KBTD,
@@ -354,20 +348,12 @@ def make_stack(residual):
           offset + num_full,
           tail_saved,
           positions_BT,
-          (local_slots(offset + num_full, tail_slots), embedding_BTD)
-          if kernel_layout
-          else None,
+          embedding_BTD,
         )
       if num_full:
-        full_local_SJBTD = None
-        if kernel_layout:
-          num_local = residual.local_slots(size)
-          full_local_SJBTD = local_slots(offset, num_full * num_local).reshape(
-            (num_full, num_local) + buffer_KBTD.shape[1:]
-          )
 
         def body(d_carry, xs):
-          index, saved, local_JBTD = xs
+          index, saved = xs
           d_buffer_KBTD, d_states, d_inv_rms_KBT = segment_backward(
             buffer_KBTD,
             d_carry[0],
@@ -376,9 +362,7 @@ def make_stack(residual):
             offset + index,
             saved,
             positions_BT,
-            None
-            if local_JBTD is None
-            else (sharding.constrain(local_JBTD, sharding.DEPTH_BUFFER), embedding_BTD),
+            embedding_BTD,
             expected_valid,
           )
           d_segment = jax.tree.map(  # [G, ...], in the parameters' dtype
@@ -410,7 +394,7 @@ def make_stack(residual):
         (d_buffer_KBTD, d_inv_rms_KBT, d_full), d_ys = jax.lax.scan(
           body,
           (d_buffer_KBTD, d_inv_rms_KBT, None if resumed else zeros),
-          (jnp.arange(num_full), full_saved, full_local_SJBTD),
+          (jnp.arange(num_full), full_saved),
           reverse=True,
         )
         if resumed:  # [segments, G, ...] -> [L, ...]
