@@ -173,8 +173,8 @@ def make_stack(residual):
       """Cotangents through one segment: (d_buffer before it, d_layer_states, and
       resumed, the received inverse RMS' cotangent). `received`: None, or (the
       received inverse RMS, its cotangent so far, the chunk's first slot).
-      `embedding_BTD`: slot 0 of the final buffer, sliced by the caller, or None.
-      `mean_valid`: what the Phase 1 kernels' cost
+      `embedding_BTD`: slot 0 of the final buffer if the caller sliced it (outside
+      the segments' scan), else None. `mean_valid`: what the Phase 1 kernels' cost
       estimates charge for a traced `first` (the mean over the scan's segments)."""
       num_layers = len(layer_states)
       first = residual.first_local_slot(segment)
