@@ -10,8 +10,8 @@ parameters in it are forwarded by the scans, not copied) and, for Block, the run
 partial sum the sublayer read. The sublayer's input is not kept: the backward
 recomputes the read anyway, and reruns the norm from it. The backward pass runs the
 segments in reverse: Phase 1 is recomputed and differentiated once per segment (its
-cotangents summed over the segment's sublayers), Phase 2 once per sublayer. Contract: gradients equal plain
-autodiff of the same schedule (tests/test_memory.py).
+cotangents summed over the segment's sublayers), Phase 2 once per sublayer.
+Contract: gradients equal plain autodiff of the same schedule (tests/test_memory.py).
 
 The same backward runs a pipeline chunk (`pipeline.py`): layers in the middle of the
 model, resumed from the carry the chunk received (buffer and inverse RMS), whose
