@@ -43,7 +43,9 @@ class DepthCarry(NamedTuple):
 
 class SegmentCarry(NamedTuple):
   """Within a segment: the buffer as it was at the segment's start, the buffer slot of
-  its first local slot, and the local slots it writes (with their inverse RMS)."""
+  its first local slot, and the local slots it writes (with their inverse RMS); or,
+  where the residual writes its slots in place (`AttnResResidual.writes_in_place`),
+  the buffer with the slots written so far, and no local slots (None)."""
 
   buffer_KBTD: jax.Array
   inv_rms_KBT: jax.Array
@@ -112,6 +114,18 @@ class AttnResResidual(base.Residual):
   @property
   def two_phase(self) -> bool:
     return not self.one_shot and self.cfg.depth_read == 'two_phase'
+
+  @property
+  def writes_in_place(self) -> bool:
+    """Two-phase Full AttnRes writes each sublayer's output straight into its buffer
+    slot: the slot is empty until then and written once, and Phase 1 read the buffer
+    at the segment's start, so the merge reads the segment's slots from the buffer.
+    A separate stack of local slots was zero-filled every segment and copied into the
+    buffer at its end (bench/aot.py d1024 v5p:2x2x1 data, full/bf16/pallas: 51.14 ->
+    50.68 ms). Block keeps the stack: its own slot accumulates the block's partial
+    sum, and written in place it measured no better (block:4/bf16/pallas 47.89 ->
+    47.90 ms, block:8 50.14 -> 50.64)."""
+    return self.two_phase and self.block_size == 1
 
   @property
   def custom_stack(self):
@@ -206,9 +220,12 @@ class AttnResResidual(base.Residual):
     num_layers = params.query.shape[0]
     num_local = self.local_slots(num_layers)
     buffer_KBTD, inv_rms_KBT = carry
+    first = self.first_local_slot(segment)
+    if self.writes_in_place:
+      inner = SegmentCarry(buffer_KBTD, inv_rms_KBT, first, None, None)
+      return inner, self.phase1(buffer_KBTD, params, first, inv_rms_KBT)
     local_JBTD = jnp.zeros((num_local,) + buffer_KBTD.shape[1:], buffer_KBTD.dtype)
     local_inv_rms_JBT = jnp.zeros((num_local,) + inv_rms_KBT.shape[1:], jnp.float32)
-    first = self.first_local_slot(segment)
     inner = SegmentCarry(
       buffer_KBTD,
       inv_rms_KBT,
@@ -242,17 +259,24 @@ class AttnResResidual(base.Residual):
     _, num_local_valid = self.local_index(layer_in_segment, which)
     query_D, gain_D = params.query[...][which], params.gain[...][which]
     if self.two_phase:
-      mine = per_layer[which]
+      local_JBTD, local_inv_rms_JBT = inner.local_JBTD, inner.local_inv_rms_JBT
+      if self.writes_in_place:  # the slots it reads, written so far in the buffer
+        local_JBTD, local_inv_rms_JBT = (
+          jax.lax.dynamic_slice_in_dim(x, inner.first, num_local_valid, 0)
+          if num_local_valid
+          else None
+          for x in (inner.buffer_KBTD, inner.inv_rms_KBT)
+        )
       h_BTD = self.merge(
-        mine,
-        inner.local_JBTD,
+        per_layer[which],
+        local_JBTD,
         query_D,
         gain_D,
         layer_in_segment,
         which,
         inner.first,
         inner.buffer_KBTD[0],
-        inner.local_inv_rms_JBT,
+        local_inv_rms_JBT,
       )
       return h_BTD, None
     # One shot: the buffer as this sublayer sees it, local slots in place.
@@ -279,12 +303,25 @@ class AttnResResidual(base.Residual):
     self, inner: SegmentCarry, params, per_layer, layer_in_segment, which, out_BTD
   ):
     index, _ = self.local_index(layer_in_segment, which)
+    eps = self.cfg.attn_res_eps
+    if self.writes_in_place:
+      buffer_KBTD, inv_rms_KBT = attnres_reads.add_to_slot(
+        inner.buffer_KBTD,
+        inner.inv_rms_KBT,
+        inner.first + index,
+        out_BTD,
+        eps,
+        empty=True,
+      )
+      return inner._replace(buffer_KBTD=buffer_KBTD, inv_rms_KBT=inv_rms_KBT)
     local_JBTD, local_inv_rms_JBT = attnres_reads.add_to_slot(
-      inner.local_JBTD, inner.local_inv_rms_JBT, index, out_BTD, self.cfg.attn_res_eps
+      inner.local_JBTD, inner.local_inv_rms_JBT, index, out_BTD, eps
     )
     return inner._replace(local_JBTD=local_JBTD, local_inv_rms_JBT=local_inv_rms_JBT)
 
   def end_segment(self, carry, inner: SegmentCarry, segment):
+    if self.writes_in_place:
+      return DepthCarry(inner.buffer_KBTD, inner.inv_rms_KBT)
     return DepthCarry(
       sharding.constrain(
         jax.lax.dynamic_update_slice_in_dim(

@@ -109,12 +109,17 @@ def read_row(cfg, buffer_KBTD, num_valid, params: DepthReads, row, inv_rms_KBT):
   )
 
 
-def add_to_slot(slots_KBTD, inv_rms_KBT, slot, out_BTD, eps: float):
+def add_to_slot(slots_KBTD, inv_rms_KBT, slot, out_BTD, eps: float, *, empty=False):
   """The slots with `out` added to slot `slot` (stored in the slots' dtype), and their
-  inverse RMS updated."""
-  updated_BTD = (
-    jax.lax.dynamic_index_in_dim(slots_KBTD, slot, 0, keepdims=False) + out_BTD
-  ).astype(slots_KBTD.dtype)
+  inverse RMS updated. `empty`: the slot is zero until this write, so `out` is stored
+  in it, not added: the slot's earlier value gets no cotangent (a pipeline chunk
+  writing into the buffer it received must not pass its slots' cotangents back)."""
+  updated_BTD = out_BTD
+  if not empty:
+    updated_BTD = (
+      jax.lax.dynamic_index_in_dim(slots_KBTD, slot, 0, keepdims=False) + out_BTD
+    )
+  updated_BTD = updated_BTD.astype(slots_KBTD.dtype)
   slots_KBTD = jax.lax.dynamic_update_index_in_dim(slots_KBTD, updated_BTD, slot, 0)
   inv_rms_KBT = jax.lax.dynamic_update_index_in_dim(
     inv_rms_KBT, depth.rms_inverse(updated_BTD, eps), slot, 0
