@@ -20,7 +20,8 @@ HBM traffic from the BlockSpecs, per device: forward reads the num_valid slots o
 (num_valid B T D elements) and writes the Q outputs (Q B T D) and 2 Q B T float32
 statistics; backward reads the num_valid slots, the Q output cotangents and 2 Q B T
 statistics once and writes the buffer's cotangent once (K B T D; zeros past
-num_valid), or within `cotangent_into` adds it into a carried cotangent in place
+num_valid; tokens on the lanes, or with `width_minor_cotangent` width), or within
+`cotangent_into` adds it into a carried cotangent in place
 (reads num_valid slots of the carry and B T D more for slot 0, writes num_valid +
 num_zeroed slots). Each call's CostEstimate (what the TPU compiler's cost_analysis
 and step time take) says that: num_valid slots where num_valid is a Python int;
@@ -100,6 +101,7 @@ def _launch(kernel, args, in_kinds, outs, scratch, *, tile, vmem, cost, num_zero
     dcarry=pl.BlockSpec(
       (_SQ, _SQ, tile, dim), lambda b, t, k, nv: (written(k, nv), b, t, 0)
     ),
+    dslot=pl.BlockSpec((_SQ, _SQ, tile, dim), lambda b, t, k, nv: (k, b, t, 0)),
     first=pl.BlockSpec((_SQ, tile, dim), lambda b, t, k, nv: (b, t, 0)),
     rms=pl.BlockSpec(rms_block, lambda b, t, k, nv: (b, valid(k, nv), 0, t)),
     drms=pl.BlockSpec(rms_block, lambda b, t, k, nv: (b, k, 0, t)),
@@ -206,22 +208,28 @@ def _backward_device(
   bound,
   eps,
   num_zeroed,
+  width_minor,
   psum_axes=(),
 ):
   """Per device: (d buffer [K, B, T, D], or with `d_carry_KBTD` that carry plus it
   and `d_first_BTD` at slot 0 (`cotangent_into`), d inverse RMS [K, B, T] or None,
   d folded [Q, D] summed over the devices). The carry goes through the kernel where
   the width and the tile are whole lanes (its block is [tile, D]), through an XLA
-  add elsewhere."""
+  add elsewhere. `width_minor` (no carry): d buffer written by the kernel width-minor
+  ([tile, D] blocks) where the lanes allow."""
   num_slots, batch, length, dim = buf_KBTD.shape
   num_queries, has_rms = folded_QD.shape[0], rms_KBT is not None
   osz, isz = douts[0].dtype.itemsize, buf_KBTD.dtype.itemsize
   tile, vmem = _tile(buf_KBTD, num_queries, osz)
-  into = d_carry_KBTD is not None and dim % LANES == 0 and tile % LANES == 0
-  if into:
+  has_carry = d_carry_KBTD is not None
+  into = (has_carry or width_minor) and dim % LANES == 0 and tile % LANES == 0
+  if into and has_carry:
     dbuf = ('dcarry', d_carry_KBTD.shape, d_carry_KBTD.dtype)
     first_size = 0 if d_first_BTD is None else d_first_BTD.dtype.itemsize
     sizes = (isz, osz, d_carry_KBTD.dtype.itemsize, num_zeroed, first_size)
+  elif into:  # every slot's cotangent written once, width on the lanes
+    dbuf = ('dslot', buf_KBTD.shape, buf_KBTD.dtype)
+    sizes = (isz, osz, None, 0, 0)
   else:
     dbuf = ('dbuf', (num_slots, batch, dim, length), buf_KBTD.dtype)
     sizes = (isz, osz, None, 0, 0)
@@ -234,17 +242,18 @@ def _backward_device(
       into=into,
       num_zeroed=num_zeroed,
       has_first=into and d_first_BTD is not None,
+      has_carry=has_carry,
     ),
     (nv, folded_QD, _lanes(buf_KBTD))
     + ((_rms_lanes(rms_KBT),) if has_rms else ())
     + (max_BQT, dsum_BQT, *(_lanes(d) for d in douts))
-    + ((d_carry_KBTD,) if into else ())
+    + ((d_carry_KBTD,) if into and has_carry else ())
     + ((d_first_BTD,) if into and d_first_BTD is not None else ()),
     ['folded', 'buf']
     + ['rms'] * has_rms
     + ['stat'] * 2
     + ['out'] * num_queries
-    + ['carry'] * into
+    + ['carry'] * (into and has_carry)
     + ['first'] * (into and d_first_BTD is not None),
     [dbuf]
     + [('drms', (batch, num_slots, 1, length), jnp.float32)] * has_rms
@@ -302,12 +311,15 @@ def _sharded(fn, shape, in_specs, out_specs):
   )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _phase1(buf_KBTD, folded_QD, nv, rms_KBT, bound, eps, out_dtype):
-  return _phase1_fwd(buf_KBTD, folded_QD, nv, rms_KBT, bound, eps, out_dtype)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _phase1(buf_KBTD, folded_QD, nv, rms_KBT, bound, eps, out_dtype, width_minor):
+  return _phase1_fwd(
+    buf_KBTD, folded_QD, nv, rms_KBT, bound, eps, out_dtype, width_minor
+  )[0]
 
 
-def _phase1_fwd(buf_KBTD, folded_QD, nv, rms_KBT, bound, eps, out_dtype):
+def _phase1_fwd(buf_KBTD, folded_QD, nv, rms_KBT, bound, eps, out_dtype, width_minor):
+  del width_minor
   rms = None if rms_KBT is None else 'rms'
   fn = _sharded(
     functools.partial(_forward_device, bound=bound, eps=eps, out_dtype=out_dtype),
@@ -319,7 +331,7 @@ def _phase1_fwd(buf_KBTD, folded_QD, nv, rms_KBT, bound, eps, out_dtype):
   return out, (buf_KBTD, folded_QD, nv, rms_KBT, out[0])
 
 
-def _phase1_bwd(bound, eps, out_dtype, residuals, cotangents):
+def _phase1_bwd(bound, eps, out_dtype, width_minor, residuals, cotangents):
   del out_dtype
   buf_KBTD, folded_QD, nv, rms_KBT, max_BQT = residuals
   _, dsum_BQT, douts = cotangents  # the max is stop-gradient
@@ -338,7 +350,13 @@ def _phase1_bwd(bound, eps, out_dtype, residuals, cotangents):
     for x, kind in ((d_carry_KBTD, 'buf'), (d_first_BTD, 'out'))
   )
   fn = _sharded(
-    functools.partial(_backward_device, bound=bound, eps=eps, num_zeroed=zeroed),
+    functools.partial(
+      _backward_device,
+      bound=bound,
+      eps=eps,
+      num_zeroed=zeroed,
+      width_minor=width_minor,
+    ),
     buf_KBTD.shape,
     ('rep', 'rep', 'buf', rms, 'stat', 'stat', ('out',) * len(douts), carry, first),
     ('buf', rms, 'rep'),
@@ -402,10 +420,14 @@ def phase1(
   num_valid,
   inv_rms_KBT=None,
   out_dtype=jnp.float32,
+  width_minor_cotangent=False,
 ):
   """`depth.phase1` computed by the Pallas kernels (module docstring): a tuple over
   the Q queries of (max [B, T], sum of exponentials [B, T], output [B, T, D]). Its
-  VJP within `cotangent_into` sums the buffer's cotangent into a carried one."""
+  VJP within `cotangent_into` sums the buffer's cotangent into a carried one; outside
+  it, with `width_minor_cotangent`, the kernel writes the buffer's cotangent width
+  on the lanes, the layout a backward pass carries it in (the transposes in VMEM),
+  not tokens on the lanes for the compiler to relayout."""
   num_slots = buffer_KBTD.shape[0]
   if num_valid is None:
     num_valid = num_slots
@@ -418,7 +440,14 @@ def phase1(
   nv = jnp.clip(jnp.asarray(num_valid, jnp.int32), 0, num_slots).reshape(1)
   folded_QD = queries_QD.astype(jnp.float32) * gains_QD.astype(jnp.float32)
   max_BQT, sum_BQT, outs = _phase1(
-    buffer_KBTD, folded_QD, nv, inv_rms_KBT, bound, float(eps), jnp.dtype(out_dtype)
+    buffer_KBTD,
+    folded_QD,
+    nv,
+    inv_rms_KBT,
+    bound,
+    float(eps),
+    jnp.dtype(out_dtype),
+    bool(width_minor_cotangent),
   )
   max_BQT = jax.lax.stop_gradient(max_BQT)
   return tuple((max_BQT[:, q], sum_BQT[:, q], out) for q, out in enumerate(outs))

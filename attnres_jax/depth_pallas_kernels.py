@@ -28,6 +28,8 @@ statistics, the outputs and their cotangents) stay in VMEM across a tile's steps
              (width on the lanes: dv_k transposed in VMEM; slot 0 also gets an
              addend), written in place; past num_valid, that carry's next
              `num_zeroed` slots are zeroed, the rest neither read nor written.
+             Or (no carry, `width_minor_cotangent`) dv_k is written transposed
+             the same way, every slot (zeros past num_valid).
 """
 
 from __future__ import annotations
@@ -156,20 +158,23 @@ def backward_kernel(
   into,
   num_zeroed,
   has_first,
+  has_carry=True,
 ):
   """One slot step of the backward: refs are (inverse RMS [1, t] if carried), the
   forward's max [Q, t], the sum's cotangent [Q, t], the Q outputs' cotangents [D, t],
-  (`into`: the carried cotangent's slot [t, D], and if `has_first` what slot 0 also
-  gets [t, D]); then the slot's cotangent [D, t] (`into`: the carry's slot [t, D],
-  the same buffer, the sum written), (its inverse RMS's [1, t]), the queries' [Q, D].
-  `into` zeroes the carry's `num_zeroed` slots from num_valid on."""
+  (`into`: the carried cotangent's slot [t, D] unless not `has_carry`, and if
+  `has_first` what slot 0 also gets [t, D]); then the slot's cotangent [D, t]
+  (`into`: the carry's slot [t, D], the same buffer, the sum written; without a
+  carry, the slot's own cotangent [t, D]), (its inverse RMS's [1, t]), the
+  queries' [Q, D]. `into` zeroes the carry's `num_zeroed` slots from num_valid on."""
   rms_ref = refs[0] if has_rms else None
   refs = refs[1:] if has_rms else refs
   max_ref, dsum_ref, dout_refs = refs[0], refs[1], refs[2 : 2 + num_queries]
   refs = refs[2 + num_queries :]
-  carry_ref = refs[0] if into else None
-  first_ref = refs[1] if has_first else None
-  dbuf_ref, *rest = refs[into + has_first :]
+  has_carry = into and has_carry
+  carry_ref = refs[0] if has_carry else None
+  first_ref = refs[has_carry] if has_first else None
+  dbuf_ref, *rest = refs[has_carry + has_first :]
   drms_ref = rest.pop(0) if has_rms else None
   (dfold_ref,) = rest
   k, nv = pl.program_id(2), nv_ref[0]
@@ -201,7 +206,9 @@ def backward_kernel(
     else:
       dv_Dt = dv_Dt - (r_1t * r_1t * r_1t * dr_1t / v_Dt.shape[0]) * v_Dt
     if into:  # tokens on the lanes -> width; the sum rounded once
-      sum_tD = carry_ref[...].astype(jnp.float32) + dv_Dt.T
+      sum_tD = dv_Dt.T
+      if has_carry:
+        sum_tD = carry_ref[...].astype(jnp.float32) + sum_tD
       if has_first:
         sum_tD = sum_tD + jnp.where(k == 0, first_ref[...].astype(jnp.float32), 0.0)
       dbuf_ref[...] = sum_tD.astype(dbuf_ref.dtype)
@@ -213,7 +220,7 @@ def backward_kernel(
 
   @pl.when(k >= nv)
   def _():  # weight zero: no gradient
-    if not into:
+    if not has_carry:
       dbuf_ref[...] = jnp.zeros(dbuf_ref.shape, dbuf_ref.dtype)
     if has_rms:
       drms_ref[...] = jnp.zeros(drms_ref.shape, jnp.float32)

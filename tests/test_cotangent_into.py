@@ -120,6 +120,37 @@ def test_phase1_vjp_sums_into_the_carry(dtype, shape, num_valid, num_zeroed, fir
   assert bool(ALIASED.search(jaxpr)) == (shape == 'kernel')
 
 
+@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize('shape', list(SHAPES))
+@pytest.mark.parametrize('num_valid', [6, 4])
+def test_phase1_vjp_written_width_minor_equals_xla(dtype, shape, num_valid):
+  """Without a carry, `width_minor_cotangent` (the final read's): the kernel writes
+  the buffer's cotangent in [tile, D] blocks where the lanes allow, the XLA layout
+  elsewhere; either way autodiff's cotangent of the XLA Phase 1, zero past num_valid."""
+  buffer_KBTD, queries_QD, gains_QD, _ = operands(dtype, SHAPES[shape], num_queries=1)
+  impl = functools.partial(depth_pallas.phase1, width_minor_cotangent=True)
+  fn = jax.jit(lambda *a: buffer_cotangent(impl, *a, num_valid))
+  got = fn(buffer_KBTD, queries_QD, gains_QD)
+  want = buffer_cotangent(depth.phase1, buffer_KBTD, queries_QD, gains_QD, num_valid)
+  assert got.dtype == want.dtype == dtype
+  scale = float(jnp.abs(want.astype(jnp.float32)).max())
+  # As the carry's sums above without the carry: float32 the same terms in another
+  # order; bfloat16 both round autodiff's cotangent once (test_depth_pallas.BF16_TOL).
+  np.testing.assert_allclose(
+    np.asarray(got, np.float32) / scale,
+    np.asarray(want, np.float32) / scale,
+    atol=TOL[dtype],
+  )
+  np.testing.assert_array_equal(got[num_valid:], 0)
+  # The backward kernel's cotangent output: [K, B, T, D] (width minor) where the
+  # lanes allow, [K, B, D, T] (tokens minor) elsewhere.
+  k, b, t, d = SHAPES[shape]
+  jaxpr = str(jax.make_jaxpr(fn)(buffer_KBTD, queries_QD, gains_QD))
+  dims = ','.join(map(str, (k, b, t, d) if shape == 'kernel' else (k, b, d, t)))
+  name = {jnp.float32: 'f32', jnp.bfloat16: 'bf16'}[dtype]
+  assert re.search(rf':{name}\[{dims}\] [^=]*= pallas_call', jaxpr)
+
+
 def test_carry_of_another_dtype_is_refused():
   buffer_KBTD, queries_QD, gains_QD, carry_KBTD = operands(jnp.bfloat16, (3, 1, 8, 32))
   with pytest.raises(ValueError, match="carry of the buffer's shape and dtype"):
@@ -174,7 +205,8 @@ def test_layer_scan_charges_phase1_the_mean_of_its_valid_slots():
   """Block over four one-layer segments (K = 5 slots; the segments' first local slots,
   Phase 1's num_valid, are 1, 2, 3, 4): the linear-memory stack's forward (as its
   backward) has the Phase 1 kernel in the segments' scan charge 2.5 slots a call,
-  what it loads on average, not all K; so does its primal (no gradient taken)."""
+  what it loads on average, not all K; so does its primal (no gradient taken). The
+  final read's kernel (one query over all K slots, a static count) is charged K."""
   model = tiny_model(
     'block',
     2,
@@ -189,26 +221,29 @@ def test_layer_scan_charges_phase1_the_mean_of_its_valid_slots():
   loss = lambda s: jnp.mean(nnx.merge(graphdef, s)(tokens) ** 2)
   costs = lambda jaxpr: {int(c) for c in re.findall(r'bytes_accessed=(\d+)', str(jaxpr))}
 
-  def alone(mean):
-    """The forward kernel's cost for the model's shapes, num_valid traced."""
-    ones_QD = jnp.ones((2, 32))
+  def alone(mean, final=False):
+    """The forward kernel's cost for the model's shapes: a segment's Phase 1
+    (num_valid traced), or the final read's (`final`)."""
+    ones_QD = jnp.ones((1 if final else 2, 32))
     fn = lambda buffer_KBTD, num_valid: depth_pallas.phase1(
       buffer_KBTD,
       ones_QD,
       ones_QD,
       eps=EPS,
-      num_valid=num_valid,
-      inv_rms_KBT=jnp.ones((5, 2, 16)),
-      out_dtype=residual.phase1_dtype,
+      num_valid=5 if final else num_valid,
+      inv_rms_KBT=None if final else jnp.ones((5, 2, 16)),
+      out_dtype=jnp.float32 if final else residual.phase1_dtype,
+      width_minor_cotangent=final,
     )
     buffer_KBTD = jnp.zeros((5, 2, 16, 32), residual.storage_dtype)
     costed = depth_pallas.expected_valid(mean) if mean else contextlib.nullcontext()
     with costed:
       return costs(jax.make_jaxpr(fn)(buffer_KBTD, jnp.int32(1)))
 
-  mean, every_slot = alone(2.5), alone(None)
-  assert len(mean) == 1 and mean != every_slot
-  assert costs(jax.make_jaxpr(loss)(state)) == mean  # the primal: forward kernels only
+  mean, every_slot, final = alone(2.5), alone(None), alone(None, final=True)
+  assert len(mean) == 1 and mean != every_slot and not final & (mean | every_slot)
+  # The primal: forward kernels only.
+  assert costs(jax.make_jaxpr(loss)(state)) == mean | final
   with_grad = costs(jax.make_jaxpr(jax.grad(loss))(state))
   assert mean <= with_grad and not every_slot & with_grad
 

@@ -338,6 +338,22 @@ class AttnResResidual(base.Residual):
     h_BTD, weights_KBT = attnres_reads.read_row(
       self.cfg, carry.buffer_KBTD, None, params, (), carry.inv_rms_KBT
     )
+    if self.two_phase and self.cfg.depth_kernel == 'pallas' and not self.cfg.ablations:
+      # The read itself through the Phase 1 kernel (one query, every slot): one pass
+      # over the buffer, and a backward that writes the buffer's cotangent in the
+      # layout the backward pass carries it (XLA's read swept the buffer twice and
+      # its cotangent was relayouted: bench/aot.py d1024 v5p:2x2x1 data,
+      # full/bf16/pallas 50.68 -> 49.93 ms). The weights, for statistics only, stay
+      # XLA's (dropped by the compiler where unused).
+      ((_, sum_BT, out_BTD),) = depth_pallas.phase1(
+        carry.buffer_KBTD,
+        params.query[...][None],
+        params.gain[...][None],
+        eps=self.cfg.attn_res_eps,
+        num_valid=self.num_slots,
+        width_minor_cotangent=True,
+      )
+      h_BTD = depth.phase1_read((None, sum_BT, out_BTD), carry.buffer_KBTD.dtype)
     return self.to_compute(h_BTD), weights_KBT
 
   # -- analysis ---------------------------------------------------------------------
