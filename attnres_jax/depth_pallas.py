@@ -221,9 +221,10 @@ def _backward_device(
   num_queries, has_rms = folded_QD.shape[0], rms_KBT is not None
   osz, isz = douts[0].dtype.itemsize, buf_KBTD.dtype.itemsize
   tile, vmem = _tile(buf_KBTD, num_queries, osz)
-  has_carry = d_carry_KBTD is not None
-  into = (has_carry or width_minor) and dim % LANES == 0 and tile % LANES == 0
-  if into and has_carry:
+  whole_lanes = dim % LANES == 0 and tile % LANES == 0  # [tile, D] blocks fit
+  into = (d_carry_KBTD is not None or width_minor) and whole_lanes
+  reads_carry = into and d_carry_KBTD is not None  # else the XLA add below, or none
+  if reads_carry:
     dbuf = ('dcarry', d_carry_KBTD.shape, d_carry_KBTD.dtype)
     first_size = 0 if d_first_BTD is None else d_first_BTD.dtype.itemsize
     sizes = (isz, osz, d_carry_KBTD.dtype.itemsize, num_zeroed, first_size)
@@ -242,18 +243,18 @@ def _backward_device(
       into=into,
       num_zeroed=num_zeroed,
       has_first=into and d_first_BTD is not None,
-      has_carry=has_carry,
+      has_carry=reads_carry,
     ),
     (nv, folded_QD, _lanes(buf_KBTD))
     + ((_rms_lanes(rms_KBT),) if has_rms else ())
     + (max_BQT, dsum_BQT, *(_lanes(d) for d in douts))
-    + ((d_carry_KBTD,) if into and has_carry else ())
+    + ((d_carry_KBTD,) if reads_carry else ())
     + ((d_first_BTD,) if into and d_first_BTD is not None else ()),
     ['folded', 'buf']
     + ['rms'] * has_rms
     + ['stat'] * 2
     + ['out'] * num_queries
-    + ['carry'] * (into and has_carry)
+    + ['carry'] * reads_carry
     + ['first'] * (into and d_first_BTD is not None),
     [dbuf]
     + [('drms', (batch, num_slots, 1, length), jnp.float32)] * has_rms

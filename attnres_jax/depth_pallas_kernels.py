@@ -158,11 +158,11 @@ def backward_kernel(
   into,
   num_zeroed,
   has_first,
-  has_carry=True,
+  has_carry,
 ):
   """One slot step of the backward: refs are (inverse RMS [1, t] if carried), the
   forward's max [Q, t], the sum's cotangent [Q, t], the Q outputs' cotangents [D, t],
-  (`into`: the carried cotangent's slot [t, D] unless not `has_carry`, and if
+  (`has_carry`, only with `into`: the carried cotangent's slot [t, D]; and if
   `has_first` what slot 0 also gets [t, D]); then the slot's cotangent [D, t]
   (`into`: the carry's slot [t, D], the same buffer, the sum written; without a
   carry, the slot's own cotangent [t, D]), (its inverse RMS's [1, t]), the
@@ -171,7 +171,6 @@ def backward_kernel(
   refs = refs[1:] if has_rms else refs
   max_ref, dsum_ref, dout_refs = refs[0], refs[1], refs[2 : 2 + num_queries]
   refs = refs[2 + num_queries :]
-  has_carry = into and has_carry
   carry_ref = refs[0] if has_carry else None
   first_ref = refs[has_carry] if has_first else None
   dbuf_ref, *rest = refs[has_carry + has_first :]
