@@ -261,8 +261,8 @@ def pipeline_hidden(model, x_MBTD, positions_BT, pipe: PipelineConfig):
     message = inbox
     if delay:  # stage 0 reads what arrived M - P iterations ago, stores what arrives
       entry = t % delay
-      message = select(stage == 0, jax.tree.map(lambda w: w[entry], wrap), inbox)
-      wrap = jax.tree.map(lambda w, x: w.at[entry].set(x), wrap, inbox)
+      delayed, wrap = pipeline_vjp.swap_entry(wrap, entry, inbox)
+      message = select(stage == 0, delayed, inbox)
     # The first chunk starts from the embedding: its message is the initial carry's
     # window (one select of W slots, not of the whole carry). The window lands at
     # slot 0 on a base that is zero there and above (nothing cached yet).
@@ -272,11 +272,7 @@ def pipeline_hidden(model, x_MBTD, positions_BT, pipe: PipelineConfig):
       base = transfer.from_cache(jax.tree.map(lambda c: c[micro], cache), zero_carry)
     carry = transfer.receive(message, base, jnp.maximum(chunk - 1, 0))
     if keeps_cache:  # what this stage had of the microbatch, for its next visit
-      cache = jax.tree.map(
-        lambda c, x: c.at[micro].set(select(valid, x, c[micro])),
-        cache,
-        transfer.to_cache(carry),
-      )
+      cache = pipeline_vjp.set_entry_where(cache, micro, valid, transfer.to_cache(carry))
     if chunk_run is not None:
       carry = chunk_run(
         virtual_states, virtual, carry, positions_BT, chunk * segments_per_chunk

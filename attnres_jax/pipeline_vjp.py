@@ -5,7 +5,12 @@ VJPs keep: the chunk's backward residuals without its parameters (`indexing_para
 the final read's inputs and its softmax weights (`final_read`), the arguments of what
 is cheap to rerun (`recomputed`: the first chunk's embedded window), the scalar
 conditions of the schedule's selects (`select`). On the TPU compile (`bench/pipeline.py
---topology=v5p:2x2x1`) Block S=4 at V = 1 estimates 83.2 ms (84.2 before)."""
+--topology=v5p:2x2x1`) Block S=4 at V = 1 estimates 83.2 ms (84.2 before).
+
+The delay line's and the cache's entry updates (`swap_entry`, `set_entry_where`, used
+with either backward) have backward passes that update the cotangents in place; plain
+autodiff copied the whole cotangent stacks every iteration (V = 2, full/bf16/pallas:
+100.84 -> 96.58 ms, docs/pipeline.md)."""
 
 from __future__ import annotations
 
@@ -166,3 +171,66 @@ def _select_backward(condition, d_out):
 
 
 select.defvjp(_select_forward, _select_backward)
+
+
+def _read_then_set(stacked, index, rows):
+  """(stacked[index], stacked with entry `index` set to `rows(stacked[index])`) for a
+  pytree of arrays with a leading entry axis, each read ordered before its write: the
+  write then updates the array in place. Unordered, the compiler copies the whole
+  stack to keep the entry readable (every iteration, in the backward pass of the
+  schedule's delay line and cache: bench/pipeline.py v5p, P=2 V=2, four copies of
+  their cotangents an iteration)."""
+  leaves, treedef = jax.tree.flatten(stacked)
+  old = [x[index] for x in leaves]
+  old, leaves = jax.lax.optimization_barrier((old, leaves))
+  new = jax.tree.leaves(rows(treedef.unflatten(old)))
+  leaves = [x.at[index].set(n) for x, n in zip(leaves, new)]
+  return treedef.unflatten(old), treedef.unflatten(leaves)
+
+
+@jax.custom_vjp
+def swap_entry(stacked, index, new):
+  """(stacked[index], stacked with entry `index` replaced by `new`) for a pytree of
+  arrays with a leading entry axis. Its backward pass is the same swap of the
+  cotangents (`d_new` = d_stacked[index], whose entry becomes `d_old`), in place."""
+  return _read_then_set(stacked, index, lambda _: new)
+
+
+def _swap_entry_forward(stacked, index, new):
+  return _read_then_set(stacked, index, lambda _: new), index
+
+
+def _swap_entry_backward(index, cotangents):
+  d_old, d_stacked = cotangents
+  d_new, d_stacked = _read_then_set(d_stacked, index, lambda _: d_old)
+  return d_stacked, None, d_new
+
+
+swap_entry.defvjp(_swap_entry_forward, _swap_entry_backward)
+
+
+@jax.custom_vjp
+def set_entry_where(stacked, index, condition, new):
+  """`stacked` with entry `index` replaced by `new` where the scalar `condition`
+  holds, kept where not; its backward pass reads the entry's cotangent before it
+  zeroes it (`condition`) in place, keeping only the index and the condition."""
+  return jax.tree.map(
+    lambda s, n: s.at[index].set(jnp.where(condition, n, s[index])), stacked, new
+  )
+
+
+def _set_entry_where_forward(stacked, index, condition, new):
+  return set_entry_where(stacked, index, condition, new), (index, condition)
+
+
+def _set_entry_where_backward(residuals, d_out):
+  index, condition = residuals
+  zero_where = lambda rows: jax.tree.map(
+    lambda d: jnp.where(condition, jnp.zeros_like(d), d), rows
+  )
+  d_rows, d_stacked = _read_then_set(d_out, index, zero_where)
+  d_new = jax.tree.map(lambda d: jnp.where(condition, d, jnp.zeros_like(d)), d_rows)
+  return d_stacked, None, None, d_new
+
+
+set_entry_where.defvjp(_set_entry_where_forward, _set_entry_where_backward)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import sys
 import tempfile
 
@@ -204,7 +205,10 @@ def run_checks(group: str) -> dict:
     loss_fn = pipelined_loss(model_config, mesh_config)
     with sharding.logical_rules(layout.mesh, layout.rules):
       jaxpr = jax.make_jaxpr(loss_fn)(params, batch)
-    return 'custom_vjp_call' in str(jaxpr)
+    # The schedule's own entry updates of its delay line and cache are custom VJPs
+    # in every pipelined loss; the chunks' are the others.
+    names = re.findall(r'custom_vjp_call\[\s*name=(\w+)', str(jaxpr))
+    return bool(set(names) - {'swap_entry', 'set_entry_where'})
 
   def figure_3_forward():
     """The Fig. 3 configuration end to end, forward: Block S = 4, 8 layers, P = 4,

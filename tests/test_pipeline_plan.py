@@ -7,6 +7,7 @@ themselves (devices): test_pipeline.py."""
 
 from __future__ import annotations
 
+import chex
 import numpy as np
 import pytest
 
@@ -217,6 +218,43 @@ def test_final_read_keeping_its_weights_equals_autodiff(dtype):
     np.testing.assert_allclose(
       np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=0, atol=atol
     )
+
+
+def test_entry_updates_in_place_equal_autodiff():
+  """`pipeline_vjp.swap_entry` and `set_entry_where` (the delay line's and the cache's
+  updates, their backward passes in place) against autodiff of the indexing they
+  replace, vmapped over stages with a per-stage index and condition as the schedule
+  runs them: values and cotangents only move and select numbers, so they are equal."""
+  import jax
+  import jax.numpy as jnp
+
+  from attnres_jax import pipeline_vjp
+
+  keys = iter(jax.random.split(jax.random.key(0), 16))
+  normal = lambda *shape: jax.random.normal(next(keys), shape)
+  # A carry per stage (2 stages) and entry (4): a buffer and its inverse RMS.
+  stacked = attnres.DepthCarry(normal(2, 4, 3, 8), normal(2, 4, 3))
+  new = attnres.DepthCarry(normal(2, 3, 8), normal(2, 3))
+  index, condition = jnp.array([1, 3]), jnp.array([True, False])
+
+  def swap_reference(stacked, index, new):
+    old = jax.tree.map(lambda x: x[index], stacked)
+    return old, jax.tree.map(lambda x, y: x.at[index].set(y), stacked, new)
+
+  def set_reference(stacked, index, condition, new):
+    return jax.tree.map(
+      lambda x, y: x.at[index].set(jnp.where(condition, y, x[index])), stacked, new
+    )
+
+  for got_fn, want_fn, fixed in [
+    (pipeline_vjp.swap_entry, swap_reference, (index,)),
+    (pipeline_vjp.set_entry_where, set_reference, (index, condition)),
+  ]:
+    got, got_vjp = jax.vjp(lambda s, n: jax.vmap(got_fn)(s, *fixed, n), stacked, new)
+    want, want_vjp = jax.vjp(lambda s, n: jax.vmap(want_fn)(s, *fixed, n), stacked, new)
+    chex.assert_trees_all_equal(got, want)
+    cotangent = jax.tree.map(lambda x: jax.random.normal(next(keys), x.shape), want)
+    chex.assert_trees_all_equal(got_vjp(cotangent), want_vjp(cotangent))
 
 
 def test_invalid_pipelines_fail_before_compiling():
