@@ -198,6 +198,9 @@ def _summarize(compiled, seconds: float, topo: Topology, model_flops: float) -> 
     # seconds (loops once) by our roofline's loop factor, which can move two programs
     # apart when their loop bodies differ (docs/results.md, tenth pass).
     'compiler_cycles_loops_counted': costs['cycles'],
+    # With every computation once, as `xla_seconds_loops_once` counts: their ratio is
+    # not one clock across programs (docs/results.md, thirteenth pass).
+    'compiler_cycles_loops_once': costs['cycles_once'],
     'model_flops': model_flops,
     'est_mfu': model_flops / (step_seconds * peak) if step_seconds else None,
     'collectives': costs['collectives'],
