@@ -37,6 +37,7 @@ EXECUTION_FIELDS = (
   'scan_layers',
   'remat',
   'linear_memory_backward',
+  'backward_layer_barrier',
   'depth_read',
   'schedule_layers',
   'depth_dtype',
@@ -80,6 +81,9 @@ class ModelConfig:
   linear_memory_backward: bool = (
     True  # two-phase: memory linear in depth; False: autodiff
   )
+  # The linear-memory backward finishes each layer's gradients before the layer below
+  # starts: less temporary memory, a slower step (docs/results.md, thirteenth pass).
+  backward_layer_barrier: bool = False
   # AttnRes storage of the depth buffer, partial sums and Phase 1 outputs: '' = the
   # compute dtype (Phase 1 outputs float32) | 'bfloat16' | 'float32'
   depth_dtype: str = ''

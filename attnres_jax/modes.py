@@ -8,8 +8,9 @@ runs the AttnRes block schedule in segments of G layers (`schedule_layers`), and
 AttnRes options follow, each after a '/': `one_shot` or `two_phase` picks the read
 (`depth_read`), `bf16` or `f32` the depth state's storage (`depth_dtype`), e.g.
 `block:4/bf16` or `full/one_shot`; `pallas` computes Phase 1 with the Pallas
-kernel (`depth_kernel`), e.g. `block:4/bf16/pallas`; for `hc`/`mhc` (its only
-option) the stream write's and mHC's Sinkhorn kernels, e.g. `mhc/pallas`. A tool
+kernel (`depth_kernel`), e.g. `block:4/bf16/pallas`; `barrier` finishes each layer's
+gradients before the next in the backward (`backward_layer_barrier`); for `hc`/`mhc`
+(its only option) the stream write's and mHC's Sinkhorn kernels, e.g. `mhc/pallas`. A tool
 whose block size follows the depth (bench/decode.py: about 8 blocks at every depth)
 accepts a bare `block` and supplies S. A mode string names model fields only; every other field
 keeps its value.
@@ -23,7 +24,8 @@ from __future__ import annotations
 SYNTAX = (
   'standard | full | block:S | hc[:m] | mhc[:m], then optionally @G (segment layers) '
   'and AttnRes options /one_shot or /two_phase (the read), /bf16 or /f32 (storage), '
-  '/pallas (the Phase 1 kernel; for hc and mhc the write and Sinkhorn kernels)'
+  '/pallas (the Phase 1 kernel; for hc and mhc the write and Sinkhorn kernels), '
+  '/barrier (the backward layer by layer)'
 )
 OPTIONS = {  # AttnRes option -> (model field, value)
   'one_shot': ('depth_read', 'one_shot'),
@@ -31,6 +33,7 @@ OPTIONS = {  # AttnRes option -> (model field, value)
   'bf16': ('depth_dtype', 'bfloat16'),
   'f32': ('depth_dtype', 'float32'),
   'pallas': ('depth_kernel', 'pallas'),
+  'barrier': ('backward_layer_barrier', True),
 }
 DEFAULT_STREAMS = 4
 

@@ -75,6 +75,28 @@ def test_linear_memory_backward_equals_plain_autodiff(
   assert_grads_close(linear, plain)
 
 
+@pytest.mark.parametrize('residual,block_size', [('block', 3), ('full', 1)])
+def test_backward_layer_barrier_orders_the_backward_and_changes_no_gradient(
+  residual, block_size
+):
+  """`backward_layer_barrier` puts a barrier after each layer of the linear-memory
+  backward (one more per layer in the jaxpr) and gives plain autodiff's gradients."""
+  model = random_model(residual, block_size)
+  barriers = {}
+  for on in (False, True):
+    changed = with_config(model, linear_memory_backward=True, backward_layer_barrier=on)
+    graphdef, state = nnx.split(changed)
+    x = jnp.zeros((2, 12), jnp.int32)
+    loss = lambda s: jnp.mean(nnx.merge(graphdef, s)(x) ** 2)
+    barriers[on] = str(jax.make_jaxpr(jax.grad(loss))(state)).count(
+      'optimization_barrier'
+    )
+  # The segment scans' bodies hold one more barrier per layer.
+  assert barriers[True] > barriers[False], barriers
+  barrier = gradients(model, linear_memory_backward=True, backward_layer_barrier=True)
+  assert_grads_close(barrier, plain_gradients(residual, block_size, 0))
+
+
 def test_sublayer_vjp_keeps_no_boolean_residuals():
   # The causal mask is built from iotas: plain `jax.vjp` of the attention sublayer
   # after its PreNorm (what the custom backward keeps a closure of) keeps it as a

@@ -271,6 +271,13 @@ def make_stack(residual):
               else jax.tree.map(jnp.add, d_layer_states[j], d)
             )
         d_stats[j] = tuple(d_stats_j)  # as Phase 1 returned them: nothing stacked
+        if cfg.backward_layer_barrier:
+          # Layer j's gradients (its weight-gradient matmuls) complete before layer
+          # j - 1's backward starts: left free, the compiler interleaves the two and
+          # holds both layers' temporaries at once.
+          d_slots, d_layer_states[j] = jax.lax.optimization_barrier(
+            (d_slots, d_layer_states[j])
+          )
       with (
         depth_pallas.cotangent_into(  # the kernel sums all into the carry, in place
           d_buffer_KBTD, num_zeroed=num_local, d_first_BTD=d_embedding_sum_BTD
