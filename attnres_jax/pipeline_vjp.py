@@ -10,7 +10,7 @@ conditions of the schedule's selects (`select`). On the TPU compile (`bench/pipe
 The delay line's and the cache's entry updates (`swap_entry`, `set_entry_where`, used
 with either backward) have backward passes that update the cotangents in place; plain
 autodiff copied the whole cotangent stacks every iteration (V = 2, full/bf16/pallas:
-100.84 -> 96.58 ms, docs/pipeline.md)."""
+100.84 -> 96.61 ms, docs/pipeline.md)."""
 
 from __future__ import annotations
 
