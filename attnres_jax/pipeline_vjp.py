@@ -225,12 +225,12 @@ def _set_entry_where_forward(stacked, index, condition, new):
 
 def _set_entry_where_backward(residuals, d_out):
   index, condition = residuals
-  zero_where = lambda rows: jax.tree.map(
-    lambda d: jnp.where(condition, jnp.zeros_like(d), d), rows
+  # The entry's cotangent splits as the select's (`select(condition, new, old)`):
+  # to `new` where the condition holds, back to the kept entry where not.
+  d_rows, d_stacked = _read_then_set(
+    d_out, index, lambda rows: _select_backward(condition, rows)[2]
   )
-  d_rows, d_stacked = _read_then_set(d_out, index, zero_where)
-  d_new = jax.tree.map(lambda d: jnp.where(condition, d, jnp.zeros_like(d)), d_rows)
-  return d_stacked, None, None, d_new
+  return d_stacked, None, None, _select_backward(condition, d_rows)[1]
 
 
 set_entry_where.defvjp(_set_entry_where_forward, _set_entry_where_backward)

@@ -404,7 +404,7 @@ def tpu_rows() -> list[dict]:
       for virtual in FLAGS.tpu_virtual_stages
       for schedule in FLAGS.tpu_schedules
     ]
-    standard, standard_cycles, fsdp_temp = {}, {}, {}
+    standard, fsdp_temp = {}, {}  # the standard's row per configuration
     for mode in FLAGS.tpu_modes:
       for label, stages, virtual, schedule in configurations:
         config = tpu_config(mode, chips, stages, virtual, schedule or 'remat')
@@ -463,19 +463,15 @@ def tpu_rows() -> list[dict]:
         if stages == 1:
           fsdp_temp[mode] = row['temp_bytes']
         if mode == 'standard':
-          standard[label] = row['est_step_seconds']
-          standard_cycles[label] = row['compiler_cycles_loops_counted']
+          standard[label] = row
         row['temp_vs_fsdp'] = (
           row['temp_bytes'] / fsdp_temp[mode] if mode in fsdp_temp else None
         )
-        row['step_vs_standard'] = (
-          row['est_step_seconds'] / standard[label] if label in standard else None
+        versus_standard = lambda key: (
+          row[key] / standard[label][key] if label in standard else None
         )
-        row['cycles_vs_standard'] = (
-          row['compiler_cycles_loops_counted'] / standard_cycles[label]
-          if label in standard_cycles
-          else None
-        )
+        row['step_vs_standard'] = versus_standard('est_step_seconds')
+        row['cycles_vs_standard'] = versus_standard('compiler_cycles_loops_counted')
         rows.append(row)
         ratio = row['step_vs_standard']
         print(
