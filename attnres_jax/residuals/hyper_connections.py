@@ -52,6 +52,12 @@ MHC_LOGIT = 8.0
 # How the stream write is computed (`depth_kernel`): XLA (hyper_streams) or the Pallas
 # kernels (hyper_pallas; interpret mode off the TPU).
 WRITE_KERNELS = {'xla': hyper_streams.write, 'pallas': hyper_pallas.write}
+# ... and the dynamic coefficients' projections and inverse RMS (one read of the
+# streams in the kernel).
+PROJECTION_PARTS = {
+  'xla': hyper_streams.project_parts,
+  'pallas': hyper_pallas.project_parts,
+}
 
 
 def sinkhorn(logits, iters: int, axes: tuple[int, int] = (-2, -1)):
@@ -263,7 +269,11 @@ class HyperConnectionResidual(base.Residual):
       )
       gates = jnp.tanh(
         hyper_streams.normed_projection(
-          proj, streams_MBTD, self.cfg.norm_eps, per_stream=True
+          proj,
+          streams_MBTD,
+          self.cfg.norm_eps,
+          per_stream=True,
+          parts=PROJECTION_PARTS[self.cfg.depth_kernel],
         )
       )
       read_MBT += s_alpha * gates[0]
@@ -288,7 +298,11 @@ class HyperConnectionResidual(base.Residual):
         axis=-1,
       )
       projected_KBT = hyper_streams.normed_projection(
-        phi, streams_MBTD, self.cfg.norm_eps, per_stream=False
+        phi,
+        streams_MBTD,
+        self.cfg.norm_eps,
+        per_stream=False,
+        parts=PROJECTION_PARTS[self.cfg.depth_kernel],
       )
       pre_KBT, post_KBT, res_KBT = jnp.split(projected_KBT, [m, 2 * m])
       pre_MBT = pre_MBT + _row(params.pre_scale, which) * pre_KBT

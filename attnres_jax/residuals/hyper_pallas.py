@@ -128,6 +128,33 @@ def backward_kernel(
   dcoef_ref[...] = _tokens_minor(dcoef_tK)
 
 
+def projection_kernel(phi_ref, streams_ref, out_ref, *, m, per_stream):
+  """The dynamic coefficients' projections and the streams' sums of squares in one
+  read of the streams: phi [m, D, R] (stream i's projection columns, zero elsewhere,
+  then one zero column per sum of squares), streams [m, t, D] -> [R, t] float32, the
+  tokens on the lanes: sum_i H_i phi_i (bfloat16 products accumulated in float32 on
+  the MXU, like XLA's dot of the stored streams) with each stream's sum of squares
+  (`per_stream`, HC) or their total (mHC) in the last columns."""
+  projected_tR = None
+  squares_t1 = []
+  for i in range(m):
+    h_tD = streams_ref[i]
+    term_tR = jax.lax.dot_general(
+      h_tD, phi_ref[i], (((1,), (0,)), ((), ())), preferred_element_type=F32
+    )
+    projected_tR = term_tR if projected_tR is None else projected_tR + term_tR
+    h_tD = h_tD.astype(F32)
+    squares_t1.append(jnp.sum(h_tD * h_tD, axis=1, keepdims=True))
+  if not per_stream:
+    squares_t1 = [functools.reduce(jnp.add, squares_t1)]
+  num_rows = projected_tR.shape[1]
+  lane_tR = jax.lax.broadcasted_iota(jnp.int32, projected_tR.shape, 1)
+  for j, square_t1 in enumerate(squares_t1):
+    column = num_rows - len(squares_t1) + j
+    projected_tR = jnp.where(lane_tR == column, square_t1, projected_tR)
+  out_ref[...] = _tokens_minor(projected_tR)
+
+
 def vmem_bytes(tile, m, dim, itemsize):
   """On-chip memory of the larger (backward) kernel at `tile` tokens: its blocks
   double buffered (streams, f(h), the cotangents in; the streams' and f(h)'s
@@ -154,28 +181,33 @@ def choose_tile(length, m, dim, itemsize):
 # -- the launches ---------------------------------------------------------------------
 
 
-def _launch(kernel, args, kinds, outs, m, cost):
+def _launch(kernel, args, kinds, outs, m, cost, **kernel_options):
   """The pallas_call of `kernel` over (batch row, tile of T) on `args` whose blocks
-  `kinds` name ('coef' [B, K, T], 'streams' [m, B, T, D], 'one' [B, T, D]); `outs`:
-  (kind, shape, dtype) per result; `cost`: (flops, HBM bytes). Mosaic on the TPU,
-  interpret mode elsewhere."""
-  _, batch, length, dim = args[1].shape
-  num_coef = args[0].shape[1]
-  tile = choose_tile(length, m, dim, args[1].dtype.itemsize)
-  vmem = vmem_bytes(tile, m, dim, args[1].dtype.itemsize)
-  specs = dict(
-    coef=pl.BlockSpec((_SQ, num_coef, tile), lambda b, t: (b, 0, t)),
-    streams=pl.BlockSpec((m, _SQ, tile, dim), lambda b, t: (0, b, t, 0)),
-    one=pl.BlockSpec((_SQ, tile, dim), lambda b, t: (b, t, 0)),
-  )
+  `kinds` name ('coef' [B, K, T], 'streams' [m, B, T, D], 'one' [B, T, D], 'whole':
+  all of a small array in every program); `outs`: (kind, shape, dtype) per result;
+  `cost`: (flops, HBM bytes). Mosaic on the TPU, interpret mode elsewhere."""
+  streams = args[kinds.index('streams')]
+  _, batch, length, dim = streams.shape
+  tile = choose_tile(length, m, dim, streams.dtype.itemsize)
+  vmem = vmem_bytes(tile, m, dim, streams.dtype.itemsize)
+
+  def spec(kind, shape):
+    if kind == 'coef':
+      return pl.BlockSpec((_SQ, shape[1], tile), lambda b, t: (b, 0, t))
+    if kind == 'streams':
+      return pl.BlockSpec((m, _SQ, tile, dim), lambda b, t: (0, b, t, 0))
+    if kind == 'one':
+      return pl.BlockSpec((_SQ, tile, dim), lambda b, t: (b, t, 0))
+    assert kind == 'whole', kind  # the same whole array for every program
+    return pl.BlockSpec(shape, lambda b, t: (0,) * len(shape))
 
   def make(interpret):
     return pl.pallas_call(
-      functools.partial(kernel, m=m),
+      functools.partial(kernel, m=m, **kernel_options),
       out_shape=[jax.ShapeDtypeStruct(shape, dtype) for _, shape, dtype in outs],
       grid=(batch, length // tile),
-      in_specs=[specs[kind] for kind in kinds],
-      out_specs=[specs[kind] for kind, _, _ in outs],
+      in_specs=[spec(kind, arg.shape) for kind, arg in zip(kinds, args)],
+      out_specs=[spec(kind, shape) for kind, shape, _ in outs],
       compiler_params=pltpu.CompilerParams(
         dimension_semantics=('parallel', 'parallel'),
         vmem_limit_bytes=min(VMEM_BYTES, vmem + HEADROOM_VMEM_BYTES),
@@ -232,10 +264,31 @@ def _backward_device(coef_BKT, streams_MBTD, out_BTD, dnew_MBTD):
   )
 
 
+def _projection_device(phi_MDR, streams_MBTD, per_stream):
+  m, batch, length, dim = streams_MBTD.shape
+  num_rows = phi_MDR.shape[-1]
+  tokens, size = batch * length, streams_MBTD.dtype.itemsize
+  cost = (
+    tokens * m * dim * (2 * num_rows + 2),  # the products and the squares
+    tokens * (m * dim * size + num_rows * 4) + phi_MDR.size * phi_MDR.dtype.itemsize,
+  )
+  (out_BRT,) = _launch(
+    projection_kernel,
+    (phi_MDR, streams_MBTD),
+    ('whole', 'streams'),
+    [('coef', (batch, num_rows, length), F32)],
+    m,
+    cost,
+    per_stream=per_stream,
+  )
+  return out_BRT
+
+
 def per_device(fn, shape, in_kinds, out_kinds):
   """`fn` per device under the active mesh, or `fn` as is on one device: the streams
   (of `shape`) split over batch and length as the sharding rules say, every operand
-  and result (`in_kinds`, `out_kinds`: 'streams', 'one', 'coef' or 'maps') alike."""
+  and result (`in_kinds`, `out_kinds`: 'streams', 'one', 'coef' or 'maps') alike;
+  'whole' operands are whole on every device."""
   split = pallas_mesh.batch_length_split(shape, 'the HC/mHC streams', 'streams')
   if split is None:
     return fn
@@ -245,6 +298,7 @@ def per_device(fn, shape, in_kinds, out_kinds):
     one=P(b, t, None),  # [B, T, D]
     coef=P(b, None, t),  # [B, K, T]
     maps=P(b, None, None, t),  # [B, m, m, T] (sinkhorn_pallas)
+    whole=P(),  # small, on every device
   ).get
   return jax.shard_map(
     fn,
@@ -303,3 +357,38 @@ def _write_bwd(saved, dnew_MBTD):
 
 
 write.defvjp(_write_fwd, _write_bwd)
+
+
+# -- the projections of the dynamic coefficients ---------------------------------------
+
+
+def project_parts(phi, streams_MBTD, eps, per_stream):
+  """`hyper_streams.project_parts` by the Pallas kernel: the projections and the
+  inverse RMS from one read of the streams (XLA read them twice, a dot and a
+  reduction). Its backward is `hyper_streams.normed_projection`'s."""
+  m, dim = streams_MBTD.shape[0], streams_MBTD.shape[-1]
+  num_out = phi.shape[-1]
+  # phi as [m, D, R] in the streams' dtype (the dot's operands, as XLA's): HC's one
+  # [D, K] projection in stream i's columns i K .. i K + K - 1, mHC's [m, D, K] as is;
+  # then a zero column per sum of squares.
+  if per_stream:
+    phi_MDR = jnp.einsum('ij,dk->idjk', jnp.eye(m, dtype=phi.dtype), phi)
+    phi_MDR = phi_MDR.reshape(m, dim, m * num_out)
+  else:
+    phi_MDR = phi
+  num_squares = m if per_stream else 1
+  phi_MDR = jnp.pad(phi_MDR, ((0, 0), (0, 0), (0, num_squares)))
+  fn = per_device(
+    functools.partial(_projection_device, per_stream=per_stream),
+    streams_MBTD.shape,
+    ('whole', 'streams'),
+    'coef',
+  )
+  out_BRT = fn(phi_MDR.astype(streams_MBTD.dtype), streams_MBTD)
+  projected_RBT = jnp.swapaxes(out_BRT, 0, 1)
+  squares = projected_RBT[-num_squares:]
+  inv_rms = jax.lax.rsqrt(squares / (dim * (m // num_squares)) + eps)
+  if per_stream:  # [m K, B, T] -> [m, B, T, K]
+    projected = projected_RBT[:-num_squares].reshape(m, num_out, *squares.shape[1:])
+    return jnp.moveaxis(projected, 1, -1), inv_rms
+  return jnp.moveaxis(projected_RBT[:-num_squares], 0, -1), inv_rms[0]

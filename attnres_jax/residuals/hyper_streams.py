@@ -129,7 +129,7 @@ def _dot(rule, x, y, dtype):
   return jnp.einsum(rule, x.astype(dtype), y.astype(dtype), preferred_element_type=F32)
 
 
-def _project_parts(phi, streams_MBTD, eps, per_stream):
+def project_parts(phi, streams_MBTD, eps, per_stream):
   """(P, r): the projection of the raw streams with the outputs minor, [m, B, T, K]
   (HC) or [B, T, K] (mHC: one dot per stream, batched over m, then summed), and the
   inverse RMS [m, B, T] (HC) or [B, T] (mHC), float32. Each dot is a plain
@@ -146,31 +146,36 @@ def _project_parts(phi, streams_MBTD, eps, per_stream):
   return projected, inv_rms
 
 
-def normed_projection(phi, streams_MBTD, eps: float, per_stream: bool):
+def normed_projection(
+  phi, streams_MBTD, eps: float, per_stream: bool, parts=project_parts
+):
   """RMSNorm(x) phi without a gain, written as (x phi) / rms(x) so that the
   normalised streams are never stored: HC (`per_stream`) normalises each stream,
   [K, m, B, T]; mHC their concatenation, [K, B, T]. float32; the small result is
-  transposed to its outputs leading (tokens minor) after the dot."""
+  transposed to its outputs leading (tokens minor) after the dot. `parts` computes
+  the projection and the inverse RMS (`project_parts`, or the Pallas kernel's
+  `hyper_pallas.project_parts`); the backward is this module's either way."""
   # phi (D x K, K tiny) whole on every device: split over D (FSDP) XLA computes the
   # projection and dphi as windowed dot loops (all-gather, reduce-scatter) around
   # tokens-minor copies of the streams.
   phi = sharding.constrain(phi, (None,) * phi.ndim)
-  return jnp.moveaxis(_normed_projection(phi, streams_MBTD, eps, per_stream), -1, 0)
+  normed = _normed_projection(phi, streams_MBTD, eps, per_stream, parts)
+  return jnp.moveaxis(normed, -1, 0)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _normed_projection(phi, streams_MBTD, eps, per_stream):
-  projected, inv_rms = _project_parts(phi, streams_MBTD, eps, per_stream)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _normed_projection(phi, streams_MBTD, eps, per_stream, parts):
+  projected, inv_rms = parts(phi, streams_MBTD, eps, per_stream)
   return projected * inv_rms[..., None]
 
 
-def _projection_fwd(phi, streams_MBTD, eps, per_stream):
-  projected, inv_rms = _project_parts(phi, streams_MBTD, eps, per_stream)
+def _projection_fwd(phi, streams_MBTD, eps, per_stream, parts):
+  projected, inv_rms = parts(phi, streams_MBTD, eps, per_stream)
   return projected * inv_rms[..., None], (phi, streams_MBTD, projected, inv_rms)
 
 
-def _projection_bwd(eps, per_stream, saved, dy):
-  del eps  # enters only through the saved inverse RMS
+def _projection_bwd(eps, per_stream, parts, saved, dy):
+  del eps, parts  # eps enters only through the saved inverse RMS
   phi, streams_MBTD, projected, inv_rms = saved
   h_f32 = streams_MBTD.astype(F32)
   d_projected = dy * inv_rms[..., None]
