@@ -95,6 +95,58 @@ def test_kernel_equals_the_xla_write(dtype, m, tile_bytes, monkeypatch):
     assert_close(g, ref_g, tol if g.dtype == jnp.bfloat16 else F32_TOL, name)
 
 
+def projection_inputs(m, per_stream, dtype, seed=0):
+  """phi (HC: [D, m + 2]; mHC: [m, D, m^2 + 2m]), streams [m, 2, 256, 128] of RMS 3
+  and a cotangent of the normalised projections."""
+  keys = jax.random.split(jax.random.key(seed), 3)
+  num_out = m + 2 if per_stream else m * m + 2 * m
+  phi = 0.1 * jax.random.normal(
+    keys[0], (128, num_out) if per_stream else (m, 128, num_out)
+  )
+  streams = (3 * jax.random.normal(keys[1], (m, 2, 256, 128))).astype(dtype)
+  batch = (m, 2, 256) if per_stream else (2, 256)
+  return phi, streams, jax.random.normal(keys[2], (num_out, *batch))
+
+
+def projection_and_grads(parts, phi, streams, cotangent, per_stream):
+  """`hyper_streams.project_parts`' results by `parts`, and the gradients of the
+  normalised projections (weighted by `cotangent`) w.r.t. phi and the streams."""
+
+  def loss(phi, streams):
+    y = hs.normed_projection(phi, streams, 1e-6, per_stream, parts)
+    return jnp.sum(y * cotangent)
+
+  grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(phi, streams)
+  return parts(phi, streams, 1e-6, per_stream), grads
+
+
+@pytest.mark.parametrize('per_stream', [True, False], ids=['hc', 'mhc'])
+@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize('m,tile_bytes', [(4, None), (4, 1), (2, None), (1, None)])
+def test_projection_kernel_equals_xla(per_stream, dtype, m, tile_bytes, monkeypatch):
+  """The projections and the inverse RMS from the kernel's one read of the streams
+  equal XLA's dot and reduction, and so do the gradients through the (shared)
+  backward. The projections and sums of squares are float32 sums over D of the same
+  products in another order (F32_TOL, as the weight cotangents above; measured <=
+  3.1e-7); the streams' bfloat16 cotangent is the rounding of two float32 values as
+  close as that (BF16_TOL; measured <= 2.7e-4 of its scale)."""
+  if tile_bytes is not None:
+    monkeypatch.setattr(hp, 'TILE_VMEM_BYTES', tile_bytes)
+  phi, streams, cotangent = projection_inputs(m, per_stream, dtype)
+  (projected, inv_rms), grads = projection_and_grads(
+    hp.project_parts, phi, streams, cotangent, per_stream
+  )
+  (ref_projected, ref_inv_rms), ref_grads = projection_and_grads(
+    hs.project_parts, phi, streams, cotangent, per_stream
+  )
+  assert projected.dtype == inv_rms.dtype == jnp.float32
+  assert_close(projected, ref_projected, F32_TOL, 'projections')
+  assert_close(inv_rms, ref_inv_rms, F32_TOL, 'inverse RMS')
+  assert grads[1].dtype == dtype
+  assert_close(grads[0], ref_grads[0], F32_TOL, 'phi')
+  assert_close(grads[1], ref_grads[1], F32_TOL if dtype == jnp.float32 else BF16_TOL, 'H')
+
+
 MESH_RULES = {
   'batch': dict(batch=('data', 'fsdp')),
   'batch_length': dict(batch=('data',), length=('fsdp',)),
@@ -130,6 +182,22 @@ def sharded_errors():
       )
       for f in (lambda x: sp.sinkhorn(x, 20), lambda x: hcl.sinkhorn(x, 20, (0, 1)))
     ]
+    for per_stream, variant in ((True, 'hc'), (False, 'mhc')):
+      phi, streams, cotangent = projection_inputs(4, per_stream, jnp.float32)
+      projections = [
+        projection_and_grads(
+          lambda *a, parts=parts: under_rules(parts, *a),
+          phi,
+          streams,
+          cotangent,
+          per_stream,
+        )
+        for parts in (hp.project_parts, hs.project_parts)
+      ]
+      out[f'{name}_projection_{variant}'] = max(
+        float(np.abs(a - b).max() / (np.abs(b).max() + 1e-30))
+        for a, b in zip(*map(jax.tree.leaves, projections))
+      )
     out[f'{name}_sinkhorn'] = max(
       float(np.abs(a - b).max() / (np.abs(b).max() + 1e-30))
       for a, b in zip(jax.tree.leaves(sinkhorns[0]), jax.tree.leaves(sinkhorns[1]))
@@ -146,9 +214,9 @@ def sharded_errors():
 
 def test_kernel_on_a_mesh_equals_xla():
   """Streams (and mHC's maps) split over batch, or over batch and length (4 CPU
-  devices): the write and Sinkhorn equal XLA."""
+  devices): the write, the projections and Sinkhorn equal XLA."""
   errors = child_result(__file__, 4, 'sharded')
-  assert len(errors) == 3 * len(MESH_RULES) + 1
+  assert len(errors) == 5 * len(MESH_RULES) + 1
   for name, error in errors.items():
     if name.endswith(('per_device', 'refused')):
       assert error is True, name
@@ -195,13 +263,13 @@ def test_tile_choice():
   assert sp.choose_tile(1024) == sp.MAX_TILE and sp.choose_tile(96) == 96
 
 
-def model_loss_and_grads(residual, kernel, dtype='float32'):
+def model_loss_and_grads(residual, kernel, dtype='float32', length=32):
   cfg = ar.model_config(
     **TINY, residual=residual, depth_kernel=kernel, dtype=dtype, param_dtype='float32'
   )
   model = randomize(ar.Transformer(cfg, rngs=nnx.Rngs(0)))
   graphdef, state = nnx.split(model)
-  tokens_BT = tokens(length=32)
+  tokens_BT = tokens(length=length)
 
   def loss(state):
     logits = nnx.merge(graphdef, state)(tokens_BT)
@@ -224,6 +292,42 @@ def test_model_with_the_kernel_equals_the_xla_model(residual):
     assert_close(g, ref_g, 1e-5, jax.tree_util.keystr(path))
 
 
+@pytest.mark.parametrize('residual', ['hc', 'mhc'])
+def test_model_with_the_projection_kernel_equals_the_xla_model(residual):
+  """At 128 tokens (a whole lane tile) the projections run through their kernel too
+  (at 32, above, they are XLA's). Loss to 1e-6; the gradients to 2e-4 of each one's
+  scale: in this randomised model the read gates' gradients are sums over the 256
+  tokens with heavy cancellation, so tiny changes of the projections move them a
+  lot. Measured by perturbing XLA's own projections by one float32 ulp (2^-24,
+  random sign): HC's read_scale gradient moves by 7.2e-5 of its scale, static_read's
+  by 5.4e-5; the kernel's projections (a few ulps from XLA's, other summation order)
+  move them by 3.9e-5 / 3.2e-5, every other gradient <= 7.3e-6; mHC <= 2.7e-6. A
+  wrong column or stream in the kernel moves them by O(1)."""
+  loss, grads = model_loss_and_grads(residual, 'pallas', length=128)
+  ref_loss, ref_grads = model_loss_and_grads(residual, 'xla', length=128)
+  np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
+  flat, ref_flat = (jax.tree.leaves_with_path(g) for g in (grads, ref_grads))
+  for (path, g), (_, ref_g) in zip(flat, ref_flat):
+    assert_close(g, ref_g, 2e-4, jax.tree_util.keystr(path))
+
+
+def test_projection_kernel_only_where_the_tokens_fill_lane_tiles():
+  """T a multiple of 128: the kernel; otherwise (decoding steps) XLA's projection,
+  exactly."""
+  phi, streams, _ = projection_inputs(4, True, jnp.float32)
+  for length, kernel in ((256, True), (10, False), (1, False)):
+    part = streams[:, :, :length]
+    jaxpr = str(
+      jax.make_jaxpr(hp.project_parts, static_argnums=(2, 3))(phi, part, 1e-6, True)
+    )
+    assert ('pallas_call' in jaxpr) == kernel, length
+  short = streams[:, :, :10]
+  for got, want in zip(
+    hp.project_parts(phi, short, 1e-6, True), hs.project_parts(phi, short, 1e-6, True)
+  ):
+    np.testing.assert_array_equal(got, want)
+
+
 def test_option_is_validated_and_parsed():
   assert modes.fields('mhc/pallas') == dict(
     residual='mhc', hc_streams=4, depth_kernel='pallas'
@@ -243,15 +347,17 @@ needs_libtpu = pytest.mark.skipif(
 @needs_libtpu
 @pytest.mark.parametrize('residual', ['hc', 'mhc'])
 def test_train_step_compiles_for_tpu_with_the_kernel(residual, tmp_path):
-  """Mosaic lowers both kernels inside the production train step (data parallel on
+  """Mosaic lowers the kernels inside the production train step (data parallel on
   v5e:2x2: the kernels run per device under shard_map)."""
   config = default_config.get_config('tiny')
   config.model.update(dtype='bfloat16', residual=residual, depth_kernel='pallas')
+  config.train.seq_len = 128  # a whole lane tile: the projections' kernel as well
   report = aot.compile_report(config, 'v5e:2x2', steps=('train',), hlo_dir=str(tmp_path))
   assert report['steps']['train']['bytes_accessed'] > 0
   with open(os.path.join(tmp_path, 'train.hlo.txt'), encoding='utf-8') as f:
     text = f.read()
-  assert text.count('custom_call_target="tpu_custom_call"') >= 2  # forward, backward
+  # the write forward and backward, the projections (and mHC's Sinkhorn)
+  assert text.count('custom_call_target="tpu_custom_call"') >= 3
 
 
 if __name__ == '__main__' and sys.argv[1:] == ['sharded']:

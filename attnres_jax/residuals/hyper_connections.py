@@ -52,8 +52,8 @@ MHC_LOGIT = 8.0
 # How the stream write is computed (`depth_kernel`): XLA (hyper_streams) or the Pallas
 # kernels (hyper_pallas; interpret mode off the TPU).
 WRITE_KERNELS = {'xla': hyper_streams.write, 'pallas': hyper_pallas.write}
-# ... and the dynamic coefficients' projections and inverse RMS (one read of the
-# streams in the kernel).
+# How the dynamic coefficients' projections and inverse RMS are computed: XLA's dot
+# and reduction (two reads of the streams) or one read by the Pallas kernel.
 PROJECTION_PARTS = {
   'xla': hyper_streams.project_parts,
   'pallas': hyper_pallas.project_parts,
@@ -196,7 +196,7 @@ class HyperConnectionResidual(base.Residual):
     if cfg.depth_kernel not in WRITE_KERNELS:
       base.invalid(
         f'depth_kernel must be one of {tuple(WRITE_KERNELS)} (for HC/mHC: how the '
-        f'stream write is computed), got {cfg.depth_kernel!r}.'
+        f'stream write and the projections are computed), got {cfg.depth_kernel!r}.'
       )
     if cfg.ablations:
       base.invalid(

@@ -1,5 +1,6 @@
 """HC/mHC's stream write as a Pallas TPU kernel and its VJP (`model.depth_kernel=
-'pallas'` with residual 'hc' or 'mhc'), the same function as `hyper_streams.write`:
+'pallas'` with residual 'hc' or 'mhc'), the same function as `hyper_streams.write`,
+and the dynamic coefficients' projections:
 
     H'_j = sum_i R_ij H_i + b_j f(h)
 
@@ -9,6 +10,11 @@
              df(h) = sum_j b_j dH'_j and the m^2 + m per-token weight cotangents
              dR_ij = <H_i, dH'_j>, db_j = <f(h), dH'_j> in one pass over the tiles:
              each stream and cotangent read once, no float32 copy of either in memory.
+
+  projections (dynamic HC/mHC; `project_parts`): the coefficients' projections
+             of the streams and their sums of squares from one read of the streams
+             (XLA read them twice: a dot and a reduction); the backward stays
+             `hyper_streams.normed_projection`'s.
 
 The kernels see the streams d-minor, as the TPU compiler lays them out for the XLA
 version ([m, B, T, D]{3,2,1,0}): a program's block is a tile of tokens of every
@@ -34,6 +40,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec as P
 
 from attnres_jax import pallas_mesh
+from attnres_jax.residuals import hyper_streams
 
 F32 = jnp.float32
 _SQ = pl.squeezed
@@ -363,10 +370,17 @@ write.defvjp(_write_fwd, _write_bwd)
 
 
 def project_parts(phi, streams_MBTD, eps, per_stream):
-  """`hyper_streams.project_parts` by the Pallas kernel: the projections and the
-  inverse RMS from one read of the streams (XLA read them twice, a dot and a
-  reduction). Its backward is `hyper_streams.normed_projection`'s."""
-  m, dim = streams_MBTD.shape[0], streams_MBTD.shape[-1]
+  """`hyper_streams.project_parts` by the Pallas kernel where the tokens fill lane
+  tiles (T a multiple of 128): the projections and the inverse RMS from one read of
+  the streams (XLA read them twice, a dot and a reduction). Its backward is
+  `hyper_streams.normed_projection`'s."""
+  m, length, dim = streams_MBTD.shape[0], streams_MBTD.shape[2], streams_MBTD.shape[3]
+  if length % LANES:
+    # Tokens that fill no whole lane tile (decoding steps, short prompts): XLA's.
+    # Besides, the kernel's dot has t rows, and off the TPU the order of its float32
+    # sums follows t (a 1-row product is summed otherwise than a 10-row one), so a
+    # decoding step would round otherwise than the same token in a longer sequence.
+    return hyper_streams.project_parts(phi, streams_MBTD, eps, per_stream)
   num_out = phi.shape[-1]
   # phi as [m, D, R] in the streams' dtype (the dot's operands, as XLA's): HC's one
   # [D, K] projection in stream i's columns i K .. i K + K - 1, mHC's [m, D, K] as is;
