@@ -143,13 +143,18 @@ def residual_floor(model_cfg, tokens: int, num_devices: int) -> dict[str, Any] |
   return {'units_per_sublayer': units, 'bytes': total / num_devices}
 
 
-def extra_over_floor(step: dict[str, Any], standard_step: dict[str, Any]) -> float | None:
-  """(bytes accessed - the standard step's) / the residual's floor, both train steps
-  of the same shape compiled for the same topology; None without a floor."""
+def extra_over_floor(
+  step: dict[str, Any], standard_step: dict[str, Any], key: str = 'bytes_accessed'
+) -> float | None:
+  """(the step's bytes - the standard step's) / the residual's floor, both train steps
+  of the same shape compiled for the same topology; None without a floor. `key`: the
+  compiler's 'bytes_accessed', or 'hbm_bytes', those that cross HBM (`hlo_hbm`), the
+  quantity the floor itself counts (bytes accessed also counts operands held on chip
+  and a prefetched value three times)."""
   floor = step.get('residual_floor')
   if not floor or not floor['bytes']:
     return None
-  return (step['bytes_accessed'] - standard_step['bytes_accessed']) / floor['bytes']
+  return (step[key] - standard_step[key]) / floor['bytes']
 
 
 def _summarize(compiled, seconds: float, topo: Topology, model_flops: float) -> dict:

@@ -4,9 +4,10 @@ this host with libtpu (attnres_jax/aot.py). Per row: the train step's estimated 
 ratio of the compiler's per-kernel cycles summed with loops counted ("cyc x"), MFU,
 HBM per device, temp memory / the standard's, bytes accessed, extra bytes over the
 standard's, that extra / the residual's floor (`Residual.min_extra_per_sublayer`,
-docs/method.md), collective bytes, and the bytes that cross HBM with the ratio of their
-roofline to the standard's (`hlo_hbm`: on-chip operands and prefetch copies' on-chip
-side left out, which "bytes accessed" counts).
+docs/method.md), collective bytes, and the bytes that cross HBM (`hlo_hbm`: on-chip
+operands and prefetch copies' on-chip side left out, which "bytes accessed" counts)
+with their extra over the standard's / the floor (the floor's own measure) and the
+ratio of their roofline to the standard's.
 
   JAX_PLATFORMS=cpu python bench/aot.py --modes=standard,full --sizes=125m \\
       --topologies=v5p-8 --out=bench/results/aot.json
@@ -91,7 +92,7 @@ def main(argv=None):
   print(
     f'{"mode":<12}{"size":<6}{"topology":<9}{"est. ms":>9}{"vs std":>7}{"cyc x":>7}'
     f'{"MFU":>6}{"HBM GiB":>9}{"temp":>7}{"GB acc.":>9}{"extra":>7}{"/min":>6}'
-    f'{"coll. GB":>9}{"HBM GB":>8}{"x std":>7}{"compile s":>10}  note'
+    f'{"coll. GB":>9}{"HBM GB":>8}{"/min":>6}{"x std":>7}{"compile s":>10}  note'
   )
   for topo_label in args.topologies.split(','):
     topology = TOPOLOGIES[topo_label]
@@ -124,6 +125,9 @@ def main(argv=None):
             standard = step
           elif standard is not None:
             row['extra_over_floor'] = aot.extra_over_floor(step, standard)
+            row['extra_hbm_over_floor'] = aot.extra_over_floor(
+              step, standard, key='hbm_bytes'
+            )
         row['wall_seconds'] = time.perf_counter() - start
         rows.append(row)
         if args.out:  # after every row: a long table interrupted keeps what it ran
@@ -140,15 +144,17 @@ def main(argv=None):
           if standard
           else nan
         )
-        floor = row.get('extra_over_floor')
+        floor, hbm_floor = row.get('extra_over_floor'), row.get('extra_hbm_over_floor')
+        times = lambda x: '-' if x is None else f'{x:.1f}'
         print(
           f'{mode:<12}{size:<6}{topo_label:<9}{row["est_step_seconds"] * 1e3:>9.1f}'
           f'{ratio("est_step_seconds"):>7.2f}'
           f'{ratio("compiler_cycles_loops_counted"):>7.3f}{row["est_mfu"]:>6.0%}'
           f'{row["memory"]["total_bytes"] / aot.GIB:>9.1f}{temp:>7.2f}'
           f'{row["bytes_accessed"] / 1e9:>9.1f}{ratio("bytes_accessed") - 1:>+7.0%}'
-          f'{"-" if floor is None else f"{floor:.1f}":>6}{coll:>9.2f}'
-          f'{row["hbm_bytes"] / 1e9:>8.1f}{ratio("hbm_roofline_seconds"):>7.2f}'
+          f'{times(floor):>6}{coll:>9.2f}'
+          f'{row["hbm_bytes"] / 1e9:>8.1f}{times(hbm_floor):>6}'
+          f'{ratio("hbm_roofline_seconds"):>7.2f}'
           f'{row["compile_seconds"]:>10.0f}  time: '
           + ', '.join(f'{k} {v:.0%}' for k, v in row['time_shares'].items()),
           flush=True,

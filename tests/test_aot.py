@@ -201,8 +201,8 @@ def test_residual_floor_is_the_documented_minimum(num_layers, fields, units):
 @needs_libtpu
 def test_report_divides_extra_bytes_by_the_floor():
   """The train step's report carries the residual's floor (none for the standard
-  residual: it is the reference), and the column is (bytes - the standard step's) /
-  floor. The standard step is the FSDP compile the tests above share; a Block AttnRes
+  residual: it is the reference), and the columns are (bytes - the standard step's) /
+  floor, for the bytes accessed and for those that cross HBM. The standard step is the FSDP compile the tests above share; a Block AttnRes
   step is its figures with the floor of the tiny Block model (one compile fewer)."""
   standard = train_report((1, 4, 1))['steps']['train']
   assert standard['residual_floor'] is None
@@ -215,9 +215,12 @@ def test_report_divides_extra_bytes_by_the_floor():
   block = dict(
     standard,
     bytes_accessed=standard['bytes_accessed'] + 3 * floor['bytes'],
+    hbm_bytes=standard['hbm_bytes'] + 2 * floor['bytes'],
     residual_floor=floor,
   )
   assert aot.extra_over_floor(block, standard) == pytest.approx(3.0, rel=1e-12)
+  hbm = aot.extra_over_floor(block, standard, key='hbm_bytes')
+  assert hbm == pytest.approx(2.0, rel=1e-12)
 
 
 @needs_libtpu
