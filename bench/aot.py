@@ -39,6 +39,7 @@ SIZES = {
   '1b': (2048, 18, 16, 5632, 'layer', 4096, 4),
   'd1024': (1024, 8, 8, 4096, 'none', 1024, 8),  # the depth core's (docs/results.md)
   'd2048': (2048, 16, 16, 8192, 'none', 1024, 8),  # the depth core's, wider and deeper
+  'd1024x32': (1024, 32, 8, 4096, 'none', 1024, 8),  # the depth core's, 32 layers deep
   '8b': (4096, 32, 32, 14336, 'layer', 8192, 1),
 }
 TOPOLOGIES = {
