@@ -26,8 +26,8 @@ num_valid; tokens on the lanes, or with `width_minor_cotangent` width), or withi
 num_zeroed slots). Each call's CostEstimate (what the TPU compiler's cost_analysis
 and step time take) says that: num_valid slots where num_valid is a Python int;
 where it is traced (the scan over segments), the mean over the scan stated by
-`expected_valid`, or all K (an upper bound). hlo_cost counts a custom call by its
-operand and result shapes (all K).
+`expected_valid`, or all K (an upper bound). The report's own counters (hlo_cost,
+hlo_hbm) take a kernel's bytes and FLOPs from that CostEstimate as well.
 VMEM holds one slot, not K: the tile is the largest multiple of 128 tokens dividing
 T whose blocks, scratch and float32 temporaries fit TILE_VMEM_BYTES (`vmem_bytes`);
 what a tile needs grows with Q and D only (depth_pallas_kernels.py sizes it).

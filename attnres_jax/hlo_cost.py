@@ -16,7 +16,11 @@ Per instruction of a non-fused computation (what runs as one kernel):
                 counts "bytes accessed": a fusion's operand read only through a
                 dynamic-slice counts the slice; an in-place dynamic-update-slice
                 counts the update, not the buffer; a custom call that only
-                reserves a buffer (AllocateBuffer) counts none
+                reserves a buffer (AllocateBuffer) counts none; a Pallas TPU kernel
+                (`tpu_custom_call`) counts what its CostEstimate states, as the
+                compiler's own cost model does (its FLOPs too): its operands'
+                sizes would charge, e.g., all K slots of the depth buffer to a
+                Phase 1 kernel whose BlockSpecs load only the valid ones
   cycles        the TPU compiler's own estimate of the kernel (`estimated_cycles` in its
                 backend config): scaled by the program's cycles-to-seconds ratio, the
                 compiler's step time with loops counted
@@ -28,6 +32,7 @@ Per instruction of a non-fused computation (what runs as one kernel):
 from __future__ import annotations
 
 import collections
+import json
 import math
 import re
 from typing import Any
@@ -52,6 +57,9 @@ _FREE = frozenset(
 # Custom calls that move no data: AllocateBuffer reserves the buffer that in-place
 # updates (a scan's stacked outputs) then write; its result is never read as a copy.
 _FREE_CUSTOM_CALLS = frozenset({'AllocateBuffer'})
+# A Pallas kernel's CostEstimate in its backend config (integers written as strings).
+_COST_ESTIMATE = re.compile(r'"cost_estimate":(\{[^{}]*\})')
+ESTIMATE_KEYS = ('flops', 'transcendentals', 'bytes_accessed')
 _TRANSCENDENTAL = frozenset(
   'exponential exponential-minus-one log log-plus-one rsqrt sqrt cbrt tanh logistic '
   'sine cosine tan power atan2 erf'.split()
@@ -218,8 +226,12 @@ def _window_pairs(
 def arithmetic(
   instruction: hlo_text.Instruction, computation: hlo_text.Computation, computations
 ) -> tuple[float, float]:
-  """(flops, transcendentals) of one instruction, inside fusions too."""
+  """(flops, transcendentals) of one instruction, inside fusions too; a Pallas
+  kernel's from its CostEstimate."""
   op = instruction.opcode
+  estimate = kernel_estimate(instruction)
+  if estimate is not None:
+    return estimate['flops'], estimate['transcendentals']
   if op in ('dot', 'convolution'):
     return _dot_flops(instruction, computation), 0.0
   if op == 'fusion':
@@ -240,14 +252,31 @@ def arithmetic(
   return 0.0, 0.0
 
 
+def kernel_estimate(instruction: hlo_text.Instruction) -> dict[str, float] | None:
+  """The CostEstimate ({'flops', 'transcendentals', 'bytes_accessed'}) a Pallas TPU
+  kernel carries in its backend config, or None (any other instruction)."""
+  if instruction.opcode != 'custom-call' or '"tpu_custom_call"' not in instruction.attrs:
+    return None
+  found = _COST_ESTIMATE.search(instruction.attrs)
+  if found is None:
+    return None
+  estimate = json.loads(found.group(1))
+  return {k: float(estimate.get(k, 0)) for k in ESTIMATE_KEYS}
+
+
 def kernel_bytes(
   instruction: hlo_text.Instruction, computation: hlo_text.Computation, computations
 ) -> tuple[list[float], float]:
   """(bytes read of each operand, bytes written) of one kernel, by the rules in the
-  module docstring; nothing for an instruction that moves no data."""
+  module docstring; nothing for an instruction that moves no data. A Pallas kernel's
+  CostEstimate states its bytes in all, not per operand: all of them come as one
+  read."""
   op = instruction.opcode
   if op in _FREE or _free_custom_call(instruction):
     return [], 0.0
+  estimate = kernel_estimate(instruction)
+  if estimate is not None:
+    return [estimate['bytes_accessed']], 0.0
   operand_bytes = [
     hlo_text.type_bytes(computation.type_of(o)) for o in instruction.operands
   ]

@@ -41,13 +41,16 @@ def kernel_hbm_bytes(
 ) -> float:
   """Bytes of one kernel that cross HBM: `hlo_cost.kernel_bytes` less what lies in
   on-chip memory; an async copy (destination, source, context) counts its off-chip
-  side."""
+  side; a Pallas kernel its CostEstimate's bytes (`hlo_cost.kernel_estimate`)."""
   if instruction.opcode == 'copy-start':
     source = computation.type_of(instruction.operands[0])
     destination = hlo_text.split_top(instruction.type_str[1:-1])[0]
     return sum(
       0.0 if on_chip(t) else hlo_text.type_bytes(t) for t in (source, destination)
     )
+  estimate = hlo_cost.kernel_estimate(instruction)
+  if estimate is not None:  # a Pallas kernel: its DMAs move HBM blocks to and fro
+    return estimate['bytes_accessed']
   reads, written = hlo_cost.kernel_bytes(instruction, computation, computations)
   types = [computation.type_of(o) for o in instruction.operands]
   off_chip_reads = sum(b for b, t in zip(reads, types) if not on_chip(t))

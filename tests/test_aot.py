@@ -311,6 +311,33 @@ def test_buffer_reservations_move_no_bytes_other_custom_calls_do():
   assert costs['bytes'] == 2 * 8 * 1024 * 4
 
 
+# A Pallas TPU kernel as the compiler writes it: a 5-slot buffer (5 x 4 MiB) whose
+# kernel states in its CostEstimate that it loads two slots and writes one output.
+_PALLAS_HLO = """
+HloModule m
+
+ENTRY %main (buf: bf16[5,2048,1024]) -> bf16[2048,1024] {
+  %buf = bf16[5,2048,1024]{2,1,0} parameter(0)
+  ROOT %out = bf16[2048,1024]{1,0} custom-call(%buf), custom_call_target="tpu_custom_call", backend_config={"custom_call_config": {"body": "..."}, "cost_estimate":{"flops":"6291456","transcendentals":"2048","bytes_accessed":"12582912","remote_bytes_transferred":"0"}}
+}
+"""
+
+
+def test_a_pallas_kernel_counts_what_its_cost_estimate_states():
+  """The kernel's BlockSpecs load 2 of the 5 slots (its CostEstimate: 3 x 4 MiB with
+  the output): its operand's and result's sizes (6 x 4 MiB) would charge it the
+  slots it skips. FLOPs and transcendentals come from the estimate too, and the
+  bytes cross HBM (a kernel's blocks are DMAs between HBM and its on-chip memory)."""
+  mib4 = 2048 * 1024 * 2
+  costs = hlo_cost.analyze(_PALLAS_HLO)
+  assert costs['bytes'] == 3 * mib4
+  assert (costs['flops'], costs['transcendentals']) == (6291456, 2048)
+  assert hlo_hbm.hbm_costs(_PALLAS_HLO)['hbm_bytes'] == 3 * mib4
+  # Without an estimate a custom call counts its operands and result, as before.
+  plain = _PALLAS_HLO.replace('"tpu_custom_call"', '"SomeCall"')
+  assert hlo_cost.analyze(plain)['bytes'] == 6 * mib4
+
+
 # A weight prefetched into on-chip memory (S(1)) and read there by a fusion, beside a
 # fusion that reads an HBM operand: the TPU compiler's shapes of both.
 _PREFETCH_HLO = """
