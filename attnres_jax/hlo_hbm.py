@@ -41,18 +41,27 @@ def kernel_hbm_bytes(
 ) -> float:
   """Bytes of one kernel that cross HBM: `hlo_cost.kernel_bytes` less what lies in
   on-chip memory; an async copy (destination, source, context) counts its off-chip
-  side; a Pallas kernel its CostEstimate's bytes (`hlo_cost.kernel_estimate`)."""
+  side; a Pallas kernel its CostEstimate's bytes (`hlo_cost.kernel_estimate`) less
+  the share of its operands and results held on chip."""
   if instruction.opcode == 'copy-start':
     source = computation.type_of(instruction.operands[0])
     destination = hlo_text.split_top(instruction.type_str[1:-1])[0]
     return sum(
       0.0 if on_chip(t) else hlo_text.type_bytes(t) for t in (source, destination)
     )
-  estimate = hlo_cost.kernel_estimate(instruction)
-  if estimate is not None:  # a Pallas kernel: its DMAs move HBM blocks to and fro
-    return estimate['bytes_accessed']
-  reads, written = hlo_cost.kernel_bytes(instruction, computation, computations)
   types = [computation.type_of(o) for o in instruction.operands]
+  estimate = hlo_cost.kernel_estimate(instruction)
+  if estimate is not None:
+    # A Pallas kernel states its traffic in all, not per operand: the share of it
+    # that crosses HBM taken as its operands' and results' off-chip share of bytes.
+    sizes = [hlo_text.type_bytes(t) for t in types]
+    total = sum(sizes) + hlo_text.type_bytes(instruction.type_str)
+    off_chip = sum(b for b, t in zip(sizes, types) if not on_chip(t))
+    off_chip += hlo_text.type_bytes(instruction.type_str) * _off_chip_share(
+      instruction.type_str
+    )
+    return estimate['bytes_accessed'] * (off_chip / total if total else 1.0)
+  reads, written = hlo_cost.kernel_bytes(instruction, computation, computations)
   off_chip_reads = sum(b for b, t in zip(reads, types) if not on_chip(t))
   return off_chip_reads + written * _off_chip_share(instruction.type_str)
 

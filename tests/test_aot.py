@@ -333,6 +333,10 @@ def test_a_pallas_kernel_counts_what_its_cost_estimate_states():
   assert costs['bytes'] == 3 * mib4
   assert (costs['flops'], costs['transcendentals']) == (6291456, 2048)
   assert hlo_hbm.hbm_costs(_PALLAS_HLO)['hbm_bytes'] == 3 * mib4
+  # With the buffer held on chip, only the result's share (1 of 6 x 4 MiB) of the
+  # stated traffic crosses HBM.
+  held = _PALLAS_HLO.replace('bf16[5,2048,1024]{2,1,0}', 'bf16[5,2048,1024]{2,1,0:S(1)}')
+  assert hlo_hbm.hbm_costs(held)['hbm_bytes'] == pytest.approx(3 * mib4 / 6, rel=1e-12)
   # Without an estimate a custom call counts its operands and result, as before.
   plain = _PALLAS_HLO.replace('"tpu_custom_call"', '"SomeCall"')
   assert hlo_cost.analyze(plain)['bytes'] == 6 * mib4
