@@ -147,10 +147,10 @@ def extra_over_floor(
   step: dict[str, Any], standard_step: dict[str, Any], key: str = 'bytes_accessed'
 ) -> float | None:
   """(the step's bytes - the standard step's) / the residual's floor, both train steps
-  of the same shape compiled for the same topology; None without a floor. `key`: the
-  compiler's 'bytes_accessed', or 'hbm_bytes', those that cross HBM (`hlo_hbm`), the
-  quantity the floor itself counts (bytes accessed also counts operands held on chip
-  and a prefetched value three times)."""
+  of the same shape compiled for the same topology; None without a floor. `key`:
+  'bytes_accessed' (loops counted, as XLA counts bytes accessed) or 'hbm_bytes', those
+  that cross HBM (`hlo_hbm`), the quantity the floor itself counts (bytes accessed
+  also count operands held on chip and a prefetched value three times)."""
   floor = step.get('residual_floor')
   if not floor or not floor['bytes']:
     return None
