@@ -255,7 +255,7 @@ def arithmetic(
 def kernel_estimate(instruction: hlo_text.Instruction) -> dict[str, float] | None:
   """The CostEstimate ({'flops', 'transcendentals', 'bytes_accessed'}) a Pallas TPU
   kernel carries in its backend config, or None (any other instruction)."""
-  if instruction.opcode != 'custom-call' or '"tpu_custom_call"' not in instruction.attrs:
+  if _custom_call_target(instruction) != 'tpu_custom_call':
     return None
   found = _COST_ESTIMATE.search(instruction.attrs)
   if found is None:
@@ -304,13 +304,16 @@ def _bytes(
   return sum(reads) + written
 
 
-def _free_custom_call(instruction: hlo_text.Instruction) -> bool:
+def _custom_call_target(instruction: hlo_text.Instruction) -> str | None:
+  """What a custom call calls (its `custom_call_target`); None for other ops."""
+  if instruction.opcode != 'custom-call':
+    return None
   target = re.search(r'custom_call_target="([^"]*)"', instruction.attrs)
-  return (
-    instruction.opcode == 'custom-call'
-    and target is not None
-    and target.group(1) in _FREE_CUSTOM_CALLS
-  )
+  return target and target.group(1)
+
+
+def _free_custom_call(instruction: hlo_text.Instruction) -> bool:
+  return _custom_call_target(instruction) in _FREE_CUSTOM_CALLS
 
 
 def _start_output_bytes(
