@@ -147,6 +147,82 @@ def test_projection_kernel_equals_xla(per_stream, dtype, m, tile_bytes, monkeypa
   assert_close(grads[1], ref_grads[1], F32_TOL if dtype == jnp.float32 else BF16_TOL, 'H')
 
 
+def gated_read_inputs(m, dtype, seed=0):
+  """HC's [D, m + 2] projection, the read's gate [2, R] (s and base_i at the read
+  columns i K, zero elsewhere), streams [m, 2, 256, 128] of RMS 3."""
+  keys = jax.random.split(jax.random.key(seed), 3)
+  num_out = m + 2
+  phi = 0.1 * jax.random.normal(keys[0], (128, num_out))
+  gate = jnp.zeros((2, m * num_out + m))
+  gate = gate.at[:, 0 : m * num_out : num_out].set(jax.random.normal(keys[1], (2, m)))
+  streams = (3 * jax.random.normal(keys[2], (m, 2, 256, 128))).astype(dtype)
+  return phi, gate, streams
+
+
+def xla_gated_read(phi, gate, streams, eps):
+  """`hyper_pallas.gated_read` composed of the XLA steps the model uses without it:
+  the normalised projections, a_i = base_i + s tanh(n_i0), the read; the rows
+  [n (stream-major), inverse RMS]; the streams passed through."""
+  m, num_out = streams.shape[0], phi.shape[1]
+  normed = hs.normed_projection(phi, streams, eps, per_stream=True)  # [K, m, B, T]
+  read_columns = gate[:, 0 : m * num_out : num_out, None, None]
+  h = hs.read(read_columns[1] + read_columns[0] * jnp.tanh(normed[0]), streams)
+  inv_rms = jax.lax.rsqrt(jnp.mean(jnp.square(streams.astype(jnp.float32)), -1) + eps)
+  rows = jnp.swapaxes(normed, 0, 1).reshape(m * num_out, *normed.shape[2:])
+  return h, jnp.concatenate([rows, inv_rms]), streams
+
+
+def gated_read_and_grads(gated_read, args, seed=1):
+  """The gated read's three results and the gradients of a random weighting of all
+  of them w.r.t. phi, the gate and the streams."""
+  weights = [
+    jax.random.normal(k, x.shape)
+    for k, x in zip(
+      jax.random.split(jax.random.key(seed), 3),
+      jax.eval_shape(lambda a: gated_read(*a, 1e-6), args),
+    )
+  ]
+
+  def loss(*args):
+    outs = gated_read(*args, 1e-6)
+    return sum(jnp.sum(o.astype(jnp.float32) * w) for o, w in zip(outs, weights)), outs
+
+  grads, outs = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(*args)
+  return outs, grads
+
+
+@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize('m,tile_bytes', [(4, None), (4, 1), (2, None), (1, None)])
+def test_gated_read_equals_xla(dtype, m, tile_bytes, monkeypatch):
+  """HC's read with its projections in one kernel each way equals the XLA steps:
+  values and the cotangents of phi, the gate and the streams (the streams' sums the
+  write's cotangent of the passed-through streams, the read's and the projections').
+  The projections and h are the same float32 sums in another order (F32_TOL;
+  measured <= 3.0e-7; with bfloat16 streams identical). phi's and the gate's
+  cotangents are float32 sums over tokens and D (F32_TOL; measured <= 8.5e-7). The
+  float32 streams' cotangent: F32_TOL (measured 3.1e-7). The streams'
+  bfloat16 cotangent: the XLA steps round the read's and the projections' cotangents
+  to bfloat16 each and then their sum with the passed-through one, the kernel rounds
+  the float32 sum once; each rounding errs by up to 2^-8 of a value no larger than
+  the sum's scale, so they differ by up to 3 x 2^-8 of it (measured 1.5 x 2^-8);
+  a wrong term moves it by O(1)."""
+  if tile_bytes is not None:
+    monkeypatch.setattr(hp, 'TILE_VMEM_BYTES', tile_bytes)
+  args = gated_read_inputs(m, dtype)
+  outs, grads = gated_read_and_grads(hp.gated_read, args)
+  ref_outs, ref_grads = gated_read_and_grads(xla_gated_read, args)
+  for name, x, ref in zip(('h', 'projections', 'passed'), outs, ref_outs):
+    assert x.dtype == ref.dtype, name
+    bf16 = x.dtype == jnp.bfloat16
+    assert_close(x, ref, BF16_TOL if bf16 else F32_TOL, name)
+  np.testing.assert_array_equal(outs[2], args[2])
+  assert_close(grads[0], ref_grads[0], F32_TOL, 'phi')
+  assert_close(grads[1], ref_grads[1], F32_TOL, 'gate')
+  assert grads[2].dtype == dtype
+  streams_tol = F32_TOL if dtype == jnp.float32 else 3 * 2.0**-8
+  assert_close(grads[2], ref_grads[2], streams_tol, 'streams')
+
+
 MESH_RULES = {
   'batch': dict(batch=('data', 'fsdp')),
   'batch_length': dict(batch=('data',), length=('fsdp',)),
@@ -198,6 +274,16 @@ def sharded_errors():
         float(np.abs(a - b).max() / (np.abs(b).max() + 1e-30))
         for a, b in zip(*map(jax.tree.leaves, projections))
       )
+    gated_reads = [
+      gated_read_and_grads(
+        lambda *a, f=f: under_rules(f, *a), gated_read_inputs(4, jnp.float32)
+      )
+      for f in (hp.gated_read, xla_gated_read)
+    ]
+    out[f'{name}_gated_read'] = max(
+      float(np.abs(a - b).max() / (np.abs(b).max() + 1e-30))
+      for a, b in zip(*map(jax.tree.leaves, gated_reads))
+    )
     out[f'{name}_sinkhorn'] = max(
       float(np.abs(a - b).max() / (np.abs(b).max() + 1e-30))
       for a, b in zip(jax.tree.leaves(sinkhorns[0]), jax.tree.leaves(sinkhorns[1]))
@@ -214,9 +300,9 @@ def sharded_errors():
 
 def test_kernel_on_a_mesh_equals_xla():
   """Streams (and mHC's maps) split over batch, or over batch and length (4 CPU
-  devices): the write, the projections and Sinkhorn equal XLA."""
+  devices): the write, the projections, HC's gated read and Sinkhorn equal XLA."""
   errors = child_result(__file__, 4, 'sharded')
-  assert len(errors) == 5 * len(MESH_RULES) + 1
+  assert len(errors) == 6 * len(MESH_RULES) + 1
   for name, error in errors.items():
     if name.endswith(('per_device', 'refused')):
       assert error is True, name
@@ -294,14 +380,15 @@ def test_model_with_the_kernel_equals_the_xla_model(residual):
 
 @pytest.mark.parametrize('residual', ['hc', 'mhc'])
 def test_model_with_the_projection_kernel_equals_the_xla_model(residual):
-  """At 128 tokens (a whole lane tile) the projections run through their kernel too
-  (at 32, above, they are XLA's). Loss to 1e-6; the gradients to 2e-4 of each one's
+  """At 128 tokens (a whole lane tile) the projections run through a kernel too (at
+  32, above, they are XLA's): HC's read with them (`hyper_pallas.gated_read`), mHC's
+  alone. Loss to 1e-6; the gradients to 2e-4 of each one's
   scale: in this randomised model the read gates' gradients are sums over the 256
   tokens with heavy cancellation, so tiny changes of the projections move them a
   lot. Measured by perturbing XLA's own projections by one float32 ulp (2^-24,
   random sign): HC's read_scale gradient moves by 7.2e-5 of its scale, static_read's
-  by 5.4e-5; the kernel's projections (a few ulps from XLA's, other summation order)
-  move them by 3.9e-5 / 3.2e-5, every other gradient <= 7.3e-6; mHC <= 2.7e-6. A
+  by 5.4e-5; the kernels' projections (a few ulps from XLA's, other summation order)
+  move them by 4.0e-5 / 3.2e-5, every other gradient <= 7.2e-6; mHC <= 2.7e-6. A
   wrong column or stream in the kernel moves them by O(1)."""
   loss, grads = model_loss_and_grads(residual, 'pallas', length=128)
   ref_loss, ref_grads = model_loss_and_grads(residual, 'xla', length=128)
@@ -356,8 +443,9 @@ def test_train_step_compiles_for_tpu_with_the_kernel(residual, tmp_path):
   assert report['steps']['train']['bytes_accessed'] > 0
   with open(os.path.join(tmp_path, 'train.hlo.txt'), encoding='utf-8') as f:
     text = f.read()
-  # the write forward and backward, the projections (and mHC's Sinkhorn)
-  assert text.count('custom_call_target="tpu_custom_call"') >= 3
+  # the write forward and backward; HC's gated read forward and backward, mHC's
+  # projections and Sinkhorn
+  assert text.count('custom_call_target="tpu_custom_call"') >= 4
 
 
 if __name__ == '__main__' and sys.argv[1:] == ['sharded']:

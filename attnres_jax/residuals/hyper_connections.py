@@ -149,11 +149,16 @@ def _row(param, which):
 @dataclasses.dataclass(frozen=True)
 class Coefficients:
   """One sublayer's stream weights, per token: read a [m, B, T], mixing R [m, m, B, T]
-  (R[i, j]: from stream i to stream j), write b [m, B, T]. float32."""
+  (R[i, j]: from stream i to stream j), write b [m, B, T]. float32. `h_BTD`: the
+  read's result where it was computed with the weights (`hyper_pallas.gated_read`),
+  else None; `streams_MBTD` then the streams it passed through, which the write
+  reads (its backward sums their cotangents), else None (the write reads the carry's)."""
 
   read_MBT: jax.Array
   mix_MMBT: jax.Array
   write_MBT: jax.Array
+  h_BTD: jax.Array | None = None
+  streams_MBTD: jax.Array | None = None
 
 
 class StreamCarry(NamedTuple):
@@ -255,18 +260,34 @@ class HyperConnectionResidual(base.Residual):
     read_MBT = jnp.broadcast_to(read_M[:, None, None], read_M.shape + batch)
     mix_MMBT = jnp.broadcast_to(mix_MM[..., None, None], mix_MM.shape + batch)
     write_MBT = jnp.broadcast_to(write_M[:, None, None], write_M.shape + batch)
-    if params.read_proj is not None:  # dynamic: from each stream's own normalised state
-      m = self.num_streams
-      s_alpha, s_beta = _row(params.read_scale, which), _row(params.write_scale, which)
-      # W_m, W_r and W_beta as one [D, m + 2] projection; gates [m + 2, m, B, T].
-      proj = jnp.concatenate(
-        [
-          _row(params.read_proj, which)[:, None],
-          _row(params.mix_proj, which),
-          _row(params.write_proj, which)[:, None],
-        ],
-        axis=-1,
+    if params.read_proj is None:
+      return Coefficients(read_MBT, mix_MMBT, write_MBT)
+    # dynamic: from each stream's own normalised state
+    m = self.num_streams
+    s_alpha, s_beta = _row(params.read_scale, which), _row(params.write_scale, which)
+    # W_m, W_r and W_beta as one [D, m + 2] projection; gates [m + 2, m, B, T].
+    proj = jnp.concatenate(
+      [
+        _row(params.read_proj, which)[:, None],
+        _row(params.mix_proj, which),
+        _row(params.write_proj, which)[:, None],
+      ],
+      axis=-1,
+    )
+    h_BTD = passed_MBTD = None
+    if self.cfg.depth_kernel == 'pallas' and batch[1] % hyper_pallas.LANES == 0:
+      # The read with its projections, one read of the streams each way.
+      num_out = m + 2
+      gate_2R = jnp.zeros((2, m * num_out + m), jnp.float32)
+      gate_2R = gate_2R.at[:, 0 : m * num_out : num_out].set(
+        jnp.stack([jnp.broadcast_to(s_alpha, (m,)), read_M])
       )
+      h_BTD, coef_RBT, passed_MBTD = hyper_pallas.gated_read(
+        proj, gate_2R, streams_MBTD, self.cfg.norm_eps
+      )
+      normed = coef_RBT[: m * num_out].reshape(m, num_out, *batch)
+      gates = jnp.tanh(jnp.swapaxes(normed, 0, 1))
+    else:
       gates = jnp.tanh(
         hyper_streams.normed_projection(
           proj,
@@ -276,10 +297,10 @@ class HyperConnectionResidual(base.Residual):
           parts=PROJECTION_PARTS[self.cfg.depth_kernel],
         )
       )
-      read_MBT += s_alpha * gates[0]
-      mix_MMBT += s_alpha * jnp.swapaxes(gates[1 : m + 1], 0, 1)  # [from i, to n]
-      write_MBT += s_beta * gates[m + 1]
-    return Coefficients(read_MBT, mix_MMBT, write_MBT)
+    read_MBT += s_alpha * gates[0]
+    mix_MMBT += s_alpha * jnp.swapaxes(gates[1 : m + 1], 0, 1)  # [from i, to n]
+    write_MBT += s_beta * gates[m + 1]
+    return Coefficients(read_MBT, mix_MMBT, write_MBT, h_BTD, passed_MBTD)
 
   def _mhc_coefficients(self, streams_MBTD, params, selected_M, which):
     """mHC's maps, every one with the tokens on the minor axes ([m, B, T] and
@@ -326,12 +347,15 @@ class HyperConnectionResidual(base.Residual):
   ):
     streams_MBTD = inner.streams_MBTD
     coeffs = self.coefficients(inner, params, layer_in_segment, which)
-    # float32 inside the fusions, the streams' dtype in memory (`hyper_streams`).
-    h_BTD = hyper_streams.read(coeffs.read_MBT, streams_MBTD)
+    h_BTD = coeffs.h_BTD
+    if h_BTD is None:
+      # float32 inside the fusions, the streams' dtype in memory (`hyper_streams`).
+      h_BTD = hyper_streams.read(coeffs.read_MBT, streams_MBTD)
     h_BTD = sharding.constrain(h_BTD, sharding.HIDDEN)
     out_BTD, saved = branch(h_BTD)
+    written_MBTD = streams_MBTD if coeffs.streams_MBTD is None else coeffs.streams_MBTD
     new_MBTD = WRITE_KERNELS[self.cfg.depth_kernel](
-      coeffs.mix_MMBT, coeffs.write_MBT, streams_MBTD, out_BTD
+      coeffs.mix_MMBT, coeffs.write_MBT, written_MBTD, out_BTD
     )
     inner = inner._replace(streams_MBTD=sharding.constrain(new_MBTD, STREAMS))
     weights = dict(

@@ -16,6 +16,11 @@ and the dynamic coefficients' projections:
              (XLA read them twice: a dot and a reduction); the backward stays
              `hyper_streams.normed_projection`'s.
 
+  gated read (dynamic HC; `gated_read`): the projections, the read gates and
+             h = sum_i a_i H_i from one read of the streams, and the whole backward
+             (the read's, the projections' and the write's cotangents of the
+             streams summed) from one more.
+
 The kernels see the streams d-minor, as the TPU compiler lays them out for the XLA
 version ([m, B, T, D]{3,2,1,0}): a program's block is a tile of tokens of every
 stream, [m, t, D], the width on the lanes, so no relayout at the kernel's boundary.
@@ -40,6 +45,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec as P
 
 from attnres_jax import pallas_mesh
+from attnres_jax import sharding
 from attnres_jax.residuals import hyper_streams
 
 F32 = jnp.float32
@@ -192,7 +198,8 @@ def _launch(kernel, args, kinds, outs, m, cost, **kernel_options):
   """The pallas_call of `kernel` over (batch row, tile of T) on `args` whose blocks
   `kinds` name ('coef' [B, K, T], 'streams' [m, B, T, D], 'one' [B, T, D], 'whole':
   all of a small array in every program); `outs`: (kind, shape, dtype) per result;
-  `cost`: (flops, HBM bytes). Mosaic on the TPU, interpret mode elsewhere."""
+  `cost`: (flops, HBM bytes); a shape may be a function of the tile (a 'partial'
+  result's). Mosaic on the TPU, interpret mode elsewhere."""
   streams = args[kinds.index('streams')]
   _, batch, length, dim = streams.shape
   tile = choose_tile(length, m, dim, streams.dtype.itemsize)
@@ -205,8 +212,15 @@ def _launch(kernel, args, kinds, outs, m, cost, **kernel_options):
       return pl.BlockSpec((m, _SQ, tile, dim), lambda b, t: (0, b, t, 0))
     if kind == 'one':
       return pl.BlockSpec((_SQ, tile, dim), lambda b, t: (b, t, 0))
+    if kind == 'partial':  # one program's partial sum [B, T / tile, R, D]
+      return pl.BlockSpec((_SQ, _SQ, *shape[2:]), lambda b, t: (b, t, 0, 0))
     assert kind == 'whole', kind  # the same whole array for every program
     return pl.BlockSpec(shape, lambda b, t: (0,) * len(shape))
+
+  outs = [
+    (kind, shape(tile) if callable(shape) else shape, dtype)
+    for kind, shape, dtype in outs
+  ]
 
   def make(interpret):
     return pl.pallas_call(
@@ -294,7 +308,7 @@ def _projection_device(phi_MDR, streams_MBTD, per_stream):
 def per_device(fn, shape, in_kinds, out_kinds):
   """`fn` per device under the active mesh, or `fn` as is on one device: the streams
   (of `shape`) split over batch and length as the sharding rules say, every operand
-  and result (`in_kinds`, `out_kinds`: 'streams', 'one', 'coef' or 'maps') alike;
+  and result (`in_kinds`, `out_kinds`: 'streams', 'one', 'coef', 'partial' or 'maps') alike;
   'whole' operands are whole on every device."""
   split = pallas_mesh.batch_length_split(shape, 'the HC/mHC streams', 'streams')
   if split is None:
@@ -305,6 +319,7 @@ def per_device(fn, shape, in_kinds, out_kinds):
     one=P(b, t, None),  # [B, T, D]
     coef=P(b, None, t),  # [B, K, T]
     maps=P(b, None, None, t),  # [B, m, m, T] (sinkhorn_pallas)
+    partial=P(b, t, None, None),  # [B, T / tile, R, D]: per-program partial sums
     whole=P(),  # small, on every device
   ).get
   return jax.shard_map(
@@ -406,3 +421,259 @@ def project_parts(phi, streams_MBTD, eps, per_stream):
     projected = projected_RBT[:-num_squares].reshape(m, num_out, *squares.shape[1:])
     return jnp.moveaxis(projected, 1, -1), inv_rms
   return jnp.moveaxis(projected_RBT[:-num_squares], 0, -1), inv_rms[0]
+
+
+# -- HC's read with its coefficients: one read of the streams -------------------------
+#
+# Dynamic HC's read weights come from the streams themselves: a_i = base_i + s
+# tanh(n_i0), n = the normalised projections (`hyper_streams.normed_projection`). The
+# XLA path reads the streams twice before the branch (the projections, then the
+# weighted sum) and, in the backward, three times more (the read's and the
+# projections' VJPs, then the sum of the streams' cotangents). The kernels below do
+# the projections, the gates and h = sum_i a_i H_i on one tile of tokens of every
+# stream, and all of the backward on one read of the streams and of dh.
+#
+# Columns of a [t, R] block (R = m K + m, K = m + 2 the projections per stream):
+# stream i's normalised projections at i K .. i K + K - 1 (its read gate first), then
+# each stream's inverse RMS. `gate` [2, R] holds s (row 0) and base_i (row 1) at the
+# read columns i K, zero elsewhere.
+
+
+def _group_masks(lane_tR, m, num_out):
+  """Per stream, where its projection columns are in a [t, R] block."""
+  return [(lane_tR >= i * num_out) & (lane_tR < (i + 1) * num_out) for i in range(m)]
+
+
+def gated_read_kernel(
+  phi_ref, gate_ref, streams_ref, h_ref, coef_ref, *, m, num_out, eps
+):
+  """phi [m, D, R] (stream i's projection in its columns, zero elsewhere), gate
+  [2, R], streams [m, t, D] -> h [t, D] and the normalised projections with the
+  inverse RMS [R, t] (float32, tokens on the lanes)."""
+  dim = streams_ref.shape[-1]
+  projected_tR, h_tD, inv_rms_t1 = None, [], []
+  for i in range(m):
+    term_tR = jax.lax.dot_general(
+      streams_ref[i], phi_ref[i], (((1,), (0,)), ((), ())), preferred_element_type=F32
+    )
+    projected_tR = term_tR if projected_tR is None else projected_tR + term_tR
+    h_tD.append(streams_ref[i].astype(F32))
+    square_t1 = jnp.sum(h_tD[i] * h_tD[i], axis=1, keepdims=True)
+    inv_rms_t1.append(jax.lax.rsqrt(square_t1 / dim + eps))
+  lane_tR = jax.lax.broadcasted_iota(jnp.int32, projected_tR.shape, 1)
+  coef_tR = projected_tR
+  for i, in_group in enumerate(_group_masks(lane_tR, m, num_out)):
+    coef_tR = jnp.where(in_group, projected_tR * inv_rms_t1[i], coef_tR)
+    coef_tR = jnp.where(lane_tR == m * num_out + i, inv_rms_t1[i], coef_tR)
+  gate = gate_ref[...]
+  read_tR = gate[1:2] + gate[0:1] * jnp.tanh(coef_tR)  # a_i at column i K
+  acc_tD = None
+  for i in range(m):
+    term_tD = _column(read_tR, i * num_out) * h_tD[i]
+    acc_tD = term_tD if acc_tD is None else acc_tD + term_tD
+  h_ref[...] = acc_tD.astype(h_ref.dtype)
+  coef_ref[...] = _tokens_minor(coef_tR)
+
+
+def gated_read_backward_kernel(
+  phi_ref,
+  gate_ref,
+  coef_ref,
+  dcoef_ref,
+  streams_ref,
+  dh_ref,
+  dpassed_ref,
+  dstreams_ref,
+  dread_ref,
+  dphi_ref,
+  *,
+  m,
+  num_out,
+):
+  """coef and its cotangent [R, t], the streams [m, t, D], dh [t, D] and the
+  passed-through streams' cotangents [m, t, D] -> the streams' cotangents [m, t, D]
+  (those plus the read's and the projections'), the read weights' [R, t] (at the read
+  columns) and
+  this tile's share of phi's, [R, D] (row c: sum over its tokens of column c's
+  projection cotangent times the stream the column belongs to)."""
+  dim = streams_ref.shape[-1]
+  dtype = streams_ref.dtype
+  coef_tR = _tokens_major(coef_ref[...])
+  dcoef_tR = _tokens_major(dcoef_ref[...])
+  lane_tR = jax.lax.broadcasted_iota(jnp.int32, coef_tR.shape, 1)
+  groups = _group_masks(lane_tR, m, num_out)
+  gate = gate_ref[...]
+  gates_tR = jnp.tanh(coef_tR)
+  read_tR = gate[1:2] + gate[0:1] * gates_tR
+  dh_tD = dh_ref[...].astype(F32)
+  h_tD = [streams_ref[i].astype(F32) for i in range(m)]
+  # da_i = <H_i, dh>, at column i K.
+  dread_tR = jnp.zeros(coef_tR.shape, F32)
+  for i in range(m):
+    dot_t1 = jnp.sum(h_tD[i] * dh_tD, axis=1, keepdims=True)
+    dread_tR = jnp.where(lane_tR == i * num_out, dot_t1, dread_tR)
+  dread_ref[...] = _tokens_minor(dread_tR)
+  # The normalised projections' cotangent, through tanh for the read gates; then the
+  # raw projections' (times the inverse RMS) and the inverse RMS' (sum dn P + its own).
+  dnormed_tR = dcoef_tR + gate[0:1] * dread_tR * (1 - gates_tR * gates_tR)
+  inv_rms_t1 = [_column(coef_tR, m * num_out + i) for i in range(m)]
+  dprojected_tR = jnp.zeros(coef_tR.shape, F32)
+  for i, in_group in enumerate(groups):
+    dprojected_tR = jnp.where(in_group, dnormed_tR * inv_rms_t1[i], dprojected_tR)
+  dprojected_tR = dprojected_tR.astype(dtype)  # the dot's operands, as XLA's
+  dphi_RD = None
+  for i, in_group in enumerate(groups):
+    # P = n / r on stream i's columns: d r_i = sum_k dn_ik n_ik / r_i (+ r_i's own).
+    dn_p_tR = jnp.where(in_group, dnormed_tR * coef_tR, 0.0)
+    d_inv_rms_t1 = jnp.sum(dn_p_tR, axis=1, keepdims=True) / inv_rms_t1[i]
+    d_inv_rms_t1 = d_inv_rms_t1 + _column(dcoef_tR, m * num_out + i)
+    # r = (s / D + eps)^(-1/2): dr/dH = -r^3 H / D.
+    scale_t1 = -d_inv_rms_t1 * inv_rms_t1[i] ** 3 / dim
+    from_projection_tD = jax.lax.dot_general(
+      dprojected_tR, phi_ref[i], _NT, preferred_element_type=F32
+    )
+    dstreams_ref[i] = (
+      dpassed_ref[i].astype(F32)
+      + _column(read_tR, i * num_out) * dh_tD
+      + from_projection_tD
+      + scale_t1 * h_tD[i]
+    ).astype(dstreams_ref.dtype)
+    term_RD = jax.lax.dot_general(
+      jnp.where(in_group, dprojected_tR, jnp.zeros_like(dprojected_tR)),
+      streams_ref[i],
+      _TN,
+      preferred_element_type=F32,
+    )
+    dphi_RD = term_RD if dphi_RD is None else dphi_RD + term_RD
+  dphi_ref[...] = dphi_RD
+
+
+def _gated_read_phi(phi_DK, m, dtype):
+  """HC's [D, K] projection as the kernels' [m, D, R]: stream i's copy in columns
+  i K .. i K + K - 1, zero elsewhere (and in the m inverse-RMS columns)."""
+  dim, num_out = phi_DK.shape
+  phi_MDR = jnp.einsum('ij,dk->idjk', jnp.eye(m, dtype=phi_DK.dtype), phi_DK)
+  phi_MDR = phi_MDR.reshape(m, dim, m * num_out)
+  return jnp.pad(phi_MDR, ((0, 0), (0, 0), (0, m))).astype(dtype)
+
+
+def _gated_read_forward_device(phi_MDR, gate_2R, streams_MBTD, *, num_out, eps):
+  m, batch, length, dim = streams_MBTD.shape
+  num_rows = phi_MDR.shape[-1]
+  tokens, size = batch * length, streams_MBTD.dtype.itemsize
+  cost = (
+    tokens * m * dim * (2 * num_rows + 2 + 2),  # projections, squares, the read
+    tokens * ((m + 1) * dim * size + num_rows * 4) + phi_MDR.size * size,
+  )
+  return _launch(
+    gated_read_kernel,
+    (phi_MDR, gate_2R, streams_MBTD),
+    ('whole', 'whole', 'streams'),
+    [
+      ('one', (batch, length, dim), streams_MBTD.dtype),
+      ('coef', (batch, num_rows, length), F32),
+    ],
+    m,
+    cost,
+    num_out=num_out,
+    eps=eps,
+  )
+
+
+def _gated_read_backward_device(
+  phi_MDR, gate_2R, coef_BRT, dcoef_BRT, streams_MBTD, dh_BTD, dpassed_MBTD, *, num_out
+):
+  m, batch, length, dim = streams_MBTD.shape
+  num_rows = phi_MDR.shape[-1]
+  tokens, size = batch * length, streams_MBTD.dtype.itemsize
+  cost = (
+    # da, the projections' two dots, the streams' cotangent sums
+    tokens * m * dim * (2 + 4 * num_rows + 6),
+    tokens * ((3 * m + 1) * dim * size + 3 * num_rows * 4)
+    + phi_MDR.size * size
+    + tokens // choose_tile(length, m, dim, size) * num_rows * dim * 4,
+  )
+  return _launch(
+    gated_read_backward_kernel,
+    (phi_MDR, gate_2R, coef_BRT, dcoef_BRT, streams_MBTD, dh_BTD, dpassed_MBTD),
+    ('whole', 'whole', 'coef', 'coef', 'streams', 'one', 'streams'),
+    [
+      ('streams', streams_MBTD.shape, streams_MBTD.dtype),
+      ('coef', coef_BRT.shape, F32),
+      ('partial', lambda tile: (batch, length // tile, num_rows, dim), F32),
+    ],
+    m,
+    cost,
+    num_out=num_out,
+  )
+
+
+def gated_read(phi_DK, gate_2R, streams_MBTD, eps):
+  """Dynamic HC's read with its coefficients' projections, from one read of the
+  streams: (h [B, T, D] in the streams' dtype, [R, B, T] float32: the normalised
+  projections n (stream i's K at rows i K ..) and each stream's inverse RMS (the last
+  m rows), the streams passed through), where h = sum_i a_i H_i, a_i = gate[1, i K] + gate[0, i K] tanh(n_i0) and
+  n equals `hyper_streams.normed_projection(phi_DK, streams, eps, per_stream=True)`.
+  phi [D, K] whole on every device (as there). T a multiple of 128 (`LANES`).
+  The write reads the passed-through streams: its cotangent of them then reaches the
+  backward kernel, which adds it to the read's and the projections' in the same
+  pass (as separate cotangents, autodiff summed the three in another pass over
+  3 m streams)."""
+  phi_DK = sharding.constrain(phi_DK, (None, None))
+  return _gated_read(phi_DK, gate_2R, streams_MBTD, eps)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _gated_read(phi_DK, gate_2R, streams_MBTD, eps):
+  return _gated_read_fwd(phi_DK, gate_2R, streams_MBTD, eps)[0]
+
+
+def _gated_read_fwd(phi_DK, gate_2R, streams_MBTD, eps):
+  m, num_out = streams_MBTD.shape[0], phi_DK.shape[1]
+  phi_MDR = _gated_read_phi(phi_DK, m, streams_MBTD.dtype)
+  fn = per_device(
+    functools.partial(_gated_read_forward_device, num_out=num_out, eps=eps),
+    streams_MBTD.shape,
+    ('whole', 'whole', 'streams'),
+    ('one', 'coef'),
+  )
+  h_BTD, coef_BRT = fn(phi_MDR, gate_2R, streams_MBTD)
+  out = (h_BTD, jnp.swapaxes(coef_BRT, 0, 1), streams_MBTD)
+  return out, (phi_DK, gate_2R, streams_MBTD, coef_BRT)
+
+
+def _gated_read_bwd(eps, saved, cotangents):
+  del eps  # enters through the saved inverse RMS
+  phi_DK, gate_2R, streams_MBTD, coef_BRT = saved
+  dh_BTD, dcoef_RBT, dpassed_MBTD = cotangents
+  m, num_out = streams_MBTD.shape[0], phi_DK.shape[1]
+  phi_MDR = _gated_read_phi(phi_DK, m, streams_MBTD.dtype)
+  fn = per_device(
+    functools.partial(_gated_read_backward_device, num_out=num_out),
+    streams_MBTD.shape,
+    ('whole', 'whole', 'coef', 'coef', 'streams', 'one', 'streams'),
+    ('streams', 'coef', 'partial'),
+  )
+  dstreams_MBTD, dread_BRT, dphi_partial = fn(
+    phi_MDR,
+    gate_2R,
+    coef_BRT,
+    jnp.swapaxes(dcoef_RBT, 0, 1).astype(F32),
+    streams_MBTD,
+    dh_BTD.astype(streams_MBTD.dtype),
+    dpassed_MBTD.astype(streams_MBTD.dtype),
+  )
+  # Row c of the partial sums belongs to stream c // K's copy of phi's column c % K.
+  dphi_RD = jnp.sum(dphi_partial, axis=(0, 1))
+  dphi_DK = jnp.sum(dphi_RD[: m * num_out].reshape(m, num_out, -1), axis=0).T
+  # gate: row 0 (s) gets sum da_i tanh(n_i0), row 1 (base_i) sum da_i, at i K.
+  d_gate_2R = jnp.stack(
+    [
+      jnp.sum(dread_BRT * jnp.tanh(coef_BRT), axis=(0, 2)),
+      jnp.sum(dread_BRT, axis=(0, 2)),
+    ]
+  )
+  return dphi_DK.astype(phi_DK.dtype), d_gate_2R, dstreams_MBTD
+
+
+_gated_read.defvjp(_gated_read_fwd, _gated_read_bwd)
