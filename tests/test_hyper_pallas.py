@@ -223,6 +223,51 @@ def test_gated_read_equals_xla(dtype, m, tile_bytes, monkeypatch):
   assert_close(grads[2], ref_grads[2], streams_tol, 'streams')
 
 
+def kernels_apart(mix, write, streams, out, phi, gate, eps):
+  """`hyper_pallas.boundary` as the two kernels it fuses: the write, then the gated
+  read of the new streams."""
+  return hp.gated_read(phi, gate, hp.write(mix, write, streams, out), eps)
+
+
+def boundary_and_grads(boundary, args, seed=3):
+  """The boundary's three results and the gradients of a random weighting of them
+  w.r.t. all six inputs (the write's weights, streams and f(h); phi and the gate)."""
+  shapes = jax.eval_shape(lambda a: boundary(*a, 1e-6), args)
+  keys = jax.random.split(jax.random.key(seed), len(shapes))
+  weights = [jax.random.normal(k, x.shape) for k, x in zip(keys, shapes)]
+
+  def loss(*args):
+    outs = boundary(*args, 1e-6)
+    return sum(jnp.sum(o.astype(jnp.float32) * w) for o, w in zip(outs, weights)), outs
+
+  grads, outs = jax.jit(jax.grad(loss, argnums=tuple(range(6)), has_aux=True))(*args)
+  return outs, grads
+
+
+@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize('m,tile_bytes', [(4, None), (4, 1), (2, None), (1, None)])
+def test_boundary_equals_the_kernels_apart(dtype, m, tile_bytes, monkeypatch):
+  """One sublayer's write fused with the next one's gated read equals the write
+  kernel followed by the gated read kernel (each tested against XLA above): values
+  and the cotangents of all six inputs. On chip it does the same float32 operations
+  in the same order, and rounds the new streams and their cotangent to the storage
+  dtype where the two kernels store them; measured identical. Bounds: F32_TOL for
+  float32 (a compiler may still order the two programs' sums differently), and with
+  bfloat16 streams BF16_TOL for everything, since a one-ulp difference of a rounded
+  intermediate (2^-8 of it) reaches every result computed from it."""
+  if tile_bytes is not None:
+    monkeypatch.setattr(hp, 'TILE_VMEM_BYTES', tile_bytes)
+  args = (*inputs(m, 2, 256, 128, dtype), *gated_read_inputs(m, dtype)[:2])
+  outs, grads = boundary_and_grads(hp.boundary, args)
+  ref_outs, ref_grads = boundary_and_grads(kernels_apart, args)
+  tol = F32_TOL if dtype == jnp.float32 else BF16_TOL
+  names = ('h', 'projections', 'new streams', 'mix', 'write weights', 'streams')
+  names += ('f(h)', 'phi', 'gate')
+  for name, x, ref in zip(names, (*outs, *grads), (*ref_outs, *ref_grads)):
+    assert x.dtype == ref.dtype, name
+    assert_close(x, ref, tol, name)
+
+
 MESH_RULES = {
   'batch': dict(batch=('data', 'fsdp')),
   'batch_length': dict(batch=('data',), length=('fsdp',)),
@@ -284,6 +329,15 @@ def sharded_errors():
       float(np.abs(a - b).max() / (np.abs(b).max() + 1e-30))
       for a, b in zip(*map(jax.tree.leaves, gated_reads))
     )
+    boundary_args = (*args, *gated_read_inputs(4, jnp.float32)[:2])
+    boundaries = [
+      boundary_and_grads(lambda *a, f=f: under_rules(f, *a), boundary_args)
+      for f in (hp.boundary, kernels_apart)
+    ]
+    out[f'{name}_boundary'] = max(
+      float(np.abs(a - b).max() / (np.abs(b).max() + 1e-30))
+      for a, b in zip(*map(jax.tree.leaves, boundaries))
+    )
     out[f'{name}_sinkhorn'] = max(
       float(np.abs(a - b).max() / (np.abs(b).max() + 1e-30))
       for a, b in zip(jax.tree.leaves(sinkhorns[0]), jax.tree.leaves(sinkhorns[1]))
@@ -300,9 +354,10 @@ def sharded_errors():
 
 def test_kernel_on_a_mesh_equals_xla():
   """Streams (and mHC's maps) split over batch, or over batch and length (4 CPU
-  devices): the write, the projections, HC's gated read and Sinkhorn equal XLA."""
+  devices): the write, the projections, HC's gated read and Sinkhorn equal XLA, and
+  the fused boundary the kernels apart."""
   errors = child_result(__file__, 4, 'sharded')
-  assert len(errors) == 6 * len(MESH_RULES) + 1
+  assert len(errors) == 7 * len(MESH_RULES) + 1
   for name, error in errors.items():
     if name.endswith(('per_device', 'refused')):
       assert error is True, name
@@ -344,6 +399,8 @@ def test_tile_choice():
   assert hp.choose_tile(1024, 4, 1024, 2) == 256
   assert hp.vmem_bytes(256, 4, 1024, 2) <= hp.TILE_VMEM_BYTES
   assert hp.vmem_bytes(512, 4, 1024, 2) > hp.TILE_VMEM_BYTES
+  # The boundary's backward holds more (3m + 3 blocks, 5m + 3 float32 values): 128.
+  assert hp.choose_tile(1024, 4, 1024, 2, (15, 23)) == 128
   assert hp.choose_tile(96, 4, 32, 4) == 96  # no multiple of 128 divides: all of T
   assert hp.choose_tile(1, 4, 32, 4) == 1  # a decoding step
   assert sp.choose_tile(1024) == sp.MAX_TILE and sp.choose_tile(96) == 96

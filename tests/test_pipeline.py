@@ -49,6 +49,11 @@ CASES = {
     ),
     # HC's m streams cross the stage boundary whole.
     'hc_p2v1': (dict(residual='hc'), dict(stage=2, num_microbatches=2)),
+    # With the Pallas kernels HC carries a pending write across the boundary.
+    'hc_pallas_p2v1': (
+      dict(residual='hc', depth_kernel='pallas'),
+      dict(stage=2, num_microbatches=2),
+    ),
     # remat per stage (and against remat on one device).
     'full_p2v2': (
       dict(residual='full', remat='layer'),

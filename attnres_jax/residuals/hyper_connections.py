@@ -150,9 +150,10 @@ def _row(param, which):
 class Coefficients:
   """One sublayer's stream weights, per token: read a [m, B, T], mixing R [m, m, B, T]
   (R[i, j]: from stream i to stream j), write b [m, B, T]. float32. `h_BTD`: the
-  read's result where it was computed with the weights (`hyper_pallas.gated_read`),
-  else None; `streams_MBTD` then the streams it passed through, which the write
-  reads (its backward sums their cotangents), else None (the write reads the carry's)."""
+  read's result where it was computed with the weights (`hyper_pallas.gated_read`,
+  `boundary`), else None; `streams_MBTD` then the streams the kernel passed through
+  or wrote, which the write reads (its backward sums their cotangents), else None
+  (the write reads the carry's)."""
 
   read_MBT: jax.Array
   mix_MMBT: jax.Array
@@ -161,11 +162,25 @@ class Coefficients:
   streams_MBTD: jax.Array | None = None
 
 
-class StreamCarry(NamedTuple):
-  """Within a segment: the streams and the index of the segment's first layer (for
-  the initial read one-hot)."""
+class PendingWrite(NamedTuple):
+  """Streams whose last write is not done yet: the streams before it, f(h) and its
+  weights. Dynamic HC with the Pallas kernels carries them from sublayer to
+  sublayer: the next sublayer's gated read does the write in the same kernel
+  (`hyper_pallas.boundary`: the new streams are read while still on chip, and their
+  cotangent goes from the read's backward to the write's on chip); `written` does it
+  alone (`final`, or where T fills no lane tile)."""
 
   streams_MBTD: jax.Array
+  out_BTD: jax.Array
+  mix_MMBT: jax.Array
+  write_MBT: jax.Array
+
+
+class StreamCarry(NamedTuple):
+  """Within a segment: the streams (or a `PendingWrite`) and the index of the
+  segment's first layer (for the initial read one-hot)."""
+
+  streams_MBTD: Any
   first_layer: jax.Array
 
 
@@ -173,9 +188,10 @@ class StreamCarry(NamedTuple):
 class HyperConnectionResidual(base.Residual):
   """HC (`cfg.residual == 'hc'`) or mHC ('mhc') over `cfg.hc_streams` streams.
 
-  Carry between layers: the streams [m, B, T, D]; within a segment, `StreamCarry`.
-  A sublayer's coefficients are computed once, from the streams before it, and used
-  by both its read and its write (`sublayer`).
+  Carry between layers: the streams [m, B, T, D], or with `defers_write` a
+  `PendingWrite`; within a segment, `StreamCarry`. A sublayer's coefficients are
+  computed once, from the streams before it, and used by both its read and its write
+  (`sublayer`).
   """
 
   cfg: Any
@@ -229,9 +245,35 @@ class HyperConnectionResidual(base.Residual):
     module = ManifoldHyperConnectionParams if self.manifold else HyperConnectionParams
     return module(self.cfg, (2,), ('sublayers',))
 
+  @property
+  def defers_write(self) -> bool:
+    """Whether each write waits for the next sublayer's read (`PendingWrite`):
+    dynamic HC with the Pallas kernels."""
+    return not self.manifold and self.cfg.hc_dynamic and self.cfg.depth_kernel == 'pallas'
+
   def init(self, x_BTD):
     streams_MBTD = jnp.broadcast_to(x_BTD, (self.num_streams,) + x_BTD.shape)
-    return sharding.constrain(streams_MBTD, STREAMS)
+    streams_MBTD = sharding.constrain(streams_MBTD, STREAMS)
+    if not self.defers_write:
+      return streams_MBTD
+    # The identity write (R = I, b = 0): exactly the embedding's streams again.
+    m, batch = self.num_streams, x_BTD.shape[:2]
+    identity_MM = jnp.eye(m, dtype=jnp.float32)
+    return PendingWrite(
+      streams_MBTD,
+      jnp.zeros_like(x_BTD),
+      jnp.broadcast_to(identity_MM[..., None, None], (m, m, *batch)),
+      jnp.zeros((m, *batch), jnp.float32),
+    )
+
+  def written(self, streams):
+    """The streams, with a pending write done (the write kernel alone)."""
+    if not isinstance(streams, PendingWrite):
+      return streams
+    new_MBTD = WRITE_KERNELS[self.cfg.depth_kernel](
+      streams.mix_MMBT, streams.write_MBT, streams.streams_MBTD, streams.out_BTD
+    )
+    return sharding.constrain(new_MBTD, STREAMS)
 
   def begin_segment(self, carry, params, segment):
     return StreamCarry(carry, jnp.asarray(segment * self.segment_layers, jnp.int32)), None
@@ -252,7 +294,10 @@ class HyperConnectionResidual(base.Residual):
       return self._mhc_coefficients(inner.streams_MBTD, params, selected_M, which)
     return self._hc_coefficients(inner.streams_MBTD, params, selected_M, which)
 
-  def _hc_coefficients(self, streams_MBTD, params, selected_M, which):
+  def _hc_coefficients(self, streams, params, selected_M, which):
+    """`streams`: the streams [m, B, T, D] or a `PendingWrite` of them."""
+    pending = streams if isinstance(streams, PendingWrite) else None
+    streams_MBTD = streams.streams_MBTD if pending else streams
     read_M = selected_M + _row(params.static_read, which)
     mix_MM = _row(params.static_mix, which)
     write_M = _row(params.static_write, which)
@@ -260,7 +305,7 @@ class HyperConnectionResidual(base.Residual):
     read_MBT = jnp.broadcast_to(read_M[:, None, None], read_M.shape + batch)
     mix_MMBT = jnp.broadcast_to(mix_MM[..., None, None], mix_MM.shape + batch)
     write_MBT = jnp.broadcast_to(write_M[:, None, None], write_M.shape + batch)
-    if params.read_proj is None:
+    if params.read_proj is None:  # static (never pending: `defers_write`)
       return Coefficients(read_MBT, mix_MMBT, write_MBT)
     # dynamic: from each stream's own normalised state
     m = self.num_streams
@@ -276,18 +321,30 @@ class HyperConnectionResidual(base.Residual):
     )
     h_BTD = passed_MBTD = None
     if self.cfg.depth_kernel == 'pallas' and batch[1] % hyper_pallas.LANES == 0:
-      # The read with its projections, one read of the streams each way.
+      # The read with its projections, one read of the streams each way (with the
+      # pending write: in the same kernel).
       num_out = m + 2
       gate_2R = jnp.zeros((2, m * num_out + m), jnp.float32)
       gate_2R = gate_2R.at[:, 0 : m * num_out : num_out].set(
         jnp.stack([jnp.broadcast_to(s_alpha, (m,)), read_M])
       )
-      h_BTD, coef_RBT, passed_MBTD = hyper_pallas.gated_read(
-        proj, gate_2R, streams_MBTD, self.cfg.norm_eps
-      )
+      if pending:
+        h_BTD, coef_RBT, passed_MBTD = hyper_pallas.boundary(
+          *(pending.mix_MMBT, pending.write_MBT, streams_MBTD, pending.out_BTD),
+          proj,
+          gate_2R,
+          self.cfg.norm_eps,
+        )
+      else:
+        h_BTD, coef_RBT, passed_MBTD = hyper_pallas.gated_read(
+          proj, gate_2R, streams_MBTD, self.cfg.norm_eps
+        )
+      passed_MBTD = sharding.constrain(passed_MBTD, STREAMS)
       normed = coef_RBT[: m * num_out].reshape(m, num_out, *batch)
       gates = jnp.tanh(jnp.swapaxes(normed, 0, 1))
     else:
+      if pending:
+        streams_MBTD = passed_MBTD = self.written(pending)
       gates = jnp.tanh(
         hyper_streams.normed_projection(
           proj,
@@ -345,19 +402,29 @@ class HyperConnectionResidual(base.Residual):
   def sublayer(
     self, inner: StreamCarry, params, per_layer, layer_in_segment, which, branch
   ):
-    streams_MBTD = inner.streams_MBTD
     coeffs = self.coefficients(inner, params, layer_in_segment, which)
+    streams_MBTD = coeffs.streams_MBTD
+    if streams_MBTD is None:
+      streams_MBTD = inner.streams_MBTD
     h_BTD = coeffs.h_BTD
     if h_BTD is None:
       # float32 inside the fusions, the streams' dtype in memory (`hyper_streams`).
       h_BTD = hyper_streams.read(coeffs.read_MBT, streams_MBTD)
     h_BTD = sharding.constrain(h_BTD, sharding.HIDDEN)
     out_BTD, saved = branch(h_BTD)
-    written_MBTD = streams_MBTD if coeffs.streams_MBTD is None else coeffs.streams_MBTD
-    new_MBTD = WRITE_KERNELS[self.cfg.depth_kernel](
-      coeffs.mix_MMBT, coeffs.write_MBT, written_MBTD, out_BTD
-    )
-    inner = inner._replace(streams_MBTD=sharding.constrain(new_MBTD, STREAMS))
+    if self.defers_write:  # done by the next sublayer's read (or `final`)
+      new = PendingWrite(
+        streams_MBTD,
+        sharding.constrain(out_BTD, sharding.HIDDEN),
+        coeffs.mix_MMBT,
+        coeffs.write_MBT,
+      )
+    else:
+      new = WRITE_KERNELS[self.cfg.depth_kernel](
+        coeffs.mix_MMBT, coeffs.write_MBT, streams_MBTD, out_BTD
+      )
+      new = sharding.constrain(new, STREAMS)
+    inner = inner._replace(streams_MBTD=new)
     weights = dict(
       coeffs=coeffs, stream_rms_MBT=1.0 / depth.rms_inverse(streams_MBTD, 0.0)
     )
@@ -365,6 +432,7 @@ class HyperConnectionResidual(base.Residual):
 
   def final(self, carry, params):
     """The sum of the streams (both papers); the final norm removes the factor m."""
+    carry = self.written(carry)
     h_BTD = jnp.sum(carry.astype(jnp.float32), axis=0).astype(carry.dtype)
     return h_BTD, 1.0 / depth.rms_inverse(carry, 0.0)  # weights: each stream's RMS
 
@@ -413,6 +481,9 @@ class HyperConnectionResidual(base.Residual):
   # -- the pipeline: the streams cross stage boundaries whole ----------------------
 
   def carry_axes(self):
+    if self.defers_write:  # the write's weights: [m, m, B, T] and [m, B, T]
+      weights = (STREAM_AXIS, 'batch', 'length')
+      return PendingWrite(STREAMS, sharding.HIDDEN, (STREAM_AXIS, *weights), weights)
     return STREAMS
 
 

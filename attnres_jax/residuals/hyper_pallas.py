@@ -93,19 +93,52 @@ def _tokens_minor(coef_tK):
   )
 
 
-def forward_kernel(coef_ref, streams_ref, out_ref, new_ref, *, m):
-  """coef [K, t] (K = m^2 + m rows, R_ij at i m + j, then b_j; tokens on the lanes),
-  streams [m, t, D], f(h) [t, D] -> new streams [m, t, D]; the sums in the XLA
-  version's order."""
-  coef_tK = _tokens_major(coef_ref[...])
-  h_tD = [streams_ref[i].astype(F32) for i in range(m)]
-  out_tD = out_ref[...].astype(F32)
+def _write_values(coef_tK, h_tD, out_tD, m):
+  """The new streams (float32 [t, D] each) from the streams and f(h) (float32),
+  the sums in the XLA version's order."""
+  new_tD = []
   for j in range(m):
     acc_tD = _column(coef_tK, j) * h_tD[0]
     for i in range(1, m):
       acc_tD = acc_tD + _column(coef_tK, i * m + j) * h_tD[i]
-    acc_tD = acc_tD + _column(coef_tK, m * m + j) * out_tD
-    new_ref[j] = acc_tD.astype(new_ref.dtype)
+    new_tD.append(acc_tD + _column(coef_tK, m * m + j) * out_tD)
+  return new_tD
+
+
+def _write_backward_values(coef_tK, h_tD, out_tD, dnew_tD, m):
+  """(the streams' cotangents, f(h)'s, the weights' [t, K]), float32, from the
+  streams, f(h) and the new streams' cotangents (float32)."""
+  lane_tK = jax.lax.broadcasted_iota(jnp.int32, coef_tK.shape, 1)
+  dcoef_tK = jnp.zeros(coef_tK.shape, F32)
+
+  def put(dcoef_tK, k, x_tD, y_tD):
+    dot_t1 = jnp.sum(x_tD * y_tD, axis=1, keepdims=True)
+    return jnp.where(lane_tK == k, dot_t1, dcoef_tK)
+
+  dout_tD = None
+  for j in range(m):
+    term = _column(coef_tK, m * m + j) * dnew_tD[j]
+    dout_tD = term if dout_tD is None else dout_tD + term
+    dcoef_tK = put(dcoef_tK, m * m + j, dnew_tD[j], out_tD)
+  dh_tD = []
+  for i in range(m):
+    acc_tD = None
+    for j in range(m):
+      term = _column(coef_tK, i * m + j) * dnew_tD[j]
+      acc_tD = term if acc_tD is None else acc_tD + term
+      dcoef_tK = put(dcoef_tK, i * m + j, h_tD[i], dnew_tD[j])
+    dh_tD.append(acc_tD)
+  return dh_tD, dout_tD, dcoef_tK
+
+
+def forward_kernel(coef_ref, streams_ref, out_ref, new_ref, *, m):
+  """coef [K, t] (K = m^2 + m rows, R_ij at i m + j, then b_j; tokens on the lanes),
+  streams [m, t, D], f(h) [t, D] -> new streams [m, t, D]."""
+  coef_tK = _tokens_major(coef_ref[...])
+  h_tD = [streams_ref[i].astype(F32) for i in range(m)]
+  new_tD = _write_values(coef_tK, h_tD, out_ref[...].astype(F32), m)
+  for j in range(m):
+    new_ref[j] = new_tD[j].astype(new_ref.dtype)
 
 
 def backward_kernel(
@@ -115,29 +148,14 @@ def backward_kernel(
   [m, t, D] -> the streams' cotangents [m, t, D], f(h)'s [t, D] and the weights'
   [K, t] (float32; per token a reduction over the lanes)."""
   coef_tK = _tokens_major(coef_ref[...])
-  lane_tK = jax.lax.broadcasted_iota(jnp.int32, coef_tK.shape, 1)
-  dcoef_tK = jnp.zeros(coef_tK.shape, F32)
-
-  def put(dcoef_tK, k, x_tD, y_tD):
-    dot_t1 = jnp.sum(x_tD * y_tD, axis=1, keepdims=True)
-    return jnp.where(lane_tK == k, dot_t1, dcoef_tK)
-
+  h_tD = [streams_ref[i].astype(F32) for i in range(m)]
   dnew_tD = [dnew_ref[j].astype(F32) for j in range(m)]
-  out_tD = out_ref[...].astype(F32)
-  dout_tD = None
-  for j in range(m):
-    term = _column(coef_tK, m * m + j) * dnew_tD[j]
-    dout_tD = term if dout_tD is None else dout_tD + term
-    dcoef_tK = put(dcoef_tK, m * m + j, dnew_tD[j], out_tD)
+  dh_tD, dout_tD, dcoef_tK = _write_backward_values(
+    coef_tK, h_tD, out_ref[...].astype(F32), dnew_tD, m
+  )
   dout_ref[...] = dout_tD.astype(dout_ref.dtype)
   for i in range(m):
-    h_tD = streams_ref[i].astype(F32)
-    dh_tD = None
-    for j in range(m):
-      term = _column(coef_tK, i * m + j) * dnew_tD[j]
-      dh_tD = term if dh_tD is None else dh_tD + term
-      dcoef_tK = put(dcoef_tK, i * m + j, h_tD, dnew_tD[j])
-    dstreams_ref[i] = dh_tD.astype(dstreams_ref.dtype)
+    dstreams_ref[i] = dh_tD[i].astype(dstreams_ref.dtype)
   dcoef_ref[...] = _tokens_minor(dcoef_tK)
 
 
@@ -168,23 +186,25 @@ def projection_kernel(phi_ref, streams_ref, out_ref, *, m, per_stream):
   out_ref[...] = _tokens_minor(projected_tR)
 
 
-def vmem_bytes(tile, m, dim, itemsize):
-  """On-chip memory of the larger (backward) kernel at `tile` tokens: its blocks
-  double buffered (streams, f(h), the cotangents in; the streams' and f(h)'s
-  cotangents out; the weights and their cotangents, counted as [t, K] padded to 128
-  lanes, as they are inside) and the 2m + 2 float32 [t, D] copies of its inputs and
-  results it works on."""
-  blocks = (3 * m + 2) * tile * dim * itemsize + 2 * tile * 128 * 4
-  return 2 * blocks + (2 * m + 2) * tile * dim * 4
+def vmem_bytes(tile, m, dim, itemsize, footprint=None):
+  """On-chip memory of a kernel at `tile` tokens. `footprint`: (its stream-sized
+  [t, D] blocks in and out, the float32 [t, D] values it works on); by default the
+  write's backward, the larger write kernel: 3m + 2 blocks (streams, f(h), the
+  cotangents in; the streams' and f(h)'s cotangents out) and 2m + 2 values. Blocks
+  are double buffered, plus the weights and their cotangents, counted as [t, K]
+  padded to 128 lanes, as they are inside."""
+  num_blocks, num_values = footprint or (3 * m + 2, 2 * m + 2)
+  blocks = num_blocks * tile * dim * itemsize + 2 * tile * 128 * 4
+  return 2 * blocks + num_values * tile * dim * 4
 
 
-def choose_tile(length, m, dim, itemsize):
+def choose_tile(length, m, dim, itemsize, footprint=None):
   """Tokens per program: the largest multiple of 128 dividing `length` whose kernels
   fit TILE_VMEM_BYTES (at least 128), or all of T when no multiple of 128 divides it."""
   fits = [
     t
     for t in range(LANES, length + 1, LANES)
-    if length % t == 0 and vmem_bytes(t, m, dim, itemsize) <= TILE_VMEM_BYTES
+    if length % t == 0 and vmem_bytes(t, m, dim, itemsize, footprint) <= TILE_VMEM_BYTES
   ]
   if fits:
     return max(fits)
@@ -194,16 +214,19 @@ def choose_tile(length, m, dim, itemsize):
 # -- the launches ---------------------------------------------------------------------
 
 
-def _launch(kernel, args, kinds, outs, m, cost, **kernel_options):
+def _launch(kernel, args, kinds, outs, m, cost, footprint=None, **kernel_options):
   """The pallas_call of `kernel` over (batch row, tile of T) on `args` whose blocks
   `kinds` name ('coef' [B, K, T], 'streams' [m, B, T, D], 'one' [B, T, D], 'whole':
   all of a small array in every program); `outs`: (kind, shape, dtype) per result;
-  `cost`: (flops, HBM bytes); a shape may be a function of the tile (a 'partial'
-  result's). Mosaic on the TPU, interpret mode elsewhere."""
+  `cost`: (flops, HBM bytes); it and a result's shape may be functions of the tile
+  (a 'partial' result's); `footprint`: `vmem_bytes`'. Mosaic on the TPU, interpret
+  mode elsewhere."""
   streams = args[kinds.index('streams')]
   _, batch, length, dim = streams.shape
-  tile = choose_tile(length, m, dim, streams.dtype.itemsize)
-  vmem = vmem_bytes(tile, m, dim, streams.dtype.itemsize)
+  tile = choose_tile(length, m, dim, streams.dtype.itemsize, footprint)
+  vmem = vmem_bytes(tile, m, dim, streams.dtype.itemsize, footprint)
+  if callable(cost):
+    cost = cost(tile)
 
   def spec(kind, shape):
     if kind == 'coef':
@@ -444,20 +467,17 @@ def _group_masks(lane_tR, m, num_out):
   return [(lane_tR >= i * num_out) & (lane_tR < (i + 1) * num_out) for i in range(m)]
 
 
-def gated_read_kernel(
-  phi_ref, gate_ref, streams_ref, h_ref, coef_ref, *, m, num_out, eps
-):
-  """phi [m, D, R] (stream i's projection in its columns, zero elsewhere), gate
-  [2, R], streams [m, t, D] -> h [t, D] and the normalised projections with the
-  inverse RMS [R, t] (float32, tokens on the lanes)."""
-  dim = streams_ref.shape[-1]
+def _gated_read_values(phi_ref, gate, stored_tD, *, m, num_out, eps):
+  """(h float32 [t, D], the normalised projections and inverse RMS [t, R]) from the
+  streams as stored ([t, D] each, the storage dtype: the dot's operands)."""
+  dim = stored_tD[0].shape[-1]
   projected_tR, h_tD, inv_rms_t1 = None, [], []
   for i in range(m):
     term_tR = jax.lax.dot_general(
-      streams_ref[i], phi_ref[i], (((1,), (0,)), ((), ())), preferred_element_type=F32
+      stored_tD[i], phi_ref[i], (((1,), (0,)), ((), ())), preferred_element_type=F32
     )
     projected_tR = term_tR if projected_tR is None else projected_tR + term_tR
-    h_tD.append(streams_ref[i].astype(F32))
+    h_tD.append(stored_tD[i].astype(F32))
     square_t1 = jnp.sum(h_tD[i] * h_tD[i], axis=1, keepdims=True)
     inv_rms_t1.append(jax.lax.rsqrt(square_t1 / dim + eps))
   lane_tR = jax.lax.broadcasted_iota(jnp.int32, projected_tR.shape, 1)
@@ -465,13 +485,75 @@ def gated_read_kernel(
   for i, in_group in enumerate(_group_masks(lane_tR, m, num_out)):
     coef_tR = jnp.where(in_group, projected_tR * inv_rms_t1[i], coef_tR)
     coef_tR = jnp.where(lane_tR == m * num_out + i, inv_rms_t1[i], coef_tR)
-  gate = gate_ref[...]
   read_tR = gate[1:2] + gate[0:1] * jnp.tanh(coef_tR)  # a_i at column i K
   acc_tD = None
   for i in range(m):
     term_tD = _column(read_tR, i * num_out) * h_tD[i]
     acc_tD = term_tD if acc_tD is None else acc_tD + term_tD
-  h_ref[...] = acc_tD.astype(h_ref.dtype)
+  return acc_tD, coef_tR
+
+
+def _gated_read_backward_values(
+  phi_ref, gate, coef_tR, dcoef_tR, stored_tD, dh_tD, dpassed_tD, *, m, num_out
+):
+  """(the streams' cotangents, float32 [t, D] each: the passed-through ones plus the
+  read's and the projections'; the read weights' [t, R] at the read columns; this
+  tile's share of phi's [R, D]: row c the sum over its tokens of column c's
+  projection cotangent times the stream the column belongs to)."""
+  dim = stored_tD[0].shape[-1]
+  dtype = stored_tD[0].dtype
+  lane_tR = jax.lax.broadcasted_iota(jnp.int32, coef_tR.shape, 1)
+  groups = _group_masks(lane_tR, m, num_out)
+  gates_tR = jnp.tanh(coef_tR)
+  read_tR = gate[1:2] + gate[0:1] * gates_tR
+  h_tD = [x.astype(F32) for x in stored_tD]
+  # da_i = <H_i, dh>, at column i K.
+  dread_tR = jnp.zeros(coef_tR.shape, F32)
+  for i in range(m):
+    dot_t1 = jnp.sum(h_tD[i] * dh_tD, axis=1, keepdims=True)
+    dread_tR = jnp.where(lane_tR == i * num_out, dot_t1, dread_tR)
+  # The normalised projections' cotangent, through tanh for the read gates; then the
+  # raw projections' (times the inverse RMS) and the inverse RMS' (sum dn P + its own).
+  dnormed_tR = dcoef_tR + gate[0:1] * dread_tR * (1 - gates_tR * gates_tR)
+  inv_rms_t1 = [_column(coef_tR, m * num_out + i) for i in range(m)]
+  dprojected_tR = jnp.zeros(coef_tR.shape, F32)
+  for i, in_group in enumerate(groups):
+    dprojected_tR = jnp.where(in_group, dnormed_tR * inv_rms_t1[i], dprojected_tR)
+  dprojected_tR = dprojected_tR.astype(dtype)  # the dot's operands, as XLA's
+  dphi_RD, dstreams_tD = None, []
+  for i, in_group in enumerate(groups):
+    # P = n / r on stream i's columns: d r_i = sum_k dn_ik n_ik / r_i (+ r_i's own).
+    dn_p_tR = jnp.where(in_group, dnormed_tR * coef_tR, 0.0)
+    d_inv_rms_t1 = jnp.sum(dn_p_tR, axis=1, keepdims=True) / inv_rms_t1[i]
+    d_inv_rms_t1 = d_inv_rms_t1 + _column(dcoef_tR, m * num_out + i)
+    # r = (s / D + eps)^(-1/2): dr/dH = -r^3 H / D.
+    scale_t1 = -d_inv_rms_t1 * inv_rms_t1[i] ** 3 / dim
+    from_projection_tD = jax.lax.dot_general(
+      dprojected_tR, phi_ref[i], _NT, preferred_element_type=F32
+    )
+    dstreams_tD.append(
+      dpassed_tD[i]
+      + _column(read_tR, i * num_out) * dh_tD
+      + from_projection_tD
+      + scale_t1 * h_tD[i]
+    )
+    term_RD = jax.lax.dot_general(
+      jnp.where(in_group, dprojected_tR, jnp.zeros_like(dprojected_tR)),
+      stored_tD[i],
+      _TN,
+      preferred_element_type=F32,
+    )
+    dphi_RD = term_RD if dphi_RD is None else dphi_RD + term_RD
+  return dstreams_tD, dread_tR, dphi_RD
+
+
+def gated_read_kernel(phi_ref, gate_ref, streams_ref, h_ref, coef_ref, **options):
+  """phi [m, D, R] (stream i's projection in its columns, zero elsewhere), gate
+  [2, R], streams [m, t, D] -> h [t, D] and the normalised projections with the
+  inverse RMS [R, t] (float32, tokens on the lanes)."""
+  stored_tD = [streams_ref[i] for i in range(options['m'])]
+  h_tD, coef_tR = _gated_read_values(phi_ref, gate_ref[...], stored_tD, **options)
+  h_ref[...] = h_tD.astype(h_ref.dtype)
   coef_ref[...] = _tokens_minor(coef_tR)
 
 
@@ -491,60 +573,93 @@ def gated_read_backward_kernel(
   num_out,
 ):
   """coef and its cotangent [R, t], the streams [m, t, D], dh [t, D] and the
-  passed-through streams' cotangents [m, t, D] -> the streams' cotangents [m, t, D]
-  (those plus the read's and the projections'), the read weights' [R, t] (at the read
-  columns) and
-  this tile's share of phi's, [R, D] (row c: sum over its tokens of column c's
-  projection cotangent times the stream the column belongs to)."""
-  dim = streams_ref.shape[-1]
-  dtype = streams_ref.dtype
-  coef_tR = _tokens_major(coef_ref[...])
-  dcoef_tR = _tokens_major(dcoef_ref[...])
-  lane_tR = jax.lax.broadcasted_iota(jnp.int32, coef_tR.shape, 1)
-  groups = _group_masks(lane_tR, m, num_out)
-  gate = gate_ref[...]
-  gates_tR = jnp.tanh(coef_tR)
-  read_tR = gate[1:2] + gate[0:1] * gates_tR
-  dh_tD = dh_ref[...].astype(F32)
-  h_tD = [streams_ref[i].astype(F32) for i in range(m)]
-  # da_i = <H_i, dh>, at column i K.
-  dread_tR = jnp.zeros(coef_tR.shape, F32)
+  passed-through streams' cotangents [m, t, D] -> the streams' cotangents [m, t, D],
+  the read weights' [R, t] and this tile's share of phi's [R, D]
+  (`_gated_read_backward_values`)."""
+  dstreams_tD, dread_tR, dphi_RD = _gated_read_backward_values(
+    phi_ref,
+    gate_ref[...],
+    _tokens_major(coef_ref[...]),
+    _tokens_major(dcoef_ref[...]),
+    [streams_ref[i] for i in range(m)],
+    dh_ref[...].astype(F32),
+    [dpassed_ref[i].astype(F32) for i in range(m)],
+    m=m,
+    num_out=num_out,
+  )
   for i in range(m):
-    dot_t1 = jnp.sum(h_tD[i] * dh_tD, axis=1, keepdims=True)
-    dread_tR = jnp.where(lane_tR == i * num_out, dot_t1, dread_tR)
+    dstreams_ref[i] = dstreams_tD[i].astype(dstreams_ref.dtype)
   dread_ref[...] = _tokens_minor(dread_tR)
-  # The normalised projections' cotangent, through tanh for the read gates; then the
-  # raw projections' (times the inverse RMS) and the inverse RMS' (sum dn P + its own).
-  dnormed_tR = dcoef_tR + gate[0:1] * dread_tR * (1 - gates_tR * gates_tR)
-  inv_rms_t1 = [_column(coef_tR, m * num_out + i) for i in range(m)]
-  dprojected_tR = jnp.zeros(coef_tR.shape, F32)
-  for i, in_group in enumerate(groups):
-    dprojected_tR = jnp.where(in_group, dnormed_tR * inv_rms_t1[i], dprojected_tR)
-  dprojected_tR = dprojected_tR.astype(dtype)  # the dot's operands, as XLA's
-  dphi_RD = None
-  for i, in_group in enumerate(groups):
-    # P = n / r on stream i's columns: d r_i = sum_k dn_ik n_ik / r_i (+ r_i's own).
-    dn_p_tR = jnp.where(in_group, dnormed_tR * coef_tR, 0.0)
-    d_inv_rms_t1 = jnp.sum(dn_p_tR, axis=1, keepdims=True) / inv_rms_t1[i]
-    d_inv_rms_t1 = d_inv_rms_t1 + _column(dcoef_tR, m * num_out + i)
-    # r = (s / D + eps)^(-1/2): dr/dH = -r^3 H / D.
-    scale_t1 = -d_inv_rms_t1 * inv_rms_t1[i] ** 3 / dim
-    from_projection_tD = jax.lax.dot_general(
-      dprojected_tR, phi_ref[i], _NT, preferred_element_type=F32
-    )
-    dstreams_ref[i] = (
-      dpassed_ref[i].astype(F32)
-      + _column(read_tR, i * num_out) * dh_tD
-      + from_projection_tD
-      + scale_t1 * h_tD[i]
-    ).astype(dstreams_ref.dtype)
-    term_RD = jax.lax.dot_general(
-      jnp.where(in_group, dprojected_tR, jnp.zeros_like(dprojected_tR)),
-      streams_ref[i],
-      _TN,
-      preferred_element_type=F32,
-    )
-    dphi_RD = term_RD if dphi_RD is None else dphi_RD + term_RD
+  dphi_ref[...] = dphi_RD
+
+
+def boundary_kernel(
+  phi_ref, gate_ref, wcoef_ref, streams_ref, out_ref, new_ref, h_ref, coef_ref, **options
+):
+  """One sublayer's write and the next one's gated read: the write's weights
+  [K_w, t], the streams before it [m, t, D] and f(h) [t, D] -> the new streams
+  [m, t, D] (as stored), the next read's h [t, D] and its projections [R, t] (from
+  the new streams as stored, exactly as the two kernels apart)."""
+  m = options['m']
+  wcoef_tK = _tokens_major(wcoef_ref[...])
+  h_tD = [streams_ref[i].astype(F32) for i in range(m)]
+  new_tD = _write_values(wcoef_tK, h_tD, out_ref[...].astype(F32), m)
+  stored_tD = [x.astype(new_ref.dtype) for x in new_tD]
+  for j in range(m):
+    new_ref[j] = stored_tD[j]
+  read_tD, coef_tR = _gated_read_values(phi_ref, gate_ref[...], stored_tD, **options)
+  h_ref[...] = read_tD.astype(h_ref.dtype)
+  coef_ref[...] = _tokens_minor(coef_tR)
+
+
+def boundary_backward_kernel(
+  phi_ref,
+  gate_ref,
+  coef_ref,
+  dcoef_ref,
+  wcoef_ref,
+  streams_ref,
+  out_ref,
+  dh_ref,
+  dnew_ref,
+  dstreams_ref,
+  dout_ref,
+  dwcoef_ref,
+  dread_ref,
+  dphi_ref,
+  *,
+  m,
+  num_out,
+):
+  """The backward of `boundary_kernel`: the new streams recomputed from the streams
+  and f(h) (not read), the gated read's backward on them (with the new streams'
+  cotangent as the passed-through one), its streams' cotangent rounded to the
+  storage dtype as the two kernels apart store it, then the write's backward ->
+  the streams' cotangents [m, t, D], f(h)'s [t, D], the write weights' [K_w, t], the
+  read weights' [R, t] and this tile's share of phi's [R, D]."""
+  dtype = streams_ref.dtype
+  wcoef_tK = _tokens_major(wcoef_ref[...])
+  h_tD = [streams_ref[i].astype(F32) for i in range(m)]
+  out_tD = out_ref[...].astype(F32)
+  stored_tD = [x.astype(dtype) for x in _write_values(wcoef_tK, h_tD, out_tD, m)]
+  dnew_tD, dread_tR, dphi_RD = _gated_read_backward_values(
+    phi_ref,
+    gate_ref[...],
+    _tokens_major(coef_ref[...]),
+    _tokens_major(dcoef_ref[...]),
+    stored_tD,
+    dh_ref[...].astype(F32),
+    [dnew_ref[j].astype(F32) for j in range(m)],
+    m=m,
+    num_out=num_out,
+  )
+  dnew_tD = [x.astype(dtype).astype(F32) for x in dnew_tD]
+  dh_tD, dout_tD, dwcoef_tK = _write_backward_values(wcoef_tK, h_tD, out_tD, dnew_tD, m)
+  for i in range(m):
+    dstreams_ref[i] = dh_tD[i].astype(dstreams_ref.dtype)
+  dout_ref[...] = dout_tD.astype(dout_ref.dtype)
+  dwcoef_ref[...] = _tokens_minor(dwcoef_tK)
+  dread_ref[...] = _tokens_minor(dread_tR)
   dphi_ref[...] = dphi_RD
 
 
@@ -586,12 +701,12 @@ def _gated_read_backward_device(
   m, batch, length, dim = streams_MBTD.shape
   num_rows = phi_MDR.shape[-1]
   tokens, size = batch * length, streams_MBTD.dtype.itemsize
-  cost = (
+  cost = lambda tile: (
     # da, the projections' two dots, the streams' cotangent sums
     tokens * m * dim * (2 + 4 * num_rows + 6),
     tokens * ((3 * m + 1) * dim * size + 3 * num_rows * 4)
     + phi_MDR.size * size
-    + tokens // choose_tile(length, m, dim, size) * num_rows * dim * 4,
+    + tokens // tile * num_rows * dim * 4,
   )
   return _launch(
     gated_read_backward_kernel,
@@ -663,6 +778,15 @@ def _gated_read_bwd(eps, saved, cotangents):
     dh_BTD.astype(streams_MBTD.dtype),
     dpassed_MBTD.astype(streams_MBTD.dtype),
   )
+  dphi_DK, d_gate_2R = _gated_read_parameter_cotangents(
+    dphi_partial, dread_BRT, coef_BRT, m, num_out
+  )
+  return dphi_DK.astype(phi_DK.dtype), d_gate_2R, dstreams_MBTD
+
+
+def _gated_read_parameter_cotangents(dphi_partial, dread_BRT, coef_BRT, m, num_out):
+  """(phi's [D, K], the gate's [2, R]) from the backward kernel's per-tile partial
+  sums [B, T / t, R, D] and the read weights' cotangents [B, R, T]."""
   # Row c of the partial sums belongs to stream c // K's copy of phi's column c % K.
   dphi_RD = jnp.sum(dphi_partial, axis=(0, 1))
   dphi_DK = jnp.sum(dphi_RD[: m * num_out].reshape(m, num_out, -1), axis=0).T
@@ -673,7 +797,167 @@ def _gated_read_bwd(eps, saved, cotangents):
       jnp.sum(dread_BRT, axis=(0, 2)),
     ]
   )
-  return dphi_DK.astype(phi_DK.dtype), d_gate_2R, dstreams_MBTD
+  return dphi_DK, d_gate_2R
 
 
 _gated_read.defvjp(_gated_read_fwd, _gated_read_bwd)
+
+
+# -- one sublayer's write and the next one's gated read, fused --------------------------
+#
+# Between two HC sublayers the streams are written (`write`) and at once read back
+# whole by the next sublayer's gated read. Fused, a tile of the new streams is read
+# with its projections while it is still on chip: forward, the streams before the
+# write and f(h) in, the new streams, the next h and its projections out (2m + 2
+# stream-sized passes for the 3m + 2 of the two kernels apart); backward, the new
+# streams are recomputed from the same inputs instead of read, and their cotangent
+# goes from the gated read's backward to the write's on chip (3m + 3 passes for
+# 6m + 3).
+
+
+def _boundary_forward_device(
+  phi_MDR, gate_2R, wcoef_BKT, streams_MBTD, out_BTD, *, num_out, eps
+):
+  m, batch, length, dim = streams_MBTD.shape
+  num_rows, num_weights = phi_MDR.shape[-1], wcoef_BKT.shape[1]
+  tokens, size = batch * length, streams_MBTD.dtype.itemsize
+  cost = (
+    # the write's multiply-adds, the projections, the squares and the read
+    tokens * dim * (2 * m * (m + 1) + m * (2 * num_rows + 4)),
+    tokens * ((2 * m + 2) * dim * size + (num_weights + num_rows) * 4)
+    + phi_MDR.size * size,
+  )
+  return _launch(
+    boundary_kernel,
+    (phi_MDR, gate_2R, wcoef_BKT, streams_MBTD, out_BTD),
+    ('whole', 'whole', 'coef', 'streams', 'one'),
+    [
+      ('streams', streams_MBTD.shape, streams_MBTD.dtype),
+      ('one', out_BTD.shape, streams_MBTD.dtype),
+      ('coef', (batch, num_rows, length), F32),
+    ],
+    m,
+    cost,
+    footprint=(2 * m + 2, 3 * m + 2),
+    num_out=num_out,
+    eps=eps,
+  )
+
+
+def _boundary_backward_device(
+  phi_MDR,
+  gate_2R,
+  coef_BRT,
+  dcoef_BRT,
+  wcoef_BKT,
+  streams_MBTD,
+  out_BTD,
+  dh_BTD,
+  dnew_MBTD,
+  *,
+  num_out,
+):
+  m, batch, length, dim = streams_MBTD.shape
+  num_rows, num_weights = phi_MDR.shape[-1], wcoef_BKT.shape[1]
+  tokens, size = batch * length, streams_MBTD.dtype.itemsize
+  cost = lambda tile: (
+    # the write recomputed and its backward, the gated read's backward
+    tokens * dim * (4 * m * (m + 1) + 2 * num_weights + m * (4 * num_rows + 8)),
+    tokens * ((3 * m + 3) * dim * size + (2 * num_weights + 3 * num_rows) * 4)
+    + phi_MDR.size * size
+    + tokens // tile * num_rows * dim * 4,
+  )
+  return _launch(
+    boundary_backward_kernel,
+    (
+      phi_MDR,
+      gate_2R,
+      coef_BRT,
+      dcoef_BRT,
+      wcoef_BKT,
+      streams_MBTD,
+      out_BTD,
+      dh_BTD,
+      dnew_MBTD,
+    ),
+    ('whole', 'whole', 'coef', 'coef', 'coef', 'streams', 'one', 'one', 'streams'),
+    [
+      ('streams', streams_MBTD.shape, streams_MBTD.dtype),
+      ('one', out_BTD.shape, out_BTD.dtype),
+      ('coef', wcoef_BKT.shape, F32),
+      ('coef', coef_BRT.shape, F32),
+      ('partial', lambda tile: (batch, length // tile, num_rows, dim), F32),
+    ],
+    m,
+    cost,
+    footprint=(3 * m + 3, 5 * m + 3),
+    num_out=num_out,
+  )
+
+
+def boundary(mix_MMBT, write_MBT, streams_MBTD, out_BTD, phi_DK, gate_2R, eps):
+  """`write(mix, write, streams, f(h))` and then `gated_read(phi, gate, new streams,
+  eps)` in one kernel each way: (h [B, T, D] of the next read, its projections
+  [R, B, T], the new streams [m, B, T, D]), the same values as the two apart. T a
+  multiple of 128."""
+  phi_DK = sharding.constrain(phi_DK, (None, None))
+  wcoef_BKT = _coefficients(mix_MMBT, write_MBT)
+  return _boundary(wcoef_BKT, streams_MBTD, out_BTD, phi_DK, gate_2R, eps)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _boundary(wcoef_BKT, streams_MBTD, out_BTD, phi_DK, gate_2R, eps):
+  return _boundary_fwd(wcoef_BKT, streams_MBTD, out_BTD, phi_DK, gate_2R, eps)[0]
+
+
+def _boundary_fwd(wcoef_BKT, streams_MBTD, out_BTD, phi_DK, gate_2R, eps):
+  m, num_out = streams_MBTD.shape[0], phi_DK.shape[1]
+  phi_MDR = _gated_read_phi(phi_DK, m, streams_MBTD.dtype)
+  fn = per_device(
+    functools.partial(_boundary_forward_device, num_out=num_out, eps=eps),
+    streams_MBTD.shape,
+    ('whole', 'whole', 'coef', 'streams', 'one'),
+    ('streams', 'one', 'coef'),
+  )
+  out_BTD = out_BTD.astype(streams_MBTD.dtype)
+  new_MBTD, h_BTD, coef_BRT = fn(phi_MDR, gate_2R, wcoef_BKT, streams_MBTD, out_BTD)
+  saved = (wcoef_BKT, streams_MBTD, out_BTD, phi_DK, gate_2R, coef_BRT)
+  return (h_BTD, jnp.swapaxes(coef_BRT, 0, 1), new_MBTD), saved
+
+
+def _boundary_bwd(eps, saved, cotangents):
+  del eps  # enters through the saved inverse RMS
+  wcoef_BKT, streams_MBTD, out_BTD, phi_DK, gate_2R, coef_BRT = saved
+  dh_BTD, dcoef_RBT, dnew_MBTD = cotangents
+  m, num_out = streams_MBTD.shape[0], phi_DK.shape[1]
+  dtype = streams_MBTD.dtype
+  fn = per_device(
+    functools.partial(_boundary_backward_device, num_out=num_out),
+    streams_MBTD.shape,
+    ('whole', 'whole', 'coef', 'coef', 'coef', 'streams', 'one', 'one', 'streams'),
+    ('streams', 'one', 'coef', 'coef', 'partial'),
+  )
+  dstreams_MBTD, dout_BTD, dwcoef_BKT, dread_BRT, dphi_partial = fn(
+    _gated_read_phi(phi_DK, m, dtype),
+    gate_2R,
+    coef_BRT,
+    jnp.swapaxes(dcoef_RBT, 0, 1).astype(F32),
+    wcoef_BKT,
+    streams_MBTD,
+    out_BTD,
+    dh_BTD.astype(dtype),
+    dnew_MBTD.astype(dtype),
+  )
+  dphi_DK, d_gate_2R = _gated_read_parameter_cotangents(
+    dphi_partial, dread_BRT, coef_BRT, m, num_out
+  )
+  return (
+    dwcoef_BKT,
+    dstreams_MBTD,
+    dout_BTD,
+    dphi_DK.astype(phi_DK.dtype),
+    d_gate_2R,
+  )
+
+
+_boundary.defvjp(_boundary_fwd, _boundary_bwd)
