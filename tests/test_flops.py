@@ -69,6 +69,14 @@ def test_residual_io_by_hand():
     'write': (4 * 5 + 1) / 4,
     'total': (40 + 21) / 4,
   }
+  # Dynamic HC with the Pallas kernels: each read does the previous write (reads 4
+  # streams and f(h), writes 4 and h); the last write alone (5 in, 4 out), then the
+  # final sum (4 in, 1 out).
+  assert io(residual='hc', hc_streams=4, depth_kernel='pallas') == {
+    'read': (4 * 5 + 5 + 4) / 4,
+    'write': (4 * 5 + 4 + 1) / 4,
+    'total': (29 + 25) / 4,
+  }
   # Block S = 2, L = 4, segments of 1 layer (2 sublayers, one block each).
   # Segment 0: Phase 1 reads slot 0, writes 2 o's; sublayer 0: Phase 2 reads o (no
   # local slot), writes h; write reads f, writes the slot. Sublayer 1: Phase 2 reads

@@ -471,8 +471,16 @@ class HyperConnectionResidual(base.Residual):
 
   def io_per_sublayer(self) -> tuple[float, float]:
     """The read reads the m streams and writes h; the write reads the m streams and
-    f(h) and writes m streams; the final read reads m and writes 1."""
+    f(h) and writes m streams; the final read reads m and writes 1. With
+    `defers_write` (`hyper_pallas.boundary`) a sublayer's read does the previous
+    write on the same pass: m streams and f(h) in, m streams and h out; the last
+    write is done alone before the final read."""
     m, num_sublayers = self.num_streams, 2 * self.cfg.num_layers
+    if self.defers_write:
+      return (
+        ((m + 1) * num_sublayers + (m + 1) + m) / num_sublayers,
+        ((m + 1) * num_sublayers + m + 1) / num_sublayers,
+      )
     return (
       ((2 * m + 1) * num_sublayers + m) / num_sublayers,
       ((m + 1) * num_sublayers + 1) / num_sublayers,
