@@ -164,7 +164,7 @@ class Coefficients:
 
 class PendingWrite(NamedTuple):
   """Streams whose last write is not done yet: the streams before it, f(h) and its
-  weights. Dynamic HC with the Pallas kernels carries them from sublayer to
+  weights. Dynamic HC/mHC with the Pallas kernels carries them from sublayer to
   sublayer: the next sublayer's gated read does the write in the same kernel
   (`hyper_pallas.boundary`: the new streams are read while still on chip, and their
   cotangent goes from the read's backward to the write's on chip); `written` does it
@@ -248,8 +248,8 @@ class HyperConnectionResidual(base.Residual):
   @property
   def defers_write(self) -> bool:
     """Whether each write waits for the next sublayer's read (`PendingWrite`):
-    dynamic HC with the Pallas kernels."""
-    return not self.manifold and self.cfg.hc_dynamic and self.cfg.depth_kernel == 'pallas'
+    dynamic HC or mHC with the Pallas kernels."""
+    return self.cfg.hc_dynamic and self.cfg.depth_kernel == 'pallas'
 
   def init(self, x_BTD):
     streams_MBTD = jnp.broadcast_to(x_BTD, (self.num_streams,) + x_BTD.shape)
@@ -294,10 +294,56 @@ class HyperConnectionResidual(base.Residual):
       return self._mhc_coefficients(inner.streams_MBTD, params, selected_M, which)
     return self._hc_coefficients(inner.streams_MBTD, params, selected_M, which)
 
-  def _hc_coefficients(self, streams, params, selected_M, which):
-    """`streams`: the streams [m, B, T, D] or a `PendingWrite` of them."""
+  def _projections(self, streams, phi, scale, base_M, per_stream):
+    """The dynamic coefficients' normalised projections of the streams (HC
+    [K, m, B, T] with `per_stream`, mHC [K, B, T]; `hyper_streams.normed_projection`)
+    and, where the Pallas kernels compute them with the read (T a multiple of 128:
+    `hyper_pallas.gated_read`, or with a pending write `boundary`), h of the read
+    gates `scale` and `base_M` (HC: base_i + scale tanh(n_i0), mHC: sigmoid(base_i +
+    scale n_i)), else None; and the streams the write reads (passed through or
+    written by a kernel), else None. `streams`: [m, B, T, D] or a `PendingWrite`."""
     pending = streams if isinstance(streams, PendingWrite) else None
     streams_MBTD = streams.streams_MBTD if pending else streams
+    m, batch = self.num_streams, streams_MBTD.shape[1:3]
+    if self.cfg.depth_kernel != 'pallas' or batch[1] % hyper_pallas.LANES:
+      passed_MBTD = self.written(pending) if pending else None
+      normed = hyper_streams.normed_projection(
+        phi,
+        streams_MBTD if passed_MBTD is None else passed_MBTD,
+        self.cfg.norm_eps,
+        per_stream=per_stream,
+        parts=PROJECTION_PARTS[self.cfg.depth_kernel],
+      )
+      return normed, None, passed_MBTD
+    # The read with its projections, one read of the streams each way (with the
+    # pending write: in the same kernel). The read columns of the kernels' rows
+    # (`hyper_pallas._Columns`): HC each stream's first, mHC the first m.
+    num_out = phi.shape[-1]
+    num_rows = m * num_out + m if per_stream else num_out + 1
+    read_columns = slice(0, m * num_out, num_out) if per_stream else slice(0, m)
+    gate_2R = jnp.zeros((2, num_rows), jnp.float32)
+    gate_2R = gate_2R.at[:, read_columns].set(
+      jnp.stack([jnp.broadcast_to(scale, (m,)), base_M])
+    )
+    if pending:
+      write = (pending.mix_MMBT, pending.write_MBT, streams_MBTD, pending.out_BTD)
+      h_BTD, coef_RBT, passed_MBTD = hyper_pallas.boundary(
+        *write, phi, gate_2R, self.cfg.norm_eps
+      )
+    else:
+      h_BTD, coef_RBT, passed_MBTD = hyper_pallas.gated_read(
+        phi, gate_2R, streams_MBTD, self.cfg.norm_eps
+      )
+    if per_stream:  # [m K, B, T] -> [K, m, B, T]
+      normed = coef_RBT[: m * num_out].reshape(m, num_out, *batch)
+      normed = jnp.swapaxes(normed, 0, 1)
+    else:
+      normed = coef_RBT[:num_out]
+    return normed, h_BTD, sharding.constrain(passed_MBTD, STREAMS)
+
+  def _hc_coefficients(self, streams, params, selected_M, which):
+    """`streams`: the streams [m, B, T, D] or a `PendingWrite` of them."""
+    streams_MBTD = streams.streams_MBTD if isinstance(streams, PendingWrite) else streams
     read_M = selected_M + _row(params.static_read, which)
     mix_MM = _row(params.static_mix, which)
     write_M = _row(params.static_write, which)
@@ -319,55 +365,28 @@ class HyperConnectionResidual(base.Residual):
       ],
       axis=-1,
     )
-    h_BTD = passed_MBTD = None
-    if self.cfg.depth_kernel == 'pallas' and batch[1] % hyper_pallas.LANES == 0:
-      # The read with its projections, one read of the streams each way (with the
-      # pending write: in the same kernel).
-      num_out = m + 2
-      gate_2R = jnp.zeros((2, m * num_out + m), jnp.float32)
-      gate_2R = gate_2R.at[:, 0 : m * num_out : num_out].set(
-        jnp.stack([jnp.broadcast_to(s_alpha, (m,)), read_M])
-      )
-      if pending:
-        h_BTD, coef_RBT, passed_MBTD = hyper_pallas.boundary(
-          *(pending.mix_MMBT, pending.write_MBT, streams_MBTD, pending.out_BTD),
-          proj,
-          gate_2R,
-          self.cfg.norm_eps,
-        )
-      else:
-        h_BTD, coef_RBT, passed_MBTD = hyper_pallas.gated_read(
-          proj, gate_2R, streams_MBTD, self.cfg.norm_eps
-        )
-      passed_MBTD = sharding.constrain(passed_MBTD, STREAMS)
-      normed = coef_RBT[: m * num_out].reshape(m, num_out, *batch)
-      gates = jnp.tanh(jnp.swapaxes(normed, 0, 1))
-    else:
-      if pending:
-        streams_MBTD = passed_MBTD = self.written(pending)
-      gates = jnp.tanh(
-        hyper_streams.normed_projection(
-          proj,
-          streams_MBTD,
-          self.cfg.norm_eps,
-          per_stream=True,
-          parts=PROJECTION_PARTS[self.cfg.depth_kernel],
-        )
-      )
+    normed, h_BTD, passed_MBTD = self._projections(
+      streams, proj, s_alpha, read_M, per_stream=True
+    )
+    gates = jnp.tanh(normed)
     read_MBT += s_alpha * gates[0]
     mix_MMBT += s_alpha * jnp.swapaxes(gates[1 : m + 1], 0, 1)  # [from i, to n]
     write_MBT += s_beta * gates[m + 1]
     return Coefficients(read_MBT, mix_MMBT, write_MBT, h_BTD, passed_MBTD)
 
-  def _mhc_coefficients(self, streams_MBTD, params, selected_M, which):
+  def _mhc_coefficients(self, streams, params, selected_M, which):
     """mHC's maps, every one with the tokens on the minor axes ([m, B, T] and
-    [m, m, B, T]): a per-token m x m matrix in the minor axes pads m to a tile."""
+    [m, m, B, T]): a per-token m x m matrix in the minor axes pads m to a tile.
+    `streams`: the streams [m, B, T, D] or a `PendingWrite` of them."""
+    streams_MBTD = streams.streams_MBTD if isinstance(streams, PendingWrite) else streams
     m = self.num_streams
     batch = streams_MBTD.shape[1:3]
     per_token = lambda x: jnp.broadcast_to(x[..., None, None], x.shape + batch)
-    pre_MBT = per_token(MHC_LOGIT * (2 * selected_M - 1) + _row(params.pre_bias, which))
+    pre_M = MHC_LOGIT * (2 * selected_M - 1) + _row(params.pre_bias, which)
+    pre_MBT = per_token(pre_M)
     post_MBT = per_token(_row(params.post_bias, which))
     res_MMBT = per_token(_row(params.res_bias, which))  # [i, j]: to i from j
+    h_BTD = passed_MBTD = None
     if params.pre_proj is not None:  # dynamic: from all streams, flattened and normed
       # RMSNorm(vec(H)) over the m * D features of a token (no gain: phi absorbs
       # it); one dot for the three projections, its outputs leading: [2m + m^2, B, T].
@@ -375,15 +394,12 @@ class HyperConnectionResidual(base.Residual):
         [_row(p, which) for p in (params.pre_proj, params.post_proj, params.res_proj)],
         axis=-1,
       )
-      projected_KBT = hyper_streams.normed_projection(
-        phi,
-        streams_MBTD,
-        self.cfg.norm_eps,
-        per_stream=False,
-        parts=PROJECTION_PARTS[self.cfg.depth_kernel],
+      pre_scale = _row(params.pre_scale, which)
+      projected_KBT, h_BTD, passed_MBTD = self._projections(
+        streams, phi, pre_scale, pre_M, per_stream=False
       )
       pre_KBT, post_KBT, res_KBT = jnp.split(projected_KBT, [m, 2 * m])
-      pre_MBT = pre_MBT + _row(params.pre_scale, which) * pre_KBT
+      pre_MBT = pre_MBT + pre_scale * pre_KBT
       post_MBT = post_MBT + _row(params.post_scale, which) * post_KBT
       res_MMBT = res_MMBT + _row(params.res_scale, which) * res_KBT.reshape(m, m, *batch)
     # Recomputed in the backward pass: only the logits are kept, not 20 iterations.
@@ -397,6 +413,8 @@ class HyperConnectionResidual(base.Residual):
       read_MBT=jax.nn.sigmoid(pre_MBT),
       mix_MMBT=jnp.swapaxes(h_res_MMBT, 0, 1),  # [from, to, B, T]
       write_MBT=2 * jax.nn.sigmoid(post_MBT),
+      h_BTD=h_BTD,
+      streams_MBTD=passed_MBTD,
     )
 
   def sublayer(

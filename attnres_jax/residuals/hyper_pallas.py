@@ -37,6 +37,7 @@ batch and length; a split over the streams or the width is refused).
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -235,8 +236,9 @@ def _launch(kernel, args, kinds, outs, m, cost, footprint=None, **kernel_options
       return pl.BlockSpec((m, _SQ, tile, dim), lambda b, t: (0, b, t, 0))
     if kind == 'one':
       return pl.BlockSpec((_SQ, tile, dim), lambda b, t: (b, t, 0))
-    if kind == 'partial':  # one program's partial sum [B, T / tile, R, D]
-      return pl.BlockSpec((_SQ, _SQ, *shape[2:]), lambda b, t: (b, t, 0, 0))
+    if kind == 'partial':  # one program's partial sums [B, T / tile, ...]
+      rest = (0,) * (len(shape) - 2)
+      return pl.BlockSpec((_SQ, _SQ, *shape[2:]), lambda b, t: (b, t, *rest))
     assert kind == 'whole', kind  # the same whole array for every program
     return pl.BlockSpec(shape, lambda b, t: (0,) * len(shape))
 
@@ -342,7 +344,7 @@ def per_device(fn, shape, in_kinds, out_kinds):
     one=P(b, t, None),  # [B, T, D]
     coef=P(b, None, t),  # [B, K, T]
     maps=P(b, None, None, t),  # [B, m, m, T] (sinkhorn_pallas)
-    partial=P(b, t, None, None),  # [B, T / tile, R, D]: per-program partial sums
+    partial=P(b, t),  # [B, T / tile, ...]: per-program partial sums
     whole=P(),  # small, on every device
   ).get
   return jax.shard_map(
@@ -446,111 +448,173 @@ def project_parts(phi, streams_MBTD, eps, per_stream):
   return jnp.moveaxis(projected_RBT[:-num_squares], 0, -1), inv_rms[0]
 
 
-# -- HC's read with its coefficients: one read of the streams -------------------------
+# -- HC/mHC's read with its coefficients: one read of the streams --------------------
 #
-# Dynamic HC's read weights come from the streams themselves: a_i = base_i + s
-# tanh(n_i0), n = the normalised projections (`hyper_streams.normed_projection`). The
-# XLA path reads the streams twice before the branch (the projections, then the
-# weighted sum) and, in the backward, three times more (the read's and the
-# projections' VJPs, then the sum of the streams' cotangents). The kernels below do
-# the projections, the gates and h = sum_i a_i H_i on one tile of tokens of every
-# stream, and all of the backward on one read of the streams and of dh.
-#
-# Columns of a [t, R] block (R = m K + m, K = m + 2 the projections per stream):
-# stream i's normalised projections at i K .. i K + K - 1 (its read gate first), then
-# each stream's inverse RMS. `gate` [2, R] holds s (row 0) and base_i (row 1) at the
-# read columns i K, zero elsewhere.
+# Dynamic HC's and mHC's read weights come from the streams themselves, through the
+# normalised projections n (`hyper_streams.normed_projection`): HC's a_i = base_i +
+# s tanh(n_i0) (each stream normalised on its own), mHC's a_i = sigmoid(base_i + s
+# n_i) (the streams normalised together). The XLA path reads the streams twice before
+# the branch (the projections, then the weighted sum) and, in the backward, three
+# times more (the read's and the projections' VJPs, then the sum of the streams'
+# cotangents). The kernels below do the projections, the gates and h = sum_i a_i H_i
+# on one tile of tokens of every stream, and all of the backward on one read of the
+# streams and of dh.
 
 
-def _group_masks(lane_tR, m, num_out):
-  """Per stream, where its projection columns are in a [t, R] block."""
-  return [(lane_tR >= i * num_out) & (lane_tR < (i + 1) * num_out) for i in range(m)]
+class _Columns:
+  """The columns of a [t, R] block of the normalised projections: HC (`per_stream`,
+  K = m + 2 projections per stream) stream i's at i K .. i K + K - 1, its read gate
+  first, then each stream's inverse RMS (R = m K + m); mHC (K = m^2 + 2m over all
+  streams) the K projections, the m read gates first, then the inverse RMS of all the
+  streams together (R = K + 1). A group is the columns one inverse RMS normalises.
+  `gate` [2, R] holds s (row 0) and base_i (row 1) at the read columns, zero
+  elsewhere."""
+
+  def __init__(self, m, num_out, per_stream):
+    self.m, self.num_out, self.per_stream = m, num_out, per_stream
+    self.num_groups = m if per_stream else 1
+    self.num_rows = m * num_out + m if per_stream else num_out + 1
+
+  def read(self, i):
+    return i * self.num_out if self.per_stream else i
+
+  def inv_rms(self, g):
+    return self.m * self.num_out + g if self.per_stream else self.num_out
+
+  def group_of(self, i):
+    return i if self.per_stream else 0
+
+  def groups(self, lane_tR):
+    """Per group, where its projection columns are."""
+    if not self.per_stream:
+      return [lane_tR < self.num_out]
+    k = self.num_out
+    return [(lane_tR >= g * k) & (lane_tR < (g + 1) * k) for g in range(self.m)]
+
+  def activation(self, normed_tR):
+    """What the gate scales: HC tanh(n), mHC n itself."""
+    return jnp.tanh(normed_tR) if self.per_stream else normed_tR
 
 
-def _gated_read_values(phi_ref, gate, stored_tD, *, m, num_out, eps):
+def _read_weights(gate, act_tR, per_stream):
+  """The read weights at the read columns: HC base + s tanh(n), mHC sigmoid(base +
+  s n), in the XLA path's order of operations."""
+  z_tR = gate[1:2] + gate[0:1] * act_tR
+  return z_tR if per_stream else jax.nn.sigmoid(z_tR)
+
+
+def _gated_read_values(phi_ref, gate, stored_tD, *, m, num_out, per_stream, eps):
   """(h float32 [t, D], the normalised projections and inverse RMS [t, R]) from the
   streams as stored ([t, D] each, the storage dtype: the dot's operands)."""
+  cols = _Columns(m, num_out, per_stream)
   dim = stored_tD[0].shape[-1]
-  projected_tR, h_tD, inv_rms_t1 = None, [], []
+  projected_tR, h_tD, squares_t1 = None, [], []
   for i in range(m):
     term_tR = jax.lax.dot_general(
       stored_tD[i], phi_ref[i], (((1,), (0,)), ((), ())), preferred_element_type=F32
     )
     projected_tR = term_tR if projected_tR is None else projected_tR + term_tR
     h_tD.append(stored_tD[i].astype(F32))
-    square_t1 = jnp.sum(h_tD[i] * h_tD[i], axis=1, keepdims=True)
-    inv_rms_t1.append(jax.lax.rsqrt(square_t1 / dim + eps))
+    squares_t1.append(jnp.sum(h_tD[i] * h_tD[i], axis=1, keepdims=True))
+  if per_stream:
+    inv_rms_t1 = [jax.lax.rsqrt(sq / dim + eps) for sq in squares_t1]
+  else:
+    total_t1 = functools.reduce(jnp.add, squares_t1)
+    inv_rms_t1 = [jax.lax.rsqrt(total_t1 / (m * dim) + eps)]
   lane_tR = jax.lax.broadcasted_iota(jnp.int32, projected_tR.shape, 1)
   coef_tR = projected_tR
-  for i, in_group in enumerate(_group_masks(lane_tR, m, num_out)):
-    coef_tR = jnp.where(in_group, projected_tR * inv_rms_t1[i], coef_tR)
-    coef_tR = jnp.where(lane_tR == m * num_out + i, inv_rms_t1[i], coef_tR)
-  read_tR = gate[1:2] + gate[0:1] * jnp.tanh(coef_tR)  # a_i at column i K
+  for g, in_group in enumerate(cols.groups(lane_tR)):
+    coef_tR = jnp.where(in_group, projected_tR * inv_rms_t1[g], coef_tR)
+    coef_tR = jnp.where(lane_tR == cols.inv_rms(g), inv_rms_t1[g], coef_tR)
+  read_tR = _read_weights(gate, cols.activation(coef_tR), per_stream)
   acc_tD = None
   for i in range(m):
-    term_tD = _column(read_tR, i * num_out) * h_tD[i]
+    term_tD = _column(read_tR, cols.read(i)) * h_tD[i]
     acc_tD = term_tD if acc_tD is None else acc_tD + term_tD
   return acc_tD, coef_tR
 
 
 def _gated_read_backward_values(
-  phi_ref, gate, coef_tR, dcoef_tR, stored_tD, dh_tD, dpassed_tD, *, m, num_out
+  phi_ref,
+  gate,
+  coef_tR,
+  dcoef_tR,
+  stored_tD,
+  dh_tD,
+  dpassed_tD,
+  *,
+  m,
+  num_out,
+  per_stream,
 ):
   """(the streams' cotangents, float32 [t, D] each: the passed-through ones plus the
-  read's and the projections'; the read weights' [t, R] at the read columns; this
-  tile's share of phi's [R, D]: row c the sum over its tokens of column c's
-  projection cotangent times the stream the column belongs to)."""
+  read's and the projections'; the read gates' pre-activation cotangents [t, R] at
+  the read columns; this tile's share of phi's, [P, R, D]: row c of slice p the sum
+  over its tokens of column c's projection cotangent times stream p (HC, P = 1: the
+  stream column c belongs to))."""
+  cols = _Columns(m, num_out, per_stream)
   dim = stored_tD[0].shape[-1]
   dtype = stored_tD[0].dtype
   lane_tR = jax.lax.broadcasted_iota(jnp.int32, coef_tR.shape, 1)
-  groups = _group_masks(lane_tR, m, num_out)
-  gates_tR = jnp.tanh(coef_tR)
-  read_tR = gate[1:2] + gate[0:1] * gates_tR
+  groups = cols.groups(lane_tR)
+  act_tR = cols.activation(coef_tR)
+  read_tR = _read_weights(gate, act_tR, per_stream)
   h_tD = [x.astype(F32) for x in stored_tD]
-  # da_i = <H_i, dh>, at column i K.
-  dread_tR = jnp.zeros(coef_tR.shape, F32)
+  # da_i = <H_i, dh> at the read columns; through mHC's sigmoid to its argument.
+  dz_tR = jnp.zeros(coef_tR.shape, F32)
   for i in range(m):
     dot_t1 = jnp.sum(h_tD[i] * dh_tD, axis=1, keepdims=True)
-    dread_tR = jnp.where(lane_tR == i * num_out, dot_t1, dread_tR)
-  # The normalised projections' cotangent, through tanh for the read gates; then the
-  # raw projections' (times the inverse RMS) and the inverse RMS' (sum dn P + its own).
-  dnormed_tR = dcoef_tR + gate[0:1] * dread_tR * (1 - gates_tR * gates_tR)
-  inv_rms_t1 = [_column(coef_tR, m * num_out + i) for i in range(m)]
+    dz_tR = jnp.where(lane_tR == cols.read(i), dot_t1, dz_tR)
+  if not per_stream:
+    dz_tR = dz_tR * read_tR * (1 - read_tR)
+  # The normalised projections' cotangent (through HC's tanh for the read gates);
+  # then the raw projections' (times the inverse RMS) and the inverse RMS' (sum dn P
+  # + its own).
+  dact_tR = gate[0:1] * dz_tR
+  if per_stream:
+    dact_tR = dact_tR * (1 - act_tR * act_tR)
+  dnormed_tR = dcoef_tR + dact_tR
+  inv_rms_t1 = [_column(coef_tR, cols.inv_rms(g)) for g in range(cols.num_groups)]
   dprojected_tR = jnp.zeros(coef_tR.shape, F32)
-  for i, in_group in enumerate(groups):
-    dprojected_tR = jnp.where(in_group, dnormed_tR * inv_rms_t1[i], dprojected_tR)
-  dprojected_tR = dprojected_tR.astype(dtype)  # the dot's operands, as XLA's
-  dphi_RD, dstreams_tD = None, []
-  for i, in_group in enumerate(groups):
-    # P = n / r on stream i's columns: d r_i = sum_k dn_ik n_ik / r_i (+ r_i's own).
+  scale_t1 = []
+  for g, in_group in enumerate(groups):
+    dprojected_tR = jnp.where(in_group, dnormed_tR * inv_rms_t1[g], dprojected_tR)
+    # P = n / r on the group's columns: d r = sum_k dn_k n_k / r (+ r's own).
     dn_p_tR = jnp.where(in_group, dnormed_tR * coef_tR, 0.0)
-    d_inv_rms_t1 = jnp.sum(dn_p_tR, axis=1, keepdims=True) / inv_rms_t1[i]
-    d_inv_rms_t1 = d_inv_rms_t1 + _column(dcoef_tR, m * num_out + i)
-    # r = (s / D + eps)^(-1/2): dr/dH = -r^3 H / D.
-    scale_t1 = -d_inv_rms_t1 * inv_rms_t1[i] ** 3 / dim
+    d_inv_rms_t1 = jnp.sum(dn_p_tR, axis=1, keepdims=True) / inv_rms_t1[g]
+    d_inv_rms_t1 = d_inv_rms_t1 + _column(dcoef_tR, cols.inv_rms(g))
+    # r = (s / n + eps)^(-1/2) over n features: dr/dH = -r^3 H / n.
+    features = dim if per_stream else m * dim
+    scale_t1.append(-d_inv_rms_t1 * inv_rms_t1[g] ** 3 / features)
+  dprojected_tR = dprojected_tR.astype(dtype)  # the dot's operands, as XLA's
+  dphi_PRD, dstreams_tD = [], []
+  for i in range(m):
     from_projection_tD = jax.lax.dot_general(
       dprojected_tR, phi_ref[i], _NT, preferred_element_type=F32
     )
     dstreams_tD.append(
       dpassed_tD[i]
-      + _column(read_tR, i * num_out) * dh_tD
+      + _column(read_tR, cols.read(i)) * dh_tD
       + from_projection_tD
-      + scale_t1 * h_tD[i]
+      + scale_t1[cols.group_of(i)] * h_tD[i]
     )
-    term_RD = jax.lax.dot_general(
-      jnp.where(in_group, dprojected_tR, jnp.zeros_like(dprojected_tR)),
-      stored_tD[i],
-      _TN,
-      preferred_element_type=F32,
+    mine_tR = (
+      jnp.where(groups[i], dprojected_tR, jnp.zeros_like(dprojected_tR))
+      if per_stream
+      else dprojected_tR
     )
-    dphi_RD = term_RD if dphi_RD is None else dphi_RD + term_RD
-  return dstreams_tD, dread_tR, dphi_RD
+    term_RD = jax.lax.dot_general(mine_tR, stored_tD[i], _TN, preferred_element_type=F32)
+    if per_stream and dphi_PRD:
+      dphi_PRD[0] = dphi_PRD[0] + term_RD
+    else:
+      dphi_PRD.append(term_RD)
+  return dstreams_tD, dz_tR, jnp.stack(dphi_PRD)
 
 
 def gated_read_kernel(phi_ref, gate_ref, streams_ref, h_ref, coef_ref, **options):
-  """phi [m, D, R] (stream i's projection in its columns, zero elsewhere), gate
-  [2, R], streams [m, t, D] -> h [t, D] and the normalised projections with the
-  inverse RMS [R, t] (float32, tokens on the lanes)."""
+  """phi [m, D, R] (`_gated_read_phi`), gate [2, R], streams [m, t, D] -> h [t, D]
+  and the normalised projections with the inverse RMS [R, t] (float32, tokens on the
+  lanes)."""
   stored_tD = [streams_ref[i] for i in range(options['m'])]
   h_tD, coef_tR = _gated_read_values(phi_ref, gate_ref[...], stored_tD, **options)
   h_ref[...] = h_tD.astype(h_ref.dtype)
@@ -568,15 +632,14 @@ def gated_read_backward_kernel(
   dstreams_ref,
   dread_ref,
   dphi_ref,
-  *,
-  m,
-  num_out,
+  **options,
 ):
   """coef and its cotangent [R, t], the streams [m, t, D], dh [t, D] and the
   passed-through streams' cotangents [m, t, D] -> the streams' cotangents [m, t, D],
-  the read weights' [R, t] and this tile's share of phi's [R, D]
+  the read gates' [R, t] and this tile's share of phi's [P, R, D]
   (`_gated_read_backward_values`)."""
-  dstreams_tD, dread_tR, dphi_RD = _gated_read_backward_values(
+  m = options['m']
+  dstreams_tD, dread_tR, dphi_PRD = _gated_read_backward_values(
     phi_ref,
     gate_ref[...],
     _tokens_major(coef_ref[...]),
@@ -584,13 +647,12 @@ def gated_read_backward_kernel(
     [streams_ref[i] for i in range(m)],
     dh_ref[...].astype(F32),
     [dpassed_ref[i].astype(F32) for i in range(m)],
-    m=m,
-    num_out=num_out,
+    **options,
   )
   for i in range(m):
     dstreams_ref[i] = dstreams_tD[i].astype(dstreams_ref.dtype)
   dread_ref[...] = _tokens_minor(dread_tR)
-  dphi_ref[...] = dphi_RD
+  dphi_ref[...] = dphi_PRD
 
 
 def boundary_kernel(
@@ -627,22 +689,21 @@ def boundary_backward_kernel(
   dwcoef_ref,
   dread_ref,
   dphi_ref,
-  *,
-  m,
-  num_out,
+  **options,
 ):
   """The backward of `boundary_kernel`: the new streams recomputed from the streams
   and f(h) (not read), the gated read's backward on them (with the new streams'
   cotangent as the passed-through one), its streams' cotangent rounded to the
   storage dtype as the two kernels apart store it, then the write's backward ->
   the streams' cotangents [m, t, D], f(h)'s [t, D], the write weights' [K_w, t], the
-  read weights' [R, t] and this tile's share of phi's [R, D]."""
+  read gates' [R, t] and this tile's share of phi's [P, R, D]."""
+  m = options['m']
   dtype = streams_ref.dtype
   wcoef_tK = _tokens_major(wcoef_ref[...])
   h_tD = [streams_ref[i].astype(F32) for i in range(m)]
   out_tD = out_ref[...].astype(F32)
   stored_tD = [x.astype(dtype) for x in _write_values(wcoef_tK, h_tD, out_tD, m)]
-  dnew_tD, dread_tR, dphi_RD = _gated_read_backward_values(
+  dnew_tD, dread_tR, dphi_PRD = _gated_read_backward_values(
     phi_ref,
     gate_ref[...],
     _tokens_major(coef_ref[...]),
@@ -650,8 +711,7 @@ def boundary_backward_kernel(
     stored_tD,
     dh_ref[...].astype(F32),
     [dnew_ref[j].astype(F32) for j in range(m)],
-    m=m,
-    num_out=num_out,
+    **options,
   )
   dnew_tD = [x.astype(dtype).astype(F32) for x in dnew_tD]
   dh_tD, dout_tD, dwcoef_tK = _write_backward_values(wcoef_tK, h_tD, out_tD, dnew_tD, m)
@@ -660,19 +720,28 @@ def boundary_backward_kernel(
   dout_ref[...] = dout_tD.astype(dout_ref.dtype)
   dwcoef_ref[...] = _tokens_minor(dwcoef_tK)
   dread_ref[...] = _tokens_minor(dread_tR)
-  dphi_ref[...] = dphi_RD
+  dphi_ref[...] = dphi_PRD
 
 
-def _gated_read_phi(phi_DK, m, dtype):
-  """HC's [D, K] projection as the kernels' [m, D, R]: stream i's copy in columns
-  i K .. i K + K - 1, zero elsewhere (and in the m inverse-RMS columns)."""
-  dim, num_out = phi_DK.shape
-  phi_MDR = jnp.einsum('ij,dk->idjk', jnp.eye(m, dtype=phi_DK.dtype), phi_DK)
+def _gated_read_phi(phi, m, dtype):
+  """The projection as the kernels' [m, D, R] (`_Columns`): HC's [D, K] copied into
+  each stream's columns i K .. i K + K - 1, zero elsewhere; mHC's [m, D, K] as it
+  is; zero in the inverse-RMS columns."""
+  if phi.ndim == 3:  # mHC
+    return jnp.pad(phi, ((0, 0), (0, 0), (0, 1))).astype(dtype)
+  dim, num_out = phi.shape
+  phi_MDR = jnp.einsum('ij,dk->idjk', jnp.eye(m, dtype=phi.dtype), phi)
   phi_MDR = phi_MDR.reshape(m, dim, m * num_out)
   return jnp.pad(phi_MDR, ((0, 0), (0, 0), (0, m))).astype(dtype)
 
 
-def _gated_read_forward_device(phi_MDR, gate_2R, streams_MBTD, *, num_out, eps):
+def _partial_shape(batch, length, m, num_rows, dim, per_stream):
+  """phi's per-tile partial sums [B, T / t, P, R, D] as a function of the tile."""
+  slices = 1 if per_stream else m
+  return lambda tile: (batch, length // tile, slices, num_rows, dim)
+
+
+def _gated_read_forward_device(phi_MDR, gate_2R, streams_MBTD, **options):
   m, batch, length, dim = streams_MBTD.shape
   num_rows = phi_MDR.shape[-1]
   tokens, size = batch * length, streams_MBTD.dtype.itemsize
@@ -690,23 +759,23 @@ def _gated_read_forward_device(phi_MDR, gate_2R, streams_MBTD, *, num_out, eps):
     ],
     m,
     cost,
-    num_out=num_out,
-    eps=eps,
+    **options,
   )
 
 
 def _gated_read_backward_device(
-  phi_MDR, gate_2R, coef_BRT, dcoef_BRT, streams_MBTD, dh_BTD, dpassed_MBTD, *, num_out
+  phi_MDR, gate_2R, coef_BRT, dcoef_BRT, streams_MBTD, dh_BTD, dpassed_MBTD, **options
 ):
   m, batch, length, dim = streams_MBTD.shape
   num_rows = phi_MDR.shape[-1]
   tokens, size = batch * length, streams_MBTD.dtype.itemsize
+  partial = _partial_shape(batch, length, m, num_rows, dim, options['per_stream'])
   cost = lambda tile: (
     # da, the projections' two dots, the streams' cotangent sums
     tokens * m * dim * (2 + 4 * num_rows + 6),
     tokens * ((3 * m + 1) * dim * size + 3 * num_rows * 4)
     + phi_MDR.size * size
-    + tokens // tile * num_rows * dim * 4,
+    + math.prod(partial(tile)[1:]) * batch * 4,
   )
   return _launch(
     gated_read_backward_kernel,
@@ -715,89 +784,101 @@ def _gated_read_backward_device(
     [
       ('streams', streams_MBTD.shape, streams_MBTD.dtype),
       ('coef', coef_BRT.shape, F32),
-      ('partial', lambda tile: (batch, length // tile, num_rows, dim), F32),
+      ('partial', partial, F32),
     ],
     m,
     cost,
-    num_out=num_out,
+    **options,
   )
 
 
-def gated_read(phi_DK, gate_2R, streams_MBTD, eps):
-  """Dynamic HC's read with its coefficients' projections, from one read of the
-  streams: (h [B, T, D] in the streams' dtype, [R, B, T] float32: the normalised
-  projections n (stream i's K at rows i K ..) and each stream's inverse RMS (the last
-  m rows), the streams passed through), where h = sum_i a_i H_i, a_i = gate[1, i K] + gate[0, i K] tanh(n_i0) and
-  n equals `hyper_streams.normed_projection(phi_DK, streams, eps, per_stream=True)`.
-  phi [D, K] whole on every device (as there). T a multiple of 128 (`LANES`).
+def _per_token_projection(phi, streams_MBTD):
+  """(phi whole on every device, its number of projections K, whether per stream):
+  HC's [D, K], mHC's [m, D, K]."""
+  whole = sharding.constrain(phi, (None,) * phi.ndim)
+  return whole, phi.shape[-1], phi.ndim == 2
+
+
+def gated_read(phi, gate_2R, streams_MBTD, eps):
+  """Dynamic HC's or mHC's read with its coefficients' projections, from one read of
+  the streams: (h [B, T, D] in the streams' dtype, [R, B, T] float32: the normalised
+  projections n and the inverse RMS (`_Columns`), the streams passed through), where
+  n equals `hyper_streams.normed_projection(phi, streams, eps, per_stream)` (HC:
+  phi [D, K], per_stream; mHC: phi [m, D, K]) and h = sum_i a_i H_i with HC's
+  a_i = gate[1, c] + gate[0, c] tanh(n_c), mHC's a_i = sigmoid(gate[1, c] +
+  gate[0, c] n_c) at stream i's read column c. phi whole on every device (as
+  there). T a multiple of 128 (`LANES`).
   The write reads the passed-through streams: its cotangent of them then reaches the
   backward kernel, which adds it to the read's and the projections' in the same
   pass (as separate cotangents, autodiff summed the three in another pass over
   3 m streams)."""
-  phi_DK = sharding.constrain(phi_DK, (None, None))
-  return _gated_read(phi_DK, gate_2R, streams_MBTD, eps)
+  phi, num_out, per_stream = _per_token_projection(phi, streams_MBTD)
+  return _gated_read(phi, gate_2R, streams_MBTD, eps, num_out, per_stream)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _gated_read(phi_DK, gate_2R, streams_MBTD, eps):
-  return _gated_read_fwd(phi_DK, gate_2R, streams_MBTD, eps)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _gated_read(phi, gate_2R, streams_MBTD, eps, num_out, per_stream):
+  return _gated_read_fwd(phi, gate_2R, streams_MBTD, eps, num_out, per_stream)[0]
 
 
-def _gated_read_fwd(phi_DK, gate_2R, streams_MBTD, eps):
-  m, num_out = streams_MBTD.shape[0], phi_DK.shape[1]
-  phi_MDR = _gated_read_phi(phi_DK, m, streams_MBTD.dtype)
+def _gated_read_fwd(phi, gate_2R, streams_MBTD, eps, num_out, per_stream):
+  options = dict(num_out=num_out, per_stream=per_stream)
   fn = per_device(
-    functools.partial(_gated_read_forward_device, num_out=num_out, eps=eps),
+    functools.partial(_gated_read_forward_device, eps=eps, **options),
     streams_MBTD.shape,
     ('whole', 'whole', 'streams'),
     ('one', 'coef'),
   )
-  h_BTD, coef_BRT = fn(phi_MDR, gate_2R, streams_MBTD)
+  m = streams_MBTD.shape[0]
+  h_BTD, coef_BRT = fn(_gated_read_phi(phi, m, streams_MBTD.dtype), gate_2R, streams_MBTD)
   out = (h_BTD, jnp.swapaxes(coef_BRT, 0, 1), streams_MBTD)
-  return out, (phi_DK, gate_2R, streams_MBTD, coef_BRT)
+  return out, (phi, gate_2R, streams_MBTD, coef_BRT)
 
 
-def _gated_read_bwd(eps, saved, cotangents):
+def _gated_read_bwd(eps, num_out, per_stream, saved, cotangents):
   del eps  # enters through the saved inverse RMS
-  phi_DK, gate_2R, streams_MBTD, coef_BRT = saved
+  phi, gate_2R, streams_MBTD, coef_BRT = saved
   dh_BTD, dcoef_RBT, dpassed_MBTD = cotangents
-  m, num_out = streams_MBTD.shape[0], phi_DK.shape[1]
-  phi_MDR = _gated_read_phi(phi_DK, m, streams_MBTD.dtype)
+  m, dtype = streams_MBTD.shape[0], streams_MBTD.dtype
+  options = dict(num_out=num_out, per_stream=per_stream)
   fn = per_device(
-    functools.partial(_gated_read_backward_device, num_out=num_out),
+    functools.partial(_gated_read_backward_device, **options),
     streams_MBTD.shape,
     ('whole', 'whole', 'coef', 'coef', 'streams', 'one', 'streams'),
     ('streams', 'coef', 'partial'),
   )
   dstreams_MBTD, dread_BRT, dphi_partial = fn(
-    phi_MDR,
+    _gated_read_phi(phi, m, dtype),
     gate_2R,
     coef_BRT,
     jnp.swapaxes(dcoef_RBT, 0, 1).astype(F32),
     streams_MBTD,
-    dh_BTD.astype(streams_MBTD.dtype),
-    dpassed_MBTD.astype(streams_MBTD.dtype),
+    dh_BTD.astype(dtype),
+    dpassed_MBTD.astype(dtype),
   )
-  dphi_DK, d_gate_2R = _gated_read_parameter_cotangents(
-    dphi_partial, dread_BRT, coef_BRT, m, num_out
+  dphi, d_gate_2R = _gated_read_parameter_cotangents(
+    dphi_partial, dread_BRT, coef_BRT, m, num_out, per_stream
   )
-  return dphi_DK.astype(phi_DK.dtype), d_gate_2R, dstreams_MBTD
+  return dphi.astype(phi.dtype), d_gate_2R, dstreams_MBTD
 
 
-def _gated_read_parameter_cotangents(dphi_partial, dread_BRT, coef_BRT, m, num_out):
-  """(phi's [D, K], the gate's [2, R]) from the backward kernel's per-tile partial
-  sums [B, T / t, R, D] and the read weights' cotangents [B, R, T]."""
-  # Row c of the partial sums belongs to stream c // K's copy of phi's column c % K.
-  dphi_RD = jnp.sum(dphi_partial, axis=(0, 1))
-  dphi_DK = jnp.sum(dphi_RD[: m * num_out].reshape(m, num_out, -1), axis=0).T
-  # gate: row 0 (s) gets sum da_i tanh(n_i0), row 1 (base_i) sum da_i, at i K.
+def _gated_read_parameter_cotangents(
+  dphi_partial, dread_BRT, coef_BRT, m, num_out, per_stream
+):
+  """(phi's, the gate's [2, R]) from the backward kernel's per-tile partial sums
+  [B, T / t, P, R, D] and the read gates' pre-activation cotangents [B, R, T]."""
+  dphi_PRD = jnp.sum(dphi_partial, axis=(0, 1))
+  if per_stream:
+    # Row c belongs to stream c // K's copy of phi's column c % K: [D, K].
+    dphi = jnp.sum(dphi_PRD[0, : m * num_out].reshape(m, num_out, -1), axis=0).T
+  else:  # [m, D, K]
+    dphi = jnp.swapaxes(dphi_PRD[:, :num_out], 1, 2)
+  # gate: row 0 (s) gets sum dz act(n), row 1 (base) sum dz, at the read columns.
+  act_BRT = jnp.tanh(coef_BRT) if per_stream else coef_BRT
   d_gate_2R = jnp.stack(
-    [
-      jnp.sum(dread_BRT * jnp.tanh(coef_BRT), axis=(0, 2)),
-      jnp.sum(dread_BRT, axis=(0, 2)),
-    ]
+    [jnp.sum(dread_BRT * act_BRT, axis=(0, 2)), jnp.sum(dread_BRT, axis=(0, 2))]
   )
-  return dphi_DK, d_gate_2R
+  return dphi, d_gate_2R
 
 
 _gated_read.defvjp(_gated_read_fwd, _gated_read_bwd)
@@ -805,7 +886,7 @@ _gated_read.defvjp(_gated_read_fwd, _gated_read_bwd)
 
 # -- one sublayer's write and the next one's gated read, fused --------------------------
 #
-# Between two HC sublayers the streams are written (`write`) and at once read back
+# Between two sublayers the streams are written (`write`) and at once read back
 # whole by the next sublayer's gated read. Fused, a tile of the new streams is read
 # with its projections while it is still on chip: forward, the streams before the
 # write and f(h) in, the new streams, the next h and its projections out (2m + 2
@@ -816,7 +897,7 @@ _gated_read.defvjp(_gated_read_fwd, _gated_read_bwd)
 
 
 def _boundary_forward_device(
-  phi_MDR, gate_2R, wcoef_BKT, streams_MBTD, out_BTD, *, num_out, eps
+  phi_MDR, gate_2R, wcoef_BKT, streams_MBTD, out_BTD, **options
 ):
   m, batch, length, dim = streams_MBTD.shape
   num_rows, num_weights = phi_MDR.shape[-1], wcoef_BKT.shape[1]
@@ -839,8 +920,7 @@ def _boundary_forward_device(
     m,
     cost,
     footprint=(2 * m + 2, 3 * m + 2),
-    num_out=num_out,
-    eps=eps,
+    **options,
   )
 
 
@@ -854,18 +934,18 @@ def _boundary_backward_device(
   out_BTD,
   dh_BTD,
   dnew_MBTD,
-  *,
-  num_out,
+  **options,
 ):
   m, batch, length, dim = streams_MBTD.shape
   num_rows, num_weights = phi_MDR.shape[-1], wcoef_BKT.shape[1]
   tokens, size = batch * length, streams_MBTD.dtype.itemsize
+  partial = _partial_shape(batch, length, m, num_rows, dim, options['per_stream'])
   cost = lambda tile: (
     # the write recomputed and its backward, the gated read's backward
     tokens * dim * (4 * m * (m + 1) + 2 * num_weights + m * (4 * num_rows + 8)),
     tokens * ((3 * m + 3) * dim * size + (2 * num_weights + 3 * num_rows) * 4)
     + phi_MDR.size * size
-    + tokens // tile * num_rows * dim * 4,
+    + math.prod(partial(tile)[1:]) * batch * 4,
   )
   return _launch(
     boundary_backward_kernel,
@@ -886,59 +966,65 @@ def _boundary_backward_device(
       ('one', out_BTD.shape, out_BTD.dtype),
       ('coef', wcoef_BKT.shape, F32),
       ('coef', coef_BRT.shape, F32),
-      ('partial', lambda tile: (batch, length // tile, num_rows, dim), F32),
+      ('partial', partial, F32),
     ],
     m,
     cost,
     footprint=(3 * m + 3, 5 * m + 3),
-    num_out=num_out,
+    **options,
   )
 
 
-def boundary(mix_MMBT, write_MBT, streams_MBTD, out_BTD, phi_DK, gate_2R, eps):
+def boundary(mix_MMBT, write_MBT, streams_MBTD, out_BTD, phi, gate_2R, eps):
   """`write(mix, write, streams, f(h))` and then `gated_read(phi, gate, new streams,
   eps)` in one kernel each way: (h [B, T, D] of the next read, its projections
   [R, B, T], the new streams [m, B, T, D]), the same values as the two apart. T a
   multiple of 128."""
-  phi_DK = sharding.constrain(phi_DK, (None, None))
+  phi, num_out, per_stream = _per_token_projection(phi, streams_MBTD)
   wcoef_BKT = _coefficients(mix_MMBT, write_MBT)
-  return _boundary(wcoef_BKT, streams_MBTD, out_BTD, phi_DK, gate_2R, eps)
+  return _boundary(
+    wcoef_BKT, streams_MBTD, out_BTD, phi, gate_2R, eps, num_out, per_stream
+  )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _boundary(wcoef_BKT, streams_MBTD, out_BTD, phi_DK, gate_2R, eps):
-  return _boundary_fwd(wcoef_BKT, streams_MBTD, out_BTD, phi_DK, gate_2R, eps)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _boundary(wcoef_BKT, streams_MBTD, out_BTD, phi, gate_2R, eps, num_out, per_stream):
+  args = (wcoef_BKT, streams_MBTD, out_BTD, phi, gate_2R)
+  return _boundary_fwd(*args, eps, num_out, per_stream)[0]
 
 
-def _boundary_fwd(wcoef_BKT, streams_MBTD, out_BTD, phi_DK, gate_2R, eps):
-  m, num_out = streams_MBTD.shape[0], phi_DK.shape[1]
-  phi_MDR = _gated_read_phi(phi_DK, m, streams_MBTD.dtype)
+def _boundary_fwd(
+  wcoef_BKT, streams_MBTD, out_BTD, phi, gate_2R, eps, num_out, per_stream
+):
+  m = streams_MBTD.shape[0]
   fn = per_device(
-    functools.partial(_boundary_forward_device, num_out=num_out, eps=eps),
+    functools.partial(
+      _boundary_forward_device, num_out=num_out, per_stream=per_stream, eps=eps
+    ),
     streams_MBTD.shape,
     ('whole', 'whole', 'coef', 'streams', 'one'),
     ('streams', 'one', 'coef'),
   )
   out_BTD = out_BTD.astype(streams_MBTD.dtype)
+  phi_MDR = _gated_read_phi(phi, m, streams_MBTD.dtype)
   new_MBTD, h_BTD, coef_BRT = fn(phi_MDR, gate_2R, wcoef_BKT, streams_MBTD, out_BTD)
-  saved = (wcoef_BKT, streams_MBTD, out_BTD, phi_DK, gate_2R, coef_BRT)
+  saved = (wcoef_BKT, streams_MBTD, out_BTD, phi, gate_2R, coef_BRT)
   return (h_BTD, jnp.swapaxes(coef_BRT, 0, 1), new_MBTD), saved
 
 
-def _boundary_bwd(eps, saved, cotangents):
+def _boundary_bwd(eps, num_out, per_stream, saved, cotangents):
   del eps  # enters through the saved inverse RMS
-  wcoef_BKT, streams_MBTD, out_BTD, phi_DK, gate_2R, coef_BRT = saved
+  wcoef_BKT, streams_MBTD, out_BTD, phi, gate_2R, coef_BRT = saved
   dh_BTD, dcoef_RBT, dnew_MBTD = cotangents
-  m, num_out = streams_MBTD.shape[0], phi_DK.shape[1]
-  dtype = streams_MBTD.dtype
+  m, dtype = streams_MBTD.shape[0], streams_MBTD.dtype
   fn = per_device(
-    functools.partial(_boundary_backward_device, num_out=num_out),
+    functools.partial(_boundary_backward_device, num_out=num_out, per_stream=per_stream),
     streams_MBTD.shape,
     ('whole', 'whole', 'coef', 'coef', 'coef', 'streams', 'one', 'one', 'streams'),
     ('streams', 'one', 'coef', 'coef', 'partial'),
   )
   dstreams_MBTD, dout_BTD, dwcoef_BKT, dread_BRT, dphi_partial = fn(
-    _gated_read_phi(phi_DK, m, dtype),
+    _gated_read_phi(phi, m, dtype),
     gate_2R,
     coef_BRT,
     jnp.swapaxes(dcoef_RBT, 0, 1).astype(F32),
@@ -948,16 +1034,10 @@ def _boundary_bwd(eps, saved, cotangents):
     dh_BTD.astype(dtype),
     dnew_MBTD.astype(dtype),
   )
-  dphi_DK, d_gate_2R = _gated_read_parameter_cotangents(
-    dphi_partial, dread_BRT, coef_BRT, m, num_out
+  dphi, d_gate_2R = _gated_read_parameter_cotangents(
+    dphi_partial, dread_BRT, coef_BRT, m, num_out, per_stream
   )
-  return (
-    dwcoef_BKT,
-    dstreams_MBTD,
-    dout_BTD,
-    dphi_DK.astype(phi_DK.dtype),
-    d_gate_2R,
-  )
+  return dwcoef_BKT, dstreams_MBTD, dout_BTD, dphi.astype(phi.dtype), d_gate_2R
 
 
 _boundary.defvjp(_boundary_fwd, _boundary_bwd)
