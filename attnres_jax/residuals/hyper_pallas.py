@@ -611,14 +611,35 @@ def _gated_read_backward_values(
   return dstreams_tD, dz_tR, jnp.stack(dphi_PRD)
 
 
+def _gated_read_into(phi_ref, gate_ref, stored_tD, h_ref, coef_ref, **options):
+  """`_gated_read_values` of the streams as stored, into the results' blocks."""
+  h_tD, coef_tR = _gated_read_values(phi_ref, gate_ref[...], stored_tD, **options)
+  h_ref[...] = h_tD.astype(h_ref.dtype)
+  coef_ref[...] = _tokens_minor(coef_tR)
+
+
+def _gated_read_backward_from(
+  phi_ref, gate_ref, coef_ref, dcoef_ref, stored_tD, dh_ref, dpassed_tD, **options
+):
+  """`_gated_read_backward_values` from the kernels' blocks (tokens-minor rows)."""
+  return _gated_read_backward_values(
+    phi_ref,
+    gate_ref[...],
+    _tokens_major(coef_ref[...]),
+    _tokens_major(dcoef_ref[...]),
+    stored_tD,
+    dh_ref[...].astype(F32),
+    dpassed_tD,
+    **options,
+  )
+
+
 def gated_read_kernel(phi_ref, gate_ref, streams_ref, h_ref, coef_ref, **options):
   """phi [m, D, R] (`_gated_read_phi`), gate [2, R], streams [m, t, D] -> h [t, D]
   and the normalised projections with the inverse RMS [R, t] (float32, tokens on the
   lanes)."""
   stored_tD = [streams_ref[i] for i in range(options['m'])]
-  h_tD, coef_tR = _gated_read_values(phi_ref, gate_ref[...], stored_tD, **options)
-  h_ref[...] = h_tD.astype(h_ref.dtype)
-  coef_ref[...] = _tokens_minor(coef_tR)
+  _gated_read_into(phi_ref, gate_ref, stored_tD, h_ref, coef_ref, **options)
 
 
 def gated_read_backward_kernel(
@@ -639,13 +660,13 @@ def gated_read_backward_kernel(
   the read gates' [R, t] and this tile's share of phi's [P, R, D]
   (`_gated_read_backward_values`)."""
   m = options['m']
-  dstreams_tD, dread_tR, dphi_PRD = _gated_read_backward_values(
+  dstreams_tD, dread_tR, dphi_PRD = _gated_read_backward_from(
     phi_ref,
-    gate_ref[...],
-    _tokens_major(coef_ref[...]),
-    _tokens_major(dcoef_ref[...]),
+    gate_ref,
+    coef_ref,
+    dcoef_ref,
     [streams_ref[i] for i in range(m)],
-    dh_ref[...].astype(F32),
+    dh_ref,
     [dpassed_ref[i].astype(F32) for i in range(m)],
     **options,
   )
@@ -669,9 +690,7 @@ def boundary_kernel(
   stored_tD = [x.astype(new_ref.dtype) for x in new_tD]
   for j in range(m):
     new_ref[j] = stored_tD[j]
-  read_tD, coef_tR = _gated_read_values(phi_ref, gate_ref[...], stored_tD, **options)
-  h_ref[...] = read_tD.astype(h_ref.dtype)
-  coef_ref[...] = _tokens_minor(coef_tR)
+  _gated_read_into(phi_ref, gate_ref, stored_tD, h_ref, coef_ref, **options)
 
 
 def boundary_backward_kernel(
@@ -703,13 +722,13 @@ def boundary_backward_kernel(
   h_tD = [streams_ref[i].astype(F32) for i in range(m)]
   out_tD = out_ref[...].astype(F32)
   stored_tD = [x.astype(dtype) for x in _write_values(wcoef_tK, h_tD, out_tD, m)]
-  dnew_tD, dread_tR, dphi_PRD = _gated_read_backward_values(
+  dnew_tD, dread_tR, dphi_PRD = _gated_read_backward_from(
     phi_ref,
-    gate_ref[...],
-    _tokens_major(coef_ref[...]),
-    _tokens_major(dcoef_ref[...]),
+    gate_ref,
+    coef_ref,
+    dcoef_ref,
     stored_tD,
-    dh_ref[...].astype(F32),
+    dh_ref,
     [dnew_ref[j].astype(F32) for j in range(m)],
     **options,
   )
