@@ -943,18 +943,10 @@ def _boundary_forward_device(
   )
 
 
-def _boundary_backward_device(
-  phi_MDR,
-  gate_2R,
-  coef_BRT,
-  dcoef_BRT,
-  wcoef_BKT,
-  streams_MBTD,
-  out_BTD,
-  dh_BTD,
-  dnew_MBTD,
-  **options,
-):
+def _boundary_backward_device(*args, **options):
+  """args: phi [m, D, R], gate, the read's rows and their cotangent, the write's
+  weights, the streams, f(h), dh and the new streams' cotangent."""
+  phi_MDR, _, coef_BRT, _, wcoef_BKT, streams_MBTD, out_BTD, _, _ = args
   m, batch, length, dim = streams_MBTD.shape
   num_rows, num_weights = phi_MDR.shape[-1], wcoef_BKT.shape[1]
   tokens, size = batch * length, streams_MBTD.dtype.itemsize
@@ -968,17 +960,7 @@ def _boundary_backward_device(
   )
   return _launch(
     boundary_backward_kernel,
-    (
-      phi_MDR,
-      gate_2R,
-      coef_BRT,
-      dcoef_BRT,
-      wcoef_BKT,
-      streams_MBTD,
-      out_BTD,
-      dh_BTD,
-      dnew_MBTD,
-    ),
+    args,
     ('whole', 'whole', 'coef', 'coef', 'coef', 'streams', 'one', 'one', 'streams'),
     [
       ('streams', streams_MBTD.shape, streams_MBTD.dtype),
