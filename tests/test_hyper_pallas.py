@@ -95,58 +95,6 @@ def test_kernel_equals_the_xla_write(dtype, m, tile_bytes, monkeypatch):
     assert_close(g, ref_g, tol if g.dtype == jnp.bfloat16 else F32_TOL, name)
 
 
-def projection_inputs(m, per_stream, dtype, seed=0):
-  """phi (HC: [D, m + 2]; mHC: [m, D, m^2 + 2m]), streams [m, 2, 256, 128] of RMS 3
-  and a cotangent of the normalised projections."""
-  keys = jax.random.split(jax.random.key(seed), 3)
-  num_out = m + 2 if per_stream else m * m + 2 * m
-  phi = 0.1 * jax.random.normal(
-    keys[0], (128, num_out) if per_stream else (m, 128, num_out)
-  )
-  streams = (3 * jax.random.normal(keys[1], (m, 2, 256, 128))).astype(dtype)
-  batch = (m, 2, 256) if per_stream else (2, 256)
-  return phi, streams, jax.random.normal(keys[2], (num_out, *batch))
-
-
-def projection_and_grads(parts, phi, streams, cotangent, per_stream):
-  """`hyper_streams.project_parts`' results by `parts`, and the gradients of the
-  normalised projections (weighted by `cotangent`) w.r.t. phi and the streams."""
-
-  def loss(phi, streams):
-    y = hs.normed_projection(phi, streams, 1e-6, per_stream, parts)
-    return jnp.sum(y * cotangent)
-
-  grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(phi, streams)
-  return parts(phi, streams, 1e-6, per_stream), grads
-
-
-@pytest.mark.parametrize('per_stream', [True, False], ids=['hc', 'mhc'])
-@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize('m,tile_bytes', [(4, None), (4, 1), (2, None), (1, None)])
-def test_projection_kernel_equals_xla(per_stream, dtype, m, tile_bytes, monkeypatch):
-  """The projections and the inverse RMS from the kernel's one read of the streams
-  equal XLA's dot and reduction, and so do the gradients through the (shared)
-  backward. The projections and sums of squares are float32 sums over D of the same
-  products in another order (F32_TOL, as the weight cotangents above; measured <=
-  3.1e-7); the streams' bfloat16 cotangent is the rounding of two float32 values as
-  close as that (BF16_TOL; measured <= 2.7e-4 of its scale)."""
-  if tile_bytes is not None:
-    monkeypatch.setattr(hp, 'TILE_VMEM_BYTES', tile_bytes)
-  phi, streams, cotangent = projection_inputs(m, per_stream, dtype)
-  (projected, inv_rms), grads = projection_and_grads(
-    hp.project_parts, phi, streams, cotangent, per_stream
-  )
-  (ref_projected, ref_inv_rms), ref_grads = projection_and_grads(
-    hs.project_parts, phi, streams, cotangent, per_stream
-  )
-  assert projected.dtype == inv_rms.dtype == jnp.float32
-  assert_close(projected, ref_projected, F32_TOL, 'projections')
-  assert_close(inv_rms, ref_inv_rms, F32_TOL, 'inverse RMS')
-  assert grads[1].dtype == dtype
-  assert_close(grads[0], ref_grads[0], F32_TOL, 'phi')
-  assert_close(grads[1], ref_grads[1], F32_TOL if dtype == jnp.float32 else BF16_TOL, 'H')
-
-
 def gated_read_inputs(m, dtype, per_stream=True, seed=0):
   """The projection (HC: [D, m + 2]; mHC: [m, D, m^2 + 2m]), the read's gate [2, R]
   (s and base_i at the read columns, zero elsewhere: `hyper_pallas._Columns`),
@@ -323,22 +271,6 @@ def sharded_errors():
       for f in (lambda x: sp.sinkhorn(x, 20), lambda x: hcl.sinkhorn(x, 20, (0, 1)))
     ]
     for per_stream, variant in ((True, 'hc'), (False, 'mhc')):
-      phi, streams, cotangent = projection_inputs(4, per_stream, jnp.float32)
-      projections = [
-        projection_and_grads(
-          lambda *a, parts=parts: under_rules(parts, *a),
-          phi,
-          streams,
-          cotangent,
-          per_stream,
-        )
-        for parts in (hp.project_parts, hs.project_parts)
-      ]
-      out[f'{name}_projection_{variant}'] = max(
-        float(np.abs(a - b).max() / (np.abs(b).max() + 1e-30))
-        for a, b in zip(*map(jax.tree.leaves, projections))
-      )
-    for per_stream, variant in ((True, 'hc'), (False, 'mhc')):
       read_args = gated_read_inputs(4, jnp.float32, per_stream)
       gated_reads = [
         gated_read_and_grads(lambda *a, f=f: under_rules(f, *a), read_args)
@@ -372,10 +304,10 @@ def sharded_errors():
 
 def test_kernel_on_a_mesh_equals_xla():
   """Streams (and mHC's maps) split over batch, or over batch and length (4 CPU
-  devices): the write, the projections, HC's and mHC's gated reads and Sinkhorn
-  equal XLA, and the fused boundaries the kernels apart."""
+  devices): the write, HC's and mHC's gated reads and Sinkhorn equal XLA, and the
+  fused boundaries the kernels apart."""
   errors = child_result(__file__, 4, 'sharded')
-  assert len(errors) == 9 * len(MESH_RULES) + 1
+  assert len(errors) == 7 * len(MESH_RULES) + 1
   for name, error in errors.items():
     if name.endswith(('per_device', 'refused')):
       assert error is True, name
@@ -454,7 +386,7 @@ def test_model_with_the_kernel_equals_the_xla_model(residual):
 
 
 @pytest.mark.parametrize('residual', ['hc', 'mhc'])
-def test_model_with_the_projection_kernel_equals_the_xla_model(residual):
+def test_model_with_the_fused_kernels_equals_the_xla_model(residual):
   """At 128 tokens (a whole lane tile) the projections run through a kernel too (at
   32, above, they are XLA's), with the read and the write before it
   (`hyper_pallas.boundary`). Loss to 1e-6; the gradients to 2e-4 of each one's
@@ -471,23 +403,6 @@ def test_model_with_the_projection_kernel_equals_the_xla_model(residual):
   flat, ref_flat = (jax.tree.leaves_with_path(g) for g in (grads, ref_grads))
   for (path, g), (_, ref_g) in zip(flat, ref_flat):
     assert_close(g, ref_g, 2e-4, jax.tree_util.keystr(path))
-
-
-def test_projection_kernel_only_where_the_tokens_fill_lane_tiles():
-  """T a multiple of 128: the kernel; otherwise (decoding steps) XLA's projection,
-  exactly."""
-  phi, streams, _ = projection_inputs(4, True, jnp.float32)
-  for length, kernel in ((256, True), (10, False), (1, False)):
-    part = streams[:, :, :length]
-    jaxpr = str(
-      jax.make_jaxpr(hp.project_parts, static_argnums=(2, 3))(phi, part, 1e-6, True)
-    )
-    assert ('pallas_call' in jaxpr) == kernel, length
-  short = streams[:, :, :10]
-  for got, want in zip(
-    hp.project_parts(phi, short, 1e-6, True), hs.project_parts(phi, short, 1e-6, True)
-  ):
-    np.testing.assert_array_equal(got, want)
 
 
 def test_option_is_validated_and_parsed():
@@ -513,13 +428,13 @@ def test_train_step_compiles_for_tpu_with_the_kernel(residual, tmp_path):
   v5e:2x2: the kernels run per device under shard_map)."""
   config = default_config.get_config('tiny')
   config.model.update(dtype='bfloat16', residual=residual, depth_kernel='pallas')
-  config.train.seq_len = 128  # a whole lane tile: the projections' kernel as well
+  config.train.seq_len = 128  # a whole lane tile: the fused read and write as well
   report = aot.compile_report(config, 'v5e:2x2', steps=('train',), hlo_dir=str(tmp_path))
   assert report['steps']['train']['bytes_accessed'] > 0
   with open(os.path.join(tmp_path, 'train.hlo.txt'), encoding='utf-8') as f:
     text = f.read()
-  # the write forward and backward; HC's gated read forward and backward, mHC's
-  # projections and Sinkhorn
+  # the fused write and read forward and backward, the last write's (and mHC's
+  # Sinkhorn)
   assert text.count('custom_call_target="tpu_custom_call"') >= 4
 
 

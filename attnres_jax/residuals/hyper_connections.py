@@ -52,12 +52,6 @@ MHC_LOGIT = 8.0
 # How the stream write is computed (`depth_kernel`): XLA (hyper_streams) or the Pallas
 # kernels (hyper_pallas; interpret mode off the TPU).
 WRITE_KERNELS = {'xla': hyper_streams.write, 'pallas': hyper_pallas.write}
-# How the dynamic coefficients' projections and inverse RMS are computed: XLA's dot
-# and reduction (two reads of the streams) or one read by the Pallas kernel.
-PROJECTION_PARTS = {
-  'xla': hyper_streams.project_parts,
-  'pallas': hyper_pallas.project_parts,
-}
 
 
 def sinkhorn(logits, iters: int, axes: tuple[int, int] = (-2, -1)):
@@ -312,7 +306,6 @@ class HyperConnectionResidual(base.Residual):
         streams_MBTD if passed_MBTD is None else passed_MBTD,
         self.cfg.norm_eps,
         per_stream=per_stream,
-        parts=PROJECTION_PARTS[self.cfg.depth_kernel],
       )
       return normed, None, passed_MBTD
     # The read with its projections, one read of the streams each way (with the

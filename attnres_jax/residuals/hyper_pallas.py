@@ -11,15 +11,11 @@ and the dynamic coefficients' projections:
              dR_ij = <H_i, dH'_j>, db_j = <f(h), dH'_j> in one pass over the tiles:
              each stream and cotangent read once, no float32 copy of either in memory.
 
-  projections (dynamic HC/mHC; `project_parts`): the coefficients' projections
-             of the streams and their sums of squares from one read of the streams
-             (XLA read them twice: a dot and a reduction); the backward stays
-             `hyper_streams.normed_projection`'s.
-
-  gated read (dynamic HC; `gated_read`): the projections, the read gates and
-             h = sum_i a_i H_i from one read of the streams, and the whole backward
-             (the read's, the projections' and the write's cotangents of the
-             streams summed) from one more.
+  gated read (dynamic HC/mHC; `gated_read`): the coefficients' projections, the
+             read gates and h = sum_i a_i H_i from one read of the streams, and the
+             whole backward (the read's, the projections' and the write's
+             cotangents of the streams summed) from one more; `boundary`: the same
+             with the write before it, on the same pass.
 
 The kernels see the streams d-minor, as the TPU compiler lays them out for the XLA
 version ([m, B, T, D]{3,2,1,0}): a program's block is a tile of tokens of every
@@ -47,7 +43,6 @@ from jax.sharding import PartitionSpec as P
 
 from attnres_jax import pallas_mesh
 from attnres_jax import sharding
-from attnres_jax.residuals import hyper_streams
 
 F32 = jnp.float32
 _SQ = pl.squeezed
@@ -158,33 +153,6 @@ def backward_kernel(
   for i in range(m):
     dstreams_ref[i] = dh_tD[i].astype(dstreams_ref.dtype)
   dcoef_ref[...] = _tokens_minor(dcoef_tK)
-
-
-def projection_kernel(phi_ref, streams_ref, out_ref, *, m, per_stream):
-  """The dynamic coefficients' projections and the streams' sums of squares in one
-  read of the streams: phi [m, D, R] (stream i's projection columns, zero elsewhere,
-  then one zero column per sum of squares), streams [m, t, D] -> [R, t] float32, the
-  tokens on the lanes: sum_i H_i phi_i (bfloat16 products accumulated in float32 on
-  the MXU, like XLA's dot of the stored streams) with each stream's sum of squares
-  (`per_stream`, HC) or their total (mHC) in the last columns."""
-  projected_tR = None
-  squares_t1 = []
-  for i in range(m):
-    h_tD = streams_ref[i]
-    term_tR = jax.lax.dot_general(
-      h_tD, phi_ref[i], (((1,), (0,)), ((), ())), preferred_element_type=F32
-    )
-    projected_tR = term_tR if projected_tR is None else projected_tR + term_tR
-    h_tD = h_tD.astype(F32)
-    squares_t1.append(jnp.sum(h_tD * h_tD, axis=1, keepdims=True))
-  if not per_stream:
-    squares_t1 = [functools.reduce(jnp.add, squares_t1)]
-  num_rows = projected_tR.shape[1]
-  lane_tR = jax.lax.broadcasted_iota(jnp.int32, projected_tR.shape, 1)
-  for j, square_t1 in enumerate(squares_t1):
-    column = num_rows - len(squares_t1) + j
-    projected_tR = jnp.where(lane_tR == column, square_t1, projected_tR)
-  out_ref[...] = _tokens_minor(projected_tR)
 
 
 def vmem_bytes(tile, m, dim, itemsize, footprint=None):
@@ -310,26 +278,6 @@ def _backward_device(coef_BKT, streams_MBTD, out_BTD, dnew_MBTD):
   )
 
 
-def _projection_device(phi_MDR, streams_MBTD, per_stream):
-  m, batch, length, dim = streams_MBTD.shape
-  num_rows = phi_MDR.shape[-1]
-  tokens, size = batch * length, streams_MBTD.dtype.itemsize
-  cost = (
-    tokens * m * dim * (2 * num_rows + 2),  # the products and the squares
-    tokens * (m * dim * size + num_rows * 4) + phi_MDR.size * phi_MDR.dtype.itemsize,
-  )
-  (out_BRT,) = _launch(
-    projection_kernel,
-    (phi_MDR, streams_MBTD),
-    ('whole', 'streams'),
-    [('coef', (batch, num_rows, length), F32)],
-    m,
-    cost,
-    per_stream=per_stream,
-  )
-  return out_BRT
-
-
 def per_device(fn, shape, in_kinds, out_kinds):
   """`fn` per device under the active mesh, or `fn` as is on one device: the streams
   (of `shape`) split over batch and length as the sharding rules say, every operand
@@ -404,48 +352,6 @@ def _write_bwd(saved, dnew_MBTD):
 
 
 write.defvjp(_write_fwd, _write_bwd)
-
-
-# -- the projections of the dynamic coefficients ---------------------------------------
-
-
-def project_parts(phi, streams_MBTD, eps, per_stream):
-  """`hyper_streams.project_parts` by the Pallas kernel where the tokens fill lane
-  tiles (T a multiple of 128): the projections and the inverse RMS from one read of
-  the streams (XLA read them twice, a dot and a reduction). Its backward is
-  `hyper_streams.normed_projection`'s."""
-  m, length, dim = streams_MBTD.shape[0], streams_MBTD.shape[2], streams_MBTD.shape[3]
-  if length % LANES:
-    # Tokens that fill no whole lane tile (decoding steps, short prompts): XLA's.
-    # Besides, the kernel's dot has t rows, and off the TPU the order of its float32
-    # sums follows t (a 1-row product is summed otherwise than a 10-row one), so a
-    # decoding step would round otherwise than the same token in a longer sequence.
-    return hyper_streams.project_parts(phi, streams_MBTD, eps, per_stream)
-  num_out = phi.shape[-1]
-  # phi as [m, D, R] in the streams' dtype (the dot's operands, as XLA's): HC's one
-  # [D, K] projection in stream i's columns i K .. i K + K - 1, mHC's [m, D, K] as is;
-  # then a zero column per sum of squares.
-  if per_stream:
-    phi_MDR = jnp.einsum('ij,dk->idjk', jnp.eye(m, dtype=phi.dtype), phi)
-    phi_MDR = phi_MDR.reshape(m, dim, m * num_out)
-  else:
-    phi_MDR = phi
-  num_squares = m if per_stream else 1
-  phi_MDR = jnp.pad(phi_MDR, ((0, 0), (0, 0), (0, num_squares)))
-  fn = per_device(
-    functools.partial(_projection_device, per_stream=per_stream),
-    streams_MBTD.shape,
-    ('whole', 'streams'),
-    'coef',
-  )
-  out_BRT = fn(phi_MDR.astype(streams_MBTD.dtype), streams_MBTD)
-  projected_RBT = jnp.swapaxes(out_BRT, 0, 1)
-  squares = projected_RBT[-num_squares:]
-  inv_rms = jax.lax.rsqrt(squares / (dim * (m // num_squares)) + eps)
-  if per_stream:  # [m K, B, T] -> [m, B, T, K]
-    projected = projected_RBT[:-num_squares].reshape(m, num_out, *squares.shape[1:])
-    return jnp.moveaxis(projected, 1, -1), inv_rms
-  return jnp.moveaxis(projected_RBT[:-num_squares], 0, -1), inv_rms[0]
 
 
 # -- HC/mHC's read with its coefficients: one read of the streams --------------------

@@ -146,36 +146,34 @@ def project_parts(phi, streams_MBTD, eps, per_stream):
   return projected, inv_rms
 
 
-def normed_projection(
-  phi, streams_MBTD, eps: float, per_stream: bool, parts=project_parts
-):
+def normed_projection(phi, streams_MBTD, eps: float, per_stream: bool):
   """RMSNorm(x) phi without a gain, written as (x phi) / rms(x) so that the
   normalised streams are never stored: HC (`per_stream`) normalises each stream,
   [K, m, B, T]; mHC their concatenation, [K, B, T]. float32; the small result is
-  transposed to its outputs leading (tokens minor) after the dot. `parts` computes
-  the projection and the inverse RMS (`project_parts`, or the Pallas kernel's
-  `hyper_pallas.project_parts`); the backward is this module's either way."""
+  transposed to its outputs leading (tokens minor) after the dot (`project_parts`).
+  With the Pallas kernels the model computes them inside `hyper_pallas.gated_read`
+  instead."""
   # phi (D x K, K tiny) whole on every device: split over D (FSDP) XLA computes the
   # projection and dphi as windowed dot loops (all-gather, reduce-scatter) around
   # tokens-minor copies of the streams.
   phi = sharding.constrain(phi, (None,) * phi.ndim)
-  normed = _normed_projection(phi, streams_MBTD, eps, per_stream, parts)
+  normed = _normed_projection(phi, streams_MBTD, eps, per_stream)
   return jnp.moveaxis(normed, -1, 0)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _normed_projection(phi, streams_MBTD, eps, per_stream, parts):
-  projected, inv_rms = parts(phi, streams_MBTD, eps, per_stream)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _normed_projection(phi, streams_MBTD, eps, per_stream):
+  projected, inv_rms = project_parts(phi, streams_MBTD, eps, per_stream)
   return projected * inv_rms[..., None]
 
 
-def _projection_fwd(phi, streams_MBTD, eps, per_stream, parts):
-  projected, inv_rms = parts(phi, streams_MBTD, eps, per_stream)
+def _projection_fwd(phi, streams_MBTD, eps, per_stream):
+  projected, inv_rms = project_parts(phi, streams_MBTD, eps, per_stream)
   return projected * inv_rms[..., None], (phi, streams_MBTD, projected, inv_rms)
 
 
-def _projection_bwd(eps, per_stream, parts, saved, dy):
-  del eps, parts  # eps enters only through the saved inverse RMS
+def _projection_bwd(eps, per_stream, saved, dy):
+  del eps  # eps enters only through the saved inverse RMS
   phi, streams_MBTD, projected, inv_rms = saved
   h_f32 = streams_MBTD.astype(F32)
   d_projected = dy * inv_rms[..., None]
