@@ -309,15 +309,9 @@ class HyperConnectionResidual(base.Residual):
       )
       return normed, None, passed_MBTD
     # The read with its projections, one read of the streams each way (with the
-    # pending write: in the same kernel). The read columns of the kernels' rows
-    # (`hyper_pallas._Columns`): HC each stream's first, mHC the first m.
+    # pending write: in the same kernel).
     num_out = phi.shape[-1]
-    num_rows = m * num_out + m if per_stream else num_out + 1
-    read_columns = slice(0, m * num_out, num_out) if per_stream else slice(0, m)
-    gate_2R = jnp.zeros((2, num_rows), jnp.float32)
-    gate_2R = gate_2R.at[:, read_columns].set(
-      jnp.stack([jnp.broadcast_to(scale, (m,)), base_M])
-    )
+    gate_2R = hyper_pallas.read_gate(scale, base_M, num_out, per_stream)
     if pending:
       write = (pending.mix_MMBT, pending.write_MBT, streams_MBTD, pending.out_BTD)
       h_BTD, coef_RBT, passed_MBTD = hyper_pallas.boundary(
@@ -327,11 +321,7 @@ class HyperConnectionResidual(base.Residual):
       h_BTD, coef_RBT, passed_MBTD = hyper_pallas.gated_read(
         phi, gate_2R, streams_MBTD, self.cfg.norm_eps
       )
-    if per_stream:  # [m K, B, T] -> [K, m, B, T]
-      normed = coef_RBT[: m * num_out].reshape(m, num_out, *batch)
-      normed = jnp.swapaxes(normed, 0, 1)
-    else:
-      normed = coef_RBT[:num_out]
+    normed = hyper_pallas.normalised_projections(coef_RBT, m, num_out, per_stream)
     return normed, h_BTD, sharding.constrain(passed_MBTD, STREAMS)
 
   def _hc_coefficients(self, streams, params, selected_M, which):

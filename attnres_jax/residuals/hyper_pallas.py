@@ -384,6 +384,14 @@ class _Columns:
   def read(self, i):
     return i * self.num_out if self.per_stream else i
 
+  @property
+  def read_columns(self):
+    return (
+      slice(0, self.m * self.num_out, self.num_out)
+      if self.per_stream
+      else slice(0, self.m)
+    )
+
   def inv_rms(self, g):
     return self.m * self.num_out + g if self.per_stream else self.num_out
 
@@ -400,6 +408,25 @@ class _Columns:
   def activation(self, normed_tR):
     """What the gate scales: HC tanh(n), mHC n itself."""
     return jnp.tanh(normed_tR) if self.per_stream else normed_tR
+
+
+def read_gate(scale, base_M, num_out, per_stream):
+  """The gate [2, R] of `gated_read` and `boundary`: the read weights' scale s (a
+  scalar) and bases [m] at the read columns (`_Columns`), zero elsewhere. HC: K =
+  `num_out` projections per stream (`per_stream`); mHC: K over all streams."""
+  cols = _Columns(base_M.shape[0], num_out, per_stream)
+  gate_2R = jnp.zeros((2, cols.num_rows), jnp.float32)
+  values = jnp.stack([jnp.broadcast_to(scale, base_M.shape), base_M])
+  return gate_2R.at[:, cols.read_columns].set(values)
+
+
+def normalised_projections(coef_RBT, m, num_out, per_stream):
+  """The normalised projections out of `gated_read`'s rows [R, B, T], laid out as
+  `hyper_streams.normed_projection` gives them: HC [K, m, B, T], mHC [K, B, T]."""
+  if per_stream:  # [m K, B, T] -> [K, m, B, T]
+    normed = coef_RBT[: m * num_out].reshape(m, num_out, *coef_RBT.shape[1:])
+    return jnp.swapaxes(normed, 0, 1)
+  return coef_RBT[:num_out]
 
 
 def _read_weights(gate, act_tR, per_stream):
