@@ -224,22 +224,27 @@ def test_gradients_are_finite_and_reach_every_parameter(residual):
     assert float(jnp.abs(g).max()) > 0, name
 
 
+def assert_decoding_equals_recomputation(residual, kernel, length, prompt, steps):
+  """A `prompt`-token prefill, then `steps` single tokens, against the full forward
+  over `length` tokens. float32, the same sublayers on fewer positions: ~1e-6
+  relative."""
+  model = randomize(make_model(residual, depth_kernel=kernel))
+  x = tokens(length=length)
+  full = jitted(lambda m, x: m(x), model, x)
+  scale = float(jnp.abs(full).max())
+  decode = nnx.jit(lambda m, t, cache, index: m.decode(t, cache, index))
+  logits, cache = decode(model, x[:, :prompt], model.init_cache(2, length), 0)
+  np.testing.assert_allclose(logits, full[:, :prompt], atol=1e-5 * scale)
+  for t in range(prompt, prompt + steps):
+    logits, cache = decode(model, x[:, t : t + 1], cache, jnp.int32(t))
+    np.testing.assert_allclose(logits[:, 0], full[:, t], atol=1e-5 * scale)
+
+
 @pytest.mark.parametrize('kernel', ['xla', 'pallas'])
 @pytest.mark.parametrize('residual', ['hc', 'mhc'])
 def test_cached_decoding_equals_recomputation(residual, kernel):
   """Also with the Pallas write and Sinkhorn (`depth_kernel`): one token a step."""
-  model = randomize(make_model(residual, depth_kernel=kernel))
-  x = tokens(length=10)
-  full = jitted(lambda m, x: m(x), model, x)
-  scale = float(jnp.abs(full).max())
-  decode = nnx.jit(lambda m, t, cache, index: m.decode(t, cache, index))
-  prompt = 4
-  logits, cache = decode(model, x[:, :prompt], model.init_cache(2, 10), 0)
-  # float32, the same sublayers on fewer positions: ~1e-6 relative.
-  np.testing.assert_allclose(logits, full[:, :prompt], atol=1e-5 * scale)
-  for t in range(prompt, 10):
-    logits, cache = decode(model, x[:, t : t + 1], cache, jnp.int32(t))
-    np.testing.assert_allclose(logits[:, 0], full[:, t], atol=1e-5 * scale)
+  assert_decoding_equals_recomputation(residual, kernel, length=10, prompt=4, steps=6)
 
 
 @pytest.mark.parametrize('residual', ['hc', 'mhc'])
@@ -249,17 +254,9 @@ def test_decoding_after_a_prompt_through_the_fused_kernels(residual):
   write kernel alone before XLA's read: the logits equal the full forward's (256
   tokens, through the kernels too). float32, the same sublayers on fewer positions:
   ~1e-6 relative (measured <= 1.1e-6)."""
-  model = randomize(make_model(residual, depth_kernel='pallas'))
-  x = tokens(length=256)
-  full = jitted(lambda m, x: m(x), model, x)
-  scale = float(jnp.abs(full).max())
-  decode = nnx.jit(lambda m, t, cache, index: m.decode(t, cache, index))
-  prompt = 128
-  logits, cache = decode(model, x[:, :prompt], model.init_cache(2, 256), 0)
-  np.testing.assert_allclose(logits, full[:, :prompt], atol=1e-5 * scale)
-  for t in range(prompt, prompt + 3):
-    logits, cache = decode(model, x[:, t : t + 1], cache, jnp.int32(t))
-    np.testing.assert_allclose(logits[:, 0], full[:, t], atol=1e-5 * scale)
+  assert_decoding_equals_recomputation(
+    residual, 'pallas', length=256, prompt=128, steps=3
+  )
 
 
 def test_stream_statistics():

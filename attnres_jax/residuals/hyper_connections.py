@@ -297,7 +297,7 @@ class HyperConnectionResidual(base.Residual):
     scale n_i)), else None; and the streams the write reads (passed through or
     written by a kernel), else None. `streams`: [m, B, T, D] or a `PendingWrite`."""
     pending = streams if isinstance(streams, PendingWrite) else None
-    streams_MBTD = streams.streams_MBTD if pending else streams
+    streams_MBTD = _stream_array(streams)
     m, batch = self.num_streams, streams_MBTD.shape[1:3]
     if self.cfg.depth_kernel != 'pallas' or batch[1] % hyper_pallas.LANES:
       passed_MBTD = self.written(pending) if pending else None
@@ -326,7 +326,7 @@ class HyperConnectionResidual(base.Residual):
 
   def _hc_coefficients(self, streams, params, selected_M, which):
     """`streams`: the streams [m, B, T, D] or a `PendingWrite` of them."""
-    streams_MBTD = streams.streams_MBTD if isinstance(streams, PendingWrite) else streams
+    streams_MBTD = _stream_array(streams)
     read_M = selected_M + _row(params.static_read, which)
     mix_MM = _row(params.static_mix, which)
     write_M = _row(params.static_write, which)
@@ -361,7 +361,7 @@ class HyperConnectionResidual(base.Residual):
     """mHC's maps, every one with the tokens on the minor axes ([m, B, T] and
     [m, m, B, T]): a per-token m x m matrix in the minor axes pads m to a tile.
     `streams`: the streams [m, B, T, D] or a `PendingWrite` of them."""
-    streams_MBTD = streams.streams_MBTD if isinstance(streams, PendingWrite) else streams
+    streams_MBTD = _stream_array(streams)
     m = self.num_streams
     batch = streams_MBTD.shape[1:3]
     per_token = lambda x: jnp.broadcast_to(x[..., None, None], x.shape + batch)
@@ -494,6 +494,12 @@ class HyperConnectionResidual(base.Residual):
       weights = (STREAM_AXIS, 'batch', 'length')
       return PendingWrite(STREAMS, sharding.HIDDEN, (STREAM_AXIS, *weights), weights)
     return STREAMS
+
+
+def _stream_array(streams):
+  """The streams [m, B, T, D] a sublayer's coefficients see: a `PendingWrite`'s
+  streams before its write (the shapes are the same)."""
+  return streams.streams_MBTD if isinstance(streams, PendingWrite) else streams
 
 
 def _leading_mean(mean):
