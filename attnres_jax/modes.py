@@ -4,7 +4,8 @@
 
 `block:4` is Block AttnRes with blocks of S = 4 sublayers, `hc:4`/`mhc:4` the
 (manifold-constrained) Hyper-Connections with m = 4 streams (the default), `@G`
-runs the AttnRes block schedule in segments of G layers (`schedule_layers`), and
+runs the AttnRes block schedule in segments of G layers (`schedule_layers`; for
+`standard`, the scan's body holds G layers: the same computation), and
 AttnRes options follow, each after a '/': `one_shot` or `two_phase` picks the read
 (`depth_read`), `bf16` or `f32` the depth state's storage (`depth_dtype`), e.g.
 `block:4/bf16` or `full/one_shot`; `pallas` computes Phase 1 with the Pallas
@@ -73,8 +74,8 @@ def fields(mode: str, *, block_size: int | None = None) -> dict[str, object]:
   else:
     raise _error(mode, f'unknown residual {residual!r}')
   if has_segment:
-    if residual not in ('full', 'block'):
-      raise _error(mode, '@G (segment layers) applies to full and block only')
+    if residual not in ('standard', 'full', 'block'):
+      raise _error(mode, '@G (segment layers) applies to standard, full and block only')
     out['schedule_layers'] = _positive_int(mode, segment, 'the segment length G')
   for option in options:
     if residual not in ('full', 'block') and option != 'pallas':

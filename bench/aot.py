@@ -6,8 +6,11 @@ HBM per device, temp memory / the standard's, bytes accessed, extra bytes over t
 standard's, that extra / the residual's floor (`Residual.min_extra_per_sublayer`,
 docs/method.md), collective bytes, and the bytes that cross HBM (`hlo_hbm`: on-chip
 operands and prefetch copies' on-chip side left out, which "bytes accessed" counts)
-with their extra over the standard's / the floor (the floor's own measure) and the
-ratio of their roofline to the standard's.
+with their extra over the standard's / the floor (the floor's own measure), the
+ratio of their roofline to the standard's, and the estimate's ratio to the standard
+whose scan holds as many layers per body ("vs std@G", where this invocation compiled
+it: `standard@G` in --modes; a control for the loop structure, which alone moves the
+estimate; docs/results.md).
 
   JAX_PLATFORMS=cpu python bench/aot.py --modes=standard,full --sizes=125m \\
       --topologies=v5p-8 --out=bench/results/aot.json
@@ -24,7 +27,9 @@ import os
 import time
 
 from attnres_jax import aot
+from attnres_jax import config as config_lib
 from attnres_jax import modes
+from attnres_jax import residuals
 
 from configs import default as default_config
 
@@ -64,6 +69,12 @@ def row_config(mode: str, size: str, chips: int, mesh: str = 'fsdp'):
   return config
 
 
+def segment_layers(config) -> int:
+  """Layers in the body of the scan over the row's layers (its residual's segments)."""
+  model_cfg = config_lib.ModelConfig.from_config(config.model)
+  return residuals.make(model_cfg).segment_layers
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
   parser.add_argument('--modes', default='standard', help=modes.SYNTAX)
@@ -93,12 +104,14 @@ def main(argv=None):
   print(
     f'{"mode":<12}{"size":<6}{"topology":<9}{"est. ms":>9}{"vs std":>7}{"cyc x":>7}'
     f'{"MFU":>6}{"HBM GiB":>9}{"temp":>7}{"GB acc.":>9}{"extra":>7}{"/min":>6}'
-    f'{"coll. GB":>9}{"HBM GB":>8}{"/min":>6}{"x std":>7}{"compile s":>10}  note'
+    f'{"coll. GB":>9}{"HBM GB":>8}{"/min":>6}{"x std":>7}{"vs std@G":>9}'
+    f'{"compile s":>10}  note'
   )
   for topo_label in args.topologies.split(','):
     topology = TOPOLOGIES[topo_label]
     for size in args.sizes.split(','):
       standard = None
+      standard_by_segment = {}  # the standard at each segment length compiled here
       for mode in args.modes.split(','):
         chips = aot.get_topology(topology).num_chips
         config = row_config(mode, size, chips, args.mesh)
@@ -110,6 +123,7 @@ def main(argv=None):
           topology_name=topology,
           seq_len=config.train.seq_len,
           batch_size=config.train.batch_size,
+          segment_layers=segment_layers(config),
         )
         try:
           hlo_dir = args.hlo_dir and os.path.join(
@@ -122,6 +136,8 @@ def main(argv=None):
           row['error'] = str(e)
         else:
           row.update(step)
+          if row['config']['model']['residual'] == 'standard':
+            standard_by_segment.setdefault(row['segment_layers'], step)
           if mode == 'standard':
             standard = step
           elif standard is not None:
@@ -156,6 +172,7 @@ def main(argv=None):
           f'{times(floor):>6}{coll:>9.2f}'
           f'{row["hbm_bytes"] / 1e9:>8.1f}{times(hbm_floor):>6}'
           f'{ratio("hbm_roofline_seconds"):>7.2f}'
+          f'{ratio("est_step_seconds", standard_by_segment.get(row["segment_layers"])):>9.2f}'
           f'{row["compile_seconds"]:>10.0f}  time: '
           + ', '.join(f'{k} {v:.0%}' for k, v in row['time_shares'].items()),
           flush=True,

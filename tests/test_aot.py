@@ -22,6 +22,7 @@ from attnres_jax import hlo_cost
 from attnres_jax import hlo_hbm
 from attnres_jax import sharding
 from attnres_jax import tpu_topology
+from bench import aot as aot_cli
 from configs import default as default_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -371,3 +372,15 @@ def test_hbm_bytes_count_a_prefetched_weight_once():
   mib4 = 1024 * 1024 * 4
   assert hlo_cost.analyze(_PREFETCH_HLO)['bytes'] == (3 + 2 + 1) * mib4
   assert hlo_hbm.hbm_costs(_PREFETCH_HLO)['hbm_bytes'] == (1 + 2 + 1) * mib4
+
+
+@pytest.mark.parametrize(
+  'mode, layers',
+  [('standard', 1), ('standard@2', 2), ('block:4', 2), ('block:8', 4), ('full', 2)],
+)
+def test_the_cost_table_pairs_each_row_with_the_standard_of_its_loop_structure(
+  mode, layers
+):
+  """`bench/aot.py` compares a row's estimate with the standard compiled with as many
+  layers per scan body ("vs std@G"): the row's segment length, d1024's 8 layers."""
+  assert aot_cli.segment_layers(aot_cli.row_config(mode, 'd1024', 4, 'data')) == layers

@@ -154,6 +154,27 @@ def test_scan_equals_unrolled(residual, block_size):
   np.testing.assert_allclose(model(x), scanned, rtol=1e-5, atol=3e-6 * scale)
 
 
+def test_standard_segments_of_several_layers_compute_the_same_model():
+  """`standard@G` (the scan's body holding G layers; TINY's 3 layers: a segment of 2
+  and a last one of 1) changes only the loop structure: same logits and gradients."""
+  model = make_model('standard', 1)
+  grouped = with_config(model, schedule_layers=2)
+  assert grouped.residual.segment_layers == 2
+  x = tokens()
+  loss = lambda m: jnp.mean(m(x) ** 2)
+  # The same float32 ops, fused differently in a body of two layers: a few ulps of
+  # the largest logit or gradient entry (as scan against unrolled above).
+  scale = float(jnp.abs(model(x)).max())
+  np.testing.assert_allclose(grouped(x), model(x), rtol=1e-5, atol=3e-6 * scale)
+  expected, actual = nnx.grad(loss)(model), nnx.grad(loss)(grouped)
+  for (path, a), b in zip(
+    jax.tree_util.tree_leaves_with_path(nnx.state(actual)),
+    jax.tree.leaves(nnx.state(expected)),
+  ):
+    scale = float(jnp.abs(b).max()) + 1e-30
+    np.testing.assert_allclose(a / scale, b / scale, atol=1e-5, err_msg=str(path))
+
+
 @pytest.mark.parametrize('residual,block_size', [('standard', 1), ('block', 2)])
 def test_jit_equals_eager(residual, block_size):
   model = randomize_depth_params(make_model(residual, block_size))

@@ -13,6 +13,7 @@ from configs import default as default_config
     ('standard', dict(residual='standard'), 'standard'),
     ('full', dict(residual='full'), 'full'),
     ('full@2', dict(residual='full', schedule_layers=2), 'full_g2'),
+    ('standard@2', dict(residual='standard', schedule_layers=2), 'standard_g2'),
     ('block:4', dict(residual='block', block_size=4), 'block_s4'),
     ('block:2@3', dict(residual='block', block_size=2, schedule_layers=3), 'block_s2_g3'),
     ('hc', dict(residual='hc', hc_streams=4), 'hc'),

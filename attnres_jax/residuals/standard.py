@@ -11,9 +11,16 @@ from attnres_jax.residuals import base
 
 @dataclasses.dataclass(frozen=True)
 class StandardResidual(base.Residual):
-  """The stream is the whole state (the carry is h [B, T, D]); one layer a segment."""
+  """The stream is the whole state (the carry is h [B, T, D]); one layer a segment,
+  or `schedule_layers` (the same computation, the scan's body holding that many
+  layers: a control for how a program's loop structure alone moves the compile-only
+  estimate, beside AttnRes, whose segments hold whole blocks)."""
 
   cfg: Any
+
+  @property
+  def segment_layers(self) -> int:
+    return self.cfg.schedule_layers or 1
 
   @property
   def label(self) -> str:
