@@ -136,7 +136,7 @@ def main(argv=None):
           row['error'] = str(e)
         else:
           row.update(step)
-          if row['config']['model']['residual'] == 'standard':
+          if config.model.residual == 'standard':
             standard_by_segment.setdefault(row['segment_layers'], step)
           if mode == 'standard':
             standard = step
