@@ -206,6 +206,11 @@ def _summarize(compiled, seconds: float, topo: Topology, model_flops: float) -> 
     # With every computation once, as `xla_seconds_loops_once` counts: their ratio is
     # not one clock across programs (docs/results.md, thirteenth pass).
     'compiler_cycles_loops_once': costs['cycles_once'],
+    # The cycles leave out Pallas kernels (they carry none; the compiler costs them by
+    # their CostEstimates, as our roofline does). This view adds them, charged at the
+    # program's own rate: its cycles per roofline second of everything else.
+    'pallas_roofline_seconds': costs.get('roofline_pallas', 0.0),
+    'compiler_cycles_with_kernels': cycles_with_kernels(costs),
     'model_flops': model_flops,
     'est_mfu': model_flops / (step_seconds * peak) if step_seconds else None,
     'collectives': costs['collectives'],
@@ -219,6 +224,17 @@ def _summarize(compiled, seconds: float, topo: Topology, model_flops: float) -> 
     'while_trip_counts': costs['while_trip_counts'],
     'unknown_trip_counts': costs['unknown_trip_counts'],
   }
+
+
+def cycles_with_kernels(costs: dict[str, Any]) -> float:
+  """The compiler's cycles with loops counted plus the Pallas kernels' (which carry
+  none), each kernel charged its roofline (from its CostEstimate) times the cycles
+  the compiler gives a roofline second of the rest of the program."""
+  kernels = costs.get('roofline_pallas', 0.0)
+  rest = costs.get('roofline', 0.0) - kernels
+  if not kernels or rest <= 0:
+    return costs['cycles']
+  return costs['cycles'] * (1.0 + kernels / rest)
 
 
 def _compile_uncached(lowered):

@@ -23,7 +23,9 @@ Per instruction of a non-fused computation (what runs as one kernel):
                 Phase 1 kernel whose BlockSpecs load only the valid ones
   cycles        the TPU compiler's own estimate of the kernel (`estimated_cycles` in its
                 backend config): scaled by the program's cycles-to-seconds ratio, the
-                compiler's step time with loops counted
+                compiler's step time with loops counted. A Pallas kernel carries none
+                (the compiler costs it by its CostEstimate): its roofline is kept
+                apart (`roofline_pallas`) so that a view of the cycles can add it
   collectives   all-gather, reduce-scatter, all-reduce, collective-permute, all-to-all:
                 count and bytes (the larger of the per-device input and output: the
                 gathered result, the scattered input)
@@ -381,7 +383,8 @@ def analyze(
   flops, transcendentals, bytes (`bytes_async_copies`: the share of copy-start, async
   moves between memories), cycles, roofline seconds (per kernel the larger of flops /
   `peak_flops` and bytes / `hbm_bandwidth`; `roofline_<kind>` by `kind_of`, and
-  `roofline_matmul_bytes_bound` of matmul kernels limited by bytes), each also
+  `roofline_matmul_bytes_bound` of matmul kernels limited by bytes,
+  `roofline_pallas` of the Pallas kernels, which carry no cycles), each also
   `<name>_once` (every computation once, as XLA's totals count), collectives by kind,
   and the trip counts found."""
   computations, entry = hlo_text.parse_module(text)
@@ -399,6 +402,8 @@ def analyze(
       roofline = max(flops / peak_flops, moved / hbm_bandwidth)
       kind = kind_of(instruction, computations)
       totals['roofline_' + kind] += times * roofline
+      if kernel_estimate(instruction) is not None:
+        totals['roofline_pallas'] += times * roofline
       if kind == 'matmul' and moved / hbm_bandwidth > flops / peak_flops:
         totals['roofline_matmul_bytes_bound'] += times * roofline
       for key, once in (

@@ -343,6 +343,38 @@ def test_a_pallas_kernel_counts_what_its_cost_estimate_states():
   assert hlo_cost.analyze(plain)['bytes'] == 6 * mib4
 
 
+# A fusion the compiler costs at 1000 cycles (8 MiB moved) beside the Pallas kernel
+# above (12 MiB by its CostEstimate, no cycles of its own).
+_CYCLES_AND_KERNEL_HLO = """
+HloModule m
+
+%fused (a: f32[1024,1024]) -> f32[1024,1024] {
+  %a = f32[1024,1024]{1,0} parameter(0)
+  ROOT %n = f32[1024,1024]{1,0} negate(%a)
+}
+
+ENTRY %main (x: f32[1024,1024], buf: bf16[5,2048,1024]) -> (f32[1024,1024], bf16[2048,1024]) {
+  %x = f32[1024,1024]{1,0} parameter(0)
+  %buf = bf16[5,2048,1024]{2,1,0} parameter(1)
+  %y = f32[1024,1024]{1,0} fusion(%x), kind=kLoop, calls=%fused, backend_config={"estimated_cycles":"1000"}
+  %out = bf16[2048,1024]{1,0} custom-call(%buf), custom_call_target="tpu_custom_call", backend_config={"custom_call_config": {"body": "..."}, "cost_estimate":{"flops":"6291456","transcendentals":"2048","bytes_accessed":"12582912","remote_bytes_transferred":"0"}}
+  ROOT %t = (f32[1024,1024]{1,0}, bf16[2048,1024]{1,0}) tuple(%y, %out)
+}
+"""
+
+
+def test_the_cycles_view_with_kernels_charges_them_at_the_programs_own_rate():
+  """A Pallas kernel carries no cycles; `cycles_with_kernels` charges its roofline
+  (12 MiB at unit bandwidth) at the cycles per roofline second of the rest (1000
+  cycles for the fusion's 8 MiB): 1000 x (1 + 12 / 8)."""
+  costs = hlo_cost.analyze(_CYCLES_AND_KERNEL_HLO)
+  assert costs['cycles'] == 1000
+  assert costs['roofline_pallas'] == 12 * 2**20
+  assert aot.cycles_with_kernels(costs) == pytest.approx(2500, rel=1e-12)
+  # Without a kernel the view is the cycles.
+  assert aot.cycles_with_kernels(hlo_cost.analyze(_PREFETCH_HLO)) == 0
+
+
 # A weight prefetched into on-chip memory (S(1)) and read there by a fusion, beside a
 # fusion that reads an HBM operand: the TPU compiler's shapes of both.
 _PREFETCH_HLO = """
