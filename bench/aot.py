@@ -125,7 +125,6 @@ def main(argv=None):
           topology_name=topology,
           seq_len=config.train.seq_len,
           batch_size=config.train.batch_size,
-          segment_layers=segment_layers(config),
         )
         try:
           hlo_dir = args.hlo_dir and os.path.join(
@@ -137,7 +136,7 @@ def main(argv=None):
         except ValueError as e:
           row['error'] = str(e)
         else:
-          row.update(step)
+          row.update(step, segment_layers=segment_layers(config))
           if config.model.residual == 'standard':
             standard_by_segment.setdefault(row['segment_layers'], step)
           if mode == 'standard':
