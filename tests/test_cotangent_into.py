@@ -298,13 +298,23 @@ def gradients(model, tokens, **changes):
   return jax.jit(jax.grad(loss))(state)
 
 
-@pytest.mark.parametrize('schedule_layers', [0, 2])
-def test_full_linear_memory_backward_with_the_kernels_equals_autodiff(schedule_layers):
-  """Full AttnRes with the Phase 1 kernel, 128 tokens of width 128 (the accumulate
-  kernel runs: lane-aligned), through the segments' scan and a shorter last segment."""
+@pytest.mark.parametrize(
+  'residual, block_size, schedule_layers',
+  [
+    ('full', 1, 0),
+    ('full', 1, 2),
+    ('block', 4, 0),  # segments of 2 layers, one block each, and a last one of 1
+  ],
+)
+def test_linear_memory_backward_with_the_kernels_equals_autodiff(
+  residual, block_size, schedule_layers
+):
+  """Full and Block AttnRes with the Phase 1 kernel, 128 tokens of width 128 (the
+  accumulate kernel runs: lane-aligned), through the segments' scan and a shorter
+  last segment."""
   model = tiny_model(
-    'full',
-    1,
+    residual,
+    block_size,
     random_depth=True,
     d_model=128,
     num_heads=1,
@@ -327,19 +337,25 @@ def test_full_linear_memory_backward_with_the_kernels_equals_autodiff(schedule_l
     np.testing.assert_allclose(a / scale, b / scale, atol=1e-4, err_msg=str(path))
 
 
-def test_resumed_chunk_with_the_kernels_equals_autodiff():
-  """A pipeline chunk (layers 2-3 of 4, resumed from the carry at segment 2, traced)
-  through the linear-memory backward with both kernels: the cotangents of its layers
-  and of the received carry equal plain autodiff of the chunk."""
+@pytest.mark.parametrize(
+  'residual_name, block_size, schedule_layers', [('full', 1, 1), ('block', 4, 0)]
+)
+def test_resumed_chunk_with_the_kernels_equals_autodiff(
+  residual_name, block_size, schedule_layers
+):
+  """A pipeline chunk (layers 2-3 of 4, resumed from the carry at its first
+  segment, traced) through the linear-memory backward with both kernels: the
+  cotangents of its layers and of the received carry equal plain autodiff of the
+  chunk. Full: one layer a segment; Block S=4: one 2-layer segment."""
   model = tiny_model(
-    'full',
-    1,
+    residual_name,
+    block_size,
     random_depth=True,
     d_model=128,
     num_heads=1,
     num_layers=4,
     depth_kernel='pallas',
-    schedule_layers=1,
+    schedule_layers=schedule_layers,
   )
   residual, cfg = model.residual, model.cfg
   graphdef, layer_state = nnx.split(model.layers)
@@ -358,7 +374,8 @@ def test_resumed_chunk_with_the_kernels_equals_autodiff():
 
   def grads(custom_stack):
     def loss(chunk, carry):
-      out = run(chunk, carry, jnp.int32(2), positions_BT, custom_stack=custom_stack)
+      first_segment = jnp.int32(2 // residual.segment_layers)
+      out = run(chunk, carry, first_segment, positions_BT, custom_stack=custom_stack)
       return sum(jnp.sum(o * w) for o, w in zip(out, weights))
 
     grad_fn = jax.grad(loss, argnums=(0, 1))

@@ -62,21 +62,26 @@ def make_stack(residual):
       return body(state, norm(state, h_BTD), positions_BT)
 
     keeps_partial = residual.block_size > 1  # Full: a sublayer's own slot starts empty
-    # Full AttnRes with the Phase 1 kernel: the buffer and Phase 1's cotangent of it
-    # have the kernel's layout (tokens on the lanes), and Phase 1's cotangent is
-    # summed into the carried one by its backward kernel
-    # (`depth_pallas.cotangent_into`: width on the lanes, in place). The XLA path or
-    # Block gain copies from it (bench/aot.py, d1024 v5p-8). Each segment's slots
-    # are sliced from the final buffer inside the reverse scan, as without the
-    # kernel: sliced once before it, all of them at once, that copy cost more than
-    # the per-segment slices (d1024 v5p:2x2x1 full/bf16/pallas: 51.60 -> 51.14 ms,
-    # temp 12.56 -> 12.06 GiB).
-    kernel_layout = cfg.depth_kernel == 'pallas' and residual.block_size == 1
-    # There, a pipeline chunk's carried cotangent is pinned width-minor per segment:
+    # With the Phase 1 kernel: the buffer and Phase 1's cotangent of it have the
+    # kernel's layout (tokens on the lanes), Phase 1's cotangent is summed into the
+    # carried one by its backward kernel (`depth_pallas.cotangent_into`: width on the
+    # lanes, in place), and slot 0 is sliced once, outside the reverse scan. For
+    # Block the separate sum read the carried [K, B, T, D] cotangent twice and wrote
+    # it once a segment (bench/aot.py d1024 v5p:2x2x1, block:4/bf16/pallas, data /
+    # FSDP: HBM 70.6 -> 69.9 / 65.5 -> 64.7 GB, cycles 1.053x -> 1.030x / 1.094x ->
+    # 1.067x the standard's, the estimate unchanged, temp +0.05-0.06 GiB; with only the
+    # kernel's sum, a relayout copy of the buffer took the sum's place). Each
+    # segment's slots are sliced from the final buffer inside the reverse scan, as
+    # without the kernel: sliced once before it, all of them at once, that copy cost
+    # more than the per-segment slices (d1024 v5p:2x2x1 full/bf16/pallas: 51.60 ->
+    # 51.14 ms, temp 12.56 -> 12.06 GiB).
+    kernel_layout = cfg.depth_kernel == 'pallas'
+    # Full's pipeline chunks also pin their carried cotangent width-minor per segment:
     # under the stages' vmap the compiler held it tokens-minor in the reverse scan and
     # copied it to and from the kernel's layout every trip (bench/pipeline.py v5p,
     # P=2 V=1, full/bf16/pallas: 93.60 -> 91.60 ms). Block's got slower pinned
     # (block:4/bf16/pallas V=2: 74.89 -> 78.90 ms).
+    pin_chunk_cotangent = kernel_layout and not keeps_partial
     recompute_sublayers = cfg.remat == 'layer'
     # What the Phase 1 kernels' cost estimates charge a call in the scan over the full
     # segments (`first`, their num_valid, traced there): the mean of `first` over the
@@ -376,7 +381,7 @@ def make_stack(residual):
             lambda x, *d: jnp.stack(d).astype(x.dtype), layer_state, *d_states
           )
           if resumed:  # the scan's output (below)
-            if kernel_layout:  # pinned: see `kernel_layout` above
+            if pin_chunk_cotangent:  # see above
               d_buffer_KBTD = pallas_mesh.width_minor(
                 d_buffer_KBTD, sharding.DEPTH_BUFFER
               )
