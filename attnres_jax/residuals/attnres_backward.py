@@ -74,8 +74,10 @@ def make_stack(residual):
     # segment's slots are sliced from the final buffer inside the reverse scan, as
     # without the kernel: sliced once before it, all of them at once, that copy cost
     # more than the per-segment slices (d1024 v5p:2x2x1 full/bf16/pallas: 51.60 ->
-    # 51.14 ms, temp 12.56 -> 12.06 GiB).
-    kernel_layout = cfg.depth_kernel == 'pallas'
+    # 51.14 ms, temp 12.56 -> 12.06 GiB). Not for Block's pipeline chunks: there it
+    # measured slower (bench/pipeline.py v5p:2x2x1 P=2 M=4 remat, block:4/bf16/pallas:
+    # V=1 78.02 -> 79.8 ms, temp 4.87 -> 5.05 GiB; V=2 74.26 -> 75.0 ms).
+    kernel_layout = cfg.depth_kernel == 'pallas' and not (keeps_partial and resumed)
     # Full's pipeline chunks also pin their carried cotangent width-minor per segment:
     # under the stages' vmap the compiler held it tokens-minor in the reverse scan and
     # copied it to and from the kernel's layout every trip (bench/pipeline.py v5p,
