@@ -386,8 +386,8 @@ def test_resumed_chunk_with_the_kernels_equals_autodiff(
     return grad_fn(chunk, carry), str(jax.make_jaxpr(grad_fn)(chunk, carry))
 
   (plain, _), (linear, jaxpr) = grads(None), grads(residual.custom_stack)
-  # The fused kernel ran: Full's chunks sum into the carried cotangent in it; Block's
-  # add outside it (faster there, `attnres_backward.make_stack`).
+  # Full's chunks sum into the carried cotangent in the fused kernel; Block's add
+  # outside it (faster there, `attnres_backward.make_stack`).
   fused = re.search(r'input_output_aliases=\(\(\d+, 0\),\)', jaxpr)
   assert bool(fused) == (residual_name == 'full')
   # Tolerance as in the test above (the same float32 sums in another order).

@@ -69,8 +69,9 @@ def make_stack(residual):
     # Block the separate sum read the carried [K, B, T, D] cotangent twice and wrote
     # it once a segment (bench/aot.py d1024 v5p:2x2x1, block:4/bf16/pallas, data /
     # FSDP: HBM 70.6 -> 69.9 / 65.5 -> 64.7 GB, cycles 1.053x -> 1.030x / 1.094x ->
-    # 1.067x the standard's, the estimate unchanged, temp +0.05-0.06 GiB; with only the
-    # kernel's sum, a relayout copy of the buffer took the sum's place). Each
+    # 1.067x the standard's, the estimate unchanged, temp +0.05-0.06 GiB; with the
+    # kernel's sum but slot 0 sliced in the scan, a relayout copy of the buffer took
+    # the sum's place). Each
     # segment's slots are sliced from the final buffer inside the reverse scan, as
     # without the kernel: sliced once before it, all of them at once, that copy cost
     # more than the per-segment slices (d1024 v5p:2x2x1 full/bf16/pallas: 51.60 ->
