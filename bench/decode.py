@@ -58,6 +58,7 @@ flags.DEFINE_list(
   ['standard', 'full', 'block/one_shot', 'block'],
   f'Residual modes ({modes_lib.SYNTAX}); a bare block has about --num_blocks blocks.',
 )
+flags.DEFINE_enum('dtype', 'float32', ['float32', 'bfloat16'], 'Compute and cache dtype.')
 flags.DEFINE_integer('num_blocks', 8, 'A bare block: S = round(L / num_blocks).')
 flags.DEFINE_integer('prompt_len', 128, 'Prompt tokens (prefill).')
 flags.DEFINE_integer('new_tokens', 64, 'Generated tokens (new_tokens - 1 timed steps).')
@@ -109,6 +110,7 @@ def build(mode: str, d_model: int, num_layers: int, block_size: int):
     num_heads=max(1, d_model // 64),
     mlp_dim=4 * d_model,
     num_layers=num_layers,
+    dtype=FLAGS.dtype,
     **modes_lib.fields(mode, block_size=block_size),
   )
   model = ar.Transformer(cfg, rngs=nnx.Rngs(0))  # same shared weights in every variant

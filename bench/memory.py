@@ -48,6 +48,9 @@ flags.DEFINE_list(
   f'Residual modes ({modes.SYNTAX}); without @G the schedule segment is automatic.',
 )
 flags.DEFINE_integer('d_model', 256, 'Model width.')
+flags.DEFINE_integer('num_heads', 0, 'Attention heads (0: d_model / 64).')
+flags.DEFINE_integer('vocab_size', 256, 'Vocabulary (256: bytes).')
+flags.DEFINE_enum('dtype', 'float32', ['float32', 'bfloat16'], 'Compute dtype.')
 flags.DEFINE_integer('seq_len', 256, 'Sequence length.')
 flags.DEFINE_integer('batch_size', 8, 'Batch size.')
 flags.DEFINE_integer(
@@ -76,9 +79,11 @@ def model_config(mode: str, num_layers: int):
   ...) at `num_layers` layers of the benchmark's width."""
   return ar.model_config(
     d_model=FLAGS.d_model,
-    num_heads=max(1, FLAGS.d_model // 64),
+    num_heads=FLAGS.num_heads or max(1, FLAGS.d_model // 64),
     mlp_dim=4 * FLAGS.d_model,
     num_layers=num_layers,
+    vocab_size=FLAGS.vocab_size,
+    dtype=FLAGS.dtype,
     remat=FLAGS.remat,
     linear_memory_backward=FLAGS.linear_memory_backward,
     **modes.fields(mode),
@@ -94,7 +99,7 @@ def compile_step(mode: str, num_layers: int):
   state = train.init_train_state(cfg, tx, seed=0)
   graphdef = nnx.graphdef(ar.Transformer(cfg, rngs=nnx.Rngs(0)))
   tokens_BT = jax.random.randint(
-    jax.random.key(0), (FLAGS.batch_size, FLAGS.seq_len + 1), 0, 256
+    jax.random.key(0), (FLAGS.batch_size, FLAGS.seq_len + 1), 0, FLAGS.vocab_size
   )
   batch = {
     'inputs': tokens_BT[:, :-1],
@@ -114,6 +119,9 @@ def compile_step(mode: str, num_layers: int):
     num_layers=num_layers,
     num_sublayers=2 * num_layers,
     d_model=FLAGS.d_model,
+    num_heads=cfg.num_heads,
+    vocab_size=FLAGS.vocab_size,
+    dtype=FLAGS.dtype,
     seq_len=FLAGS.seq_len,
     batch_size=FLAGS.batch_size,
     remat=FLAGS.remat,
@@ -130,6 +138,8 @@ def compile_step(mode: str, num_layers: int):
     ),
     compile_s=compile_s,
     backend=jax.default_backend(),
+    device=jax.devices()[0].device_kind,
+    jax_version=jax.__version__,
   )
   return compiled, [state, batch], record
 
@@ -223,7 +233,7 @@ def main(argv):
     return
   rows = []
   header = (
-    f'{"mode":>9} {"layers":>6} {"temp MiB":>9} {"total MiB":>9} '
+    f'{"mode":>12} {"layers":>6} {"temp MiB":>9} {"total MiB":>9} '
     f'{"step s":>7} {"compile s":>9} {"temp/std":>8} {"total/std":>9} '
     f'{"time/std":>8}'
   )
@@ -241,7 +251,7 @@ def main(argv):
       rows.append(row)
       mib = 2**20
       print(
-        f'{mode:>9} {num_layers:>6} {row["temp_bytes"] / mib:>9.1f} '
+        f'{mode:>12} {num_layers:>6} {row["temp_bytes"] / mib:>9.1f} '
         f'{row["total_bytes"] / mib:>9.1f} {row["step_s"]:>7.3f} '
         f'{row["compile_s"]:>9.1f} '
         f'{row.get("temp_ratio", float("nan")):>8.2f} '
