@@ -7,7 +7,7 @@
 # HC/mHC comparators and the loop-structure control standard@2. Every part times its
 # modes interleaved against its own standard (bench/memory.py, bench/decode.py).
 #
-#   bench/gpu.sh [OUT_DIR]          # default bench/results/gpu; about 9 min on one H200
+#   bench/gpu.sh [OUT_DIR]          # default bench/results/gpu; about 6 min on one H200
 #   bench/gpu.sh /tmp/gpu quick     # the same parts at toy sizes (a smoke run, any host)
 #
 # Each part runs under its own time limit (a slow compile ends that part only) and

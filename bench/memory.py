@@ -13,6 +13,8 @@ same run.
   python bench/memory.py --linear_memory_backward=false   # plain autodiff, for contrast
   python bench/memory.py --modes=standard,full,block:4,hc,mhc --layers=4 --d_model=128
   python bench/memory.py --io        # the residual's memory I/O per sublayer (counted)
+  python bench/memory.py --layers=8 --d_model=1024 --num_heads=8 --vocab_size=32768 \
+      --seq_len=1024 --dtype=bfloat16 --steps=20   # a GPU's size (bench/gpu.sh)
 
 Modes: 'standard', 'full', 'block:S', 'hc:m', 'mhc:m' (Hyper-Connections / mHC with m
 streams, default 4).
