@@ -12,9 +12,6 @@ time per token by kernel and by kind of kernel, and the kernel launches per toke
 
 from __future__ import annotations
 
-import json
-import os
-
 from absl import app, flags
 import jax
 
@@ -65,10 +62,7 @@ def main(argv):
           f'{mode}, d{d_model}/{num_layers}L, batch {batch}, per token', row, FLAGS.top
         )
   if FLAGS.out:
-    os.makedirs(os.path.dirname(FLAGS.out) or '.', exist_ok=True)
-    with open(FLAGS.out, 'w') as f:
-      json.dump(rows, f, indent=1)
-    print(f'wrote {len(rows)} records to {FLAGS.out}')
+    trace_summary.write_rows(FLAGS.out, rows)
 
 
 if __name__ == '__main__':

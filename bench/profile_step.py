@@ -17,7 +17,6 @@ On a CPU the trace has no device lanes: the kernels are the host's XLA thunks.
 
 from __future__ import annotations
 
-import json
 import os
 
 from absl import app, flags
@@ -59,10 +58,7 @@ def main(argv):
       rows.append(row)
       trace_summary.print_summary(f'{mode} at {num_layers} layers', row, FLAGS.top)
   if FLAGS.out:
-    os.makedirs(os.path.dirname(FLAGS.out) or '.', exist_ok=True)
-    with open(FLAGS.out, 'w') as f:
-      json.dump(rows, f, indent=1)
-    print(f'wrote {len(rows)} records to {FLAGS.out}')
+    trace_summary.write_rows(FLAGS.out, rows)
 
 
 if __name__ == '__main__':

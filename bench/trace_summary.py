@@ -129,3 +129,10 @@ def print_summary(title: str, row: dict, top: int) -> None:
         f'  {entry["ms_per_step"]:>8.3f} ms {entry["calls_per_step"]:>6.0f}x  '
         f'{entry["name"][:100]}'
       )
+
+
+def write_rows(path: str, rows: list[dict]) -> None:
+  os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
+  with open(path, 'w') as f:
+    json.dump(rows, f, indent=1)
+  print(f'wrote {len(rows)} records to {path}')
