@@ -162,10 +162,20 @@ class WorkdirLock:
     self.release()
 
 
+# Every record is padded with spaces (JSON's whitespace) to at least this length, so a
+# renewal rewrites the whole file in one write at a fixed size: written and then
+# truncated, a record shorter than the one before (`renewed` with one digit fewer) left
+# a moment in which a reader saw the new record followed by the old one's last bytes
+# (not JSON: a holder read as unreadable).
+RECORD_BYTES = 512
+
+
 def _write_record(fd: int, record: Mapping[str, Any]) -> None:
   data = json.dumps(record).encode()
+  data = data.ljust(RECORD_BYTES)
   os.pwrite(fd, data, 0)
-  os.ftruncate(fd, len(data))
+  if os.fstat(fd).st_size > len(data):  # a longer record before (not a renewal's)
+    os.ftruncate(fd, len(data))
   os.fsync(fd)
 
 

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from attnres_jax import checkpointing
+from attnres_jax import lock as lock_lib
 from attnres_jax import metrics as metrics_lib
 from attnres_jax import preemption
 from attnres_jax import train as train_lib
@@ -124,6 +125,25 @@ def test_holder_renews_its_lease(tmp_path):
     time.sleep(0.5)
     assert json.loads(path.read_text())['renewed'] > first
   assert path.read_text() == ''  # released: no record left
+
+
+def test_a_renewal_never_leaves_the_tail_of_a_longer_record(tmp_path):
+  # A renewal rewrites the record in place. Had it to shrink the file (a record one
+  # character shorter, say), a reader between the write and the truncation would see
+  # the new record followed by the old one's last bytes: every record is written at
+  # one fixed size instead, and parses whatever was in the file before.
+  path = tmp_path / workdir_lib.LOCK_FILE
+  fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+  try:
+    lock_lib._write_record(fd, {'purpose': 'x' * 100, 'renewed': 1796403412.4076381})
+    size = path.stat().st_size
+    shorter = {'purpose': 'train', 'renewed': 1796403412.5}
+    lock_lib._write_record(fd, shorter)
+    assert path.stat().st_size == size  # rewritten over the old bytes, not shrunk
+    assert json.loads(path.read_bytes()) == shorter
+    assert lock_lib._read_holder(fd) == shorter
+  finally:
+    os.close(fd)
 
 
 def test_a_rerun_drops_what_a_killed_run_logged_after_its_checkpoint(tmp_path):
