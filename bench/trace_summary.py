@@ -35,7 +35,7 @@ def kind_of(name: str) -> str:
 
 def device_lanes(trace_dir: str) -> dict[str, list[dict]]:
   """The complete events ('X') of the trace's device, by lane: on a GPU, 'kernels'
-  (the streams' lanes: each kernel once) and 'hlo ops' (the derived 'XLA Ops' lane,
+  (the streams' lanes: each kernel once) and 'hlo_ops' (the derived 'XLA Ops' lane,
   named after the HLO instruction: a fusion, a while loop's body op); on a host
   without a device, 'kernels' holds what XLA's CPU threads ran (nested: they
   overlap)."""
@@ -76,9 +76,12 @@ def per_step(events: list[dict], steps: int) -> tuple[collections.Counter, dict]
   """(microseconds per step by name, calls per step by name)."""
   time_us, calls = collections.Counter(), collections.Counter()
   for e in events:
-    time_us[e['name']] += e.get('dur', 0.0) / steps
-    calls[e['name']] += 1 / steps
-  return time_us, calls
+    time_us[e['name']] += e.get('dur', 0.0)
+    calls[e['name']] += 1
+  return (
+    collections.Counter({name: us / steps for name, us in time_us.items()}),
+    {name: count / steps for name, count in calls.items()},
+  )
 
 
 def summarise(lanes: dict[str, list[dict]], steps: int) -> dict:
