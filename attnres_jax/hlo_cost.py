@@ -5,8 +5,8 @@ XLA's `cost_analysis()` visits every computation once, so the body of a while lo
 iterations, mHC's Sinkhorn) counts once whatever its trip count. `analyze` reads the
 optimized HLO text instead and weighs each computation by how often it runs: the entry
 once, a while body `n` times per run of the computation holding the loop (nested loops
-multiply), its condition `n + 1` times, a called computation or conditional branch as
-often as its caller.
+multiply), its condition `n + 1` times, a called computation as often as its caller,
+each of a conditional's N branches 1 / N times as often (`hlo_loops`).
 
 Per instruction of a non-fused computation (what runs as one kernel):
   flops         dots and convolutions 2 x output elements x contracted size; other

@@ -1,7 +1,10 @@
 """How often each computation of an optimized HLO module runs: while loops by their trip
 count (the compiler's `known_trip_count`, else read from the loop's condition), nested
-loops multiplied, called computations and conditional branches as often as their
-caller. XLA's own cost totals count every computation once."""
+loops multiplied, called computations as often as their caller, and each of a
+conditional's N branches 1 / N times as often: the mean, exact where each branch is
+taken equally often (as AttnRes's Phase 1 prefixes are over the segment scan,
+`AttnResResidual.phase1_prefixes`). XLA's own cost totals count every computation
+once."""
 
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ import re
 
 from attnres_jax import hlo_text
 
-# The callee attributes of call and conditional: each runs (at most) once per call.
+# The callee attributes of call and conditional: one of them runs once per call.
 _CALLED_ONCE = (
   'to_apply',
   'branch_computations',
@@ -100,7 +103,7 @@ def multiplicities(computations, entry: str) -> tuple[dict[str, float], list[str
         counts[instruction.called('body')[0]] += counts[name] * n
         counts[instruction.called('condition')[0]] += counts[name] * (n + 1)
       elif instruction.opcode in ('call', 'conditional'):
-        for key in _CALLED_ONCE:
-          for callee in instruction.called(key):
-            counts[callee] += counts[name]
+        callees = [c for key in _CALLED_ONCE for c in instruction.called(key)]
+        for callee in callees:  # a call has one; one branch of N runs
+          counts[callee] += counts[name] / len(callees)
   return dict(counts), unknown

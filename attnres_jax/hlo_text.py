@@ -57,7 +57,7 @@ class Instruction:
   is_root: bool = False
 
   def called(self, key: str) -> list[str]:
-    match = re.search(key + r'=\{?([^}\s]*(?:,\s*%[\w.\-]+)*)\}?', self.attrs)
+    match = re.search(key + r'=\{?([^},\s]*(?:,\s*%[\w.\-]+)*)\}?', self.attrs)
     if not match:
       return []
     return [c.strip().lstrip('%') for c in match.group(1).split(',') if c.strip()]

@@ -163,6 +163,36 @@ def test_loop_bodies_counted_by_trip_count_nested_loops_too():
   )
 
 
+@needs_libtpu
+def test_a_conditional_counts_the_mean_of_its_branches():
+  """A scan of 4 steps whose switch takes a one-matmul branch twice and a
+  three-matmul branch twice: each branch weighed 1/2 of its caller gives the 8
+  matmuls that run (counting only the first branch, as the HLO parser once did, gave
+  4; every branch at full weight, 16)."""
+  topo = aot.get_topology('v5e:2x2')
+  mesh = jax.sharding.Mesh(np.array(topo.devices), ('x',))
+  x = jax.ShapeDtypeStruct((512, 256), jnp.bfloat16, sharding=NamedSharding(mesh, P('x')))
+  w = jax.ShapeDtypeStruct((256, 256), jnp.bfloat16, sharding=NamedSharding(mesh, P()))
+  branches = [
+    lambda h, w: jnp.tanh(h @ w),
+    lambda h, w: jnp.tanh(jnp.tanh(jnp.tanh(h @ w) @ w) @ w),
+  ]
+
+  def program(x, w):
+    def step(h, index):
+      return jax.lax.switch(index // 2, branches, h, w), None
+
+    return jax.lax.scan(step, x, jnp.arange(4))[0].sum()
+
+  compiled = _compile(program, x, w)
+  assert compiled.as_text().count(' conditional(') == 1
+  scanned = hlo_cost.analyze(compiled.as_text())
+  assert scanned['while_trip_counts'] == [4]
+  dots = (2 * 1 + 2 * 3) * 2 * 128 * 256 * 256  # per device: 128 of the 512 rows
+  # Besides the dots: a tanh per matmul and the final sum, 0.2% of the FLOPs.
+  np.testing.assert_allclose(scanned['flops'], dots, rtol=0.005)
+
+
 @functools.lru_cache(maxsize=None)
 def train_report(shape, stage=1, scan_layers=True, residual='standard'):
   """The train step's report for the tiny model on v5e:2x2 (cached: the FSDP compile
