@@ -42,6 +42,7 @@ EXECUTION_FIELDS = (
   'schedule_layers',
   'depth_dtype',
   'depth_kernel',
+  'depth_read_prefixes',
 )
 # The read ablations (paper Section 5); off = the paper's read.
 ABLATION_FIELDS = (
@@ -91,6 +92,10 @@ class ModelConfig:
   # 'pallas' (the TPU kernel of depth_pallas.py; interpret mode off the TPU); HC/mHC:
   # the stream write and mHC's Sinkhorn (hyper_pallas.py, sinkhorn_pallas.py)
   depth_kernel: str = 'xla'
+  # depth_kernel='xla': Phase 1 reads the shortest of this many static prefixes of the
+  # buffer that holds a segment's completed slots (lax.switch), 1 = the whole buffer
+  # masked (the Pallas kernel loads the valid slots alone)
+  depth_read_prefixes: int = 4
   depth_query_input: bool = False  # ablation: query += W RMSNorm(latest source) / sqrt(D)
   depth_normalizer: str = 'softmax'  # ablation: 'softmax' | 'sigmoid'
   depth_key_norm: bool = True  # ablation: False = logits from the raw sources
@@ -187,6 +192,11 @@ def _validate_model(cfg: ModelConfig) -> None:
     fail(
       f'depth_heads must be a positive divisor of d_model={cfg.d_model}, got '
       f'{cfg.depth_heads!r}.'
+    )
+  if not _is_int(cfg.depth_read_prefixes) or cfg.depth_read_prefixes < 1:
+    fail(
+      'depth_read_prefixes must be a positive integer (1 = Phase 1 reads the whole '
+      f'buffer), got {cfg.depth_read_prefixes!r}.'
     )
   layers = cfg.schedule_layers
   if not _is_int(layers) or layers < 0 or layers > cfg.num_layers:

@@ -10,7 +10,9 @@ AttnRes options follow, each after a '/': `one_shot` or `two_phase` picks the re
 (`depth_read`), `bf16` or `f32` the depth state's storage (`depth_dtype`), e.g.
 `block:4/bf16` or `full/one_shot`; `pallas` computes Phase 1 with the Pallas
 kernel (`depth_kernel`), e.g. `block:4/bf16/pallas`; `barrier` finishes each layer's
-gradients before the next in the backward (`backward_layer_barrier`); for `hc`/`mhc`
+gradients before the next in the backward (`backward_layer_barrier`); `prefixes:N`
+has the XLA Phase 1 read the shortest of N static buffer prefixes that holds a
+segment's completed slots (`depth_read_prefixes`), e.g. `full/prefixes:4`; for `hc`/`mhc`
 (its only option) the stream write's and mHC's Sinkhorn kernels, e.g. `mhc/pallas`. A tool
 whose block size follows the depth (bench/decode.py: about 8 blocks at every depth)
 accepts a bare `block` and supplies S. A mode string names model fields only; every other field
@@ -26,7 +28,8 @@ SYNTAX = (
   'standard | full | block:S | hc[:m] | mhc[:m], then optionally @G (segment layers) '
   'and AttnRes options /one_shot or /two_phase (the read), /bf16 or /f32 (storage), '
   '/pallas (the Phase 1 kernel; for hc and mhc the write and Sinkhorn kernels), '
-  '/barrier (the backward layer by layer)'
+  '/barrier (the backward layer by layer), /prefixes:N (XLA Phase 1 reads the '
+  'shortest of N buffer prefixes)'
 )
 OPTIONS = {  # AttnRes option -> (model field, value)
   'one_shot': ('depth_read', 'one_shot'),
@@ -35,6 +38,9 @@ OPTIONS = {  # AttnRes option -> (model field, value)
   'f32': ('depth_dtype', 'float32'),
   'pallas': ('depth_kernel', 'pallas'),
   'barrier': ('backward_layer_barrier', True),
+}
+COUNTED_OPTIONS = {  # AttnRes option name:N -> the model field that takes N
+  'prefixes': 'depth_read_prefixes',
 }
 DEFAULT_STREAMS = 4
 
@@ -80,9 +86,14 @@ def fields(mode: str, *, block_size: int | None = None) -> dict[str, object]:
   for option in options:
     if residual not in ('full', 'block') and option != 'pallas':
       raise _error(mode, '/options apply to full and block only (hc, mhc: /pallas)')
-    if option not in OPTIONS:
-      raise _error(mode, f'options are {tuple(OPTIONS)}, got {option!r}')
-    field, value = OPTIONS[option]
+    name, has_count, count = option.partition(':')
+    if has_count and name in COUNTED_OPTIONS:
+      field, value = COUNTED_OPTIONS[name], _positive_int(mode, count, name)
+    elif option in OPTIONS:
+      field, value = OPTIONS[option]
+    else:
+      options_known = tuple(OPTIONS) + tuple(f'{n}:N' for n in COUNTED_OPTIONS)
+      raise _error(mode, f'options are {options_known}, got {option!r}')
     if field in out:
       raise _error(mode, f'{field} given twice')
     out[field] = value
@@ -112,5 +123,5 @@ def run_name(mode: str) -> str:
   if 'schedule_layers' in f:
     name += f'_g{f["schedule_layers"]}'
   for option in mode.split('/')[1:]:
-    name += f'_{option}'
+    name += f'_{option.replace(":", "")}'
   return name

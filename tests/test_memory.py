@@ -44,9 +44,12 @@ def assert_grads_close(actual, expected):
 @functools.cache
 def plain_gradients(residual, block_size, schedule_layers):
   """Plain autodiff's gradients of `random_model(...)` (deterministic: seeded), once
-  per model for the remat variants below that compare with it."""
+  per model for the remat variants below that compare with it; its Phase 1 reads the
+  whole buffer, masked (no written-out VJP anywhere)."""
   model = random_model(residual, block_size, schedule_layers=schedule_layers)
-  return gradients(model, linear_memory_backward=False, remat='none')
+  return gradients(
+    model, linear_memory_backward=False, remat='none', depth_read_prefixes=1
+  )
 
 
 @pytest.mark.parametrize(
@@ -95,6 +98,30 @@ def test_backward_layer_barrier_orders_the_backward_and_changes_no_gradient(
   assert barriers[True] > barriers[False], barriers
   barrier = gradients(model, linear_memory_backward=True, backward_layer_barrier=True)
   assert_grads_close(barrier, plain_gradients(residual, block_size, 0))
+
+
+@pytest.mark.parametrize('linear_memory_backward', [True, False])
+@pytest.mark.parametrize('residual,block_size', [('full', 1), ('block', 2)])
+def test_phase1_prefixes_change_no_gradient(residual, block_size, linear_memory_backward):
+  """`depth_read_prefixes`: Phase 1 of each segment reads a prefix of the buffer (a
+  `lax.switch` branch per prefix, every one taken by some segment here) with its VJP
+  written out, and gives plain autodiff's gradients of the whole masked read."""
+  model = random_model(residual, block_size)
+  prefixes = with_config(model, depth_read_prefixes=3).residual.phase1_prefixes()
+  assert prefixes is not None and len(prefixes) == 3, prefixes
+  read = gradients(
+    model, depth_read_prefixes=3, linear_memory_backward=linear_memory_backward
+  )
+  assert_grads_close(read, plain_gradients(residual, block_size, 0))
+
+
+def test_pipeline_chunks_read_the_whole_buffer():
+  """A pipeline's stages are vmapped and their segment starts differ: a switch on
+  that batched index would run every branch, so a chunk keeps the masked read."""
+  model = random_model('full', 1, depth_read_prefixes=3)
+  assert model.residual.phase1_prefixes() is not None
+  chunk, _ = model.residual.pipeline_chunk(1)
+  assert chunk.phase1_prefixes() is None
 
 
 def test_sublayer_vjp_keeps_no_boolean_residuals():

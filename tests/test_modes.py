@@ -30,6 +30,11 @@ from configs import default as default_config
       dict(residual='block', block_size=4, schedule_layers=2, depth_read='two_phase'),
       'block_s4_g2_two_phase',
     ),
+    (
+      'full/prefixes:4/bf16',
+      dict(residual='full', depth_read_prefixes=4, depth_dtype='bfloat16'),
+      'full_prefixes4_bf16',
+    ),
   ],
 )
 def test_mode_fields_and_run_names(mode, fields, run_name):
@@ -52,6 +57,9 @@ def test_mode_fields_and_run_names(mode, fields, run_name):
     ('hc/one_shot', 'apply to full and block only'),
     ('full/fast', "got 'fast'"),
     ('full/one_shot/two_phase', 'depth_read given twice'),
+    ('full/prefixes', "got 'prefixes'"),
+    ('full/prefixes:0', 'positive integer'),
+    ('full/prefixes:2/prefixes:3', 'depth_read_prefixes given twice'),
   ],
 )
 def test_bad_modes_are_refused_with_the_syntax(mode, why):

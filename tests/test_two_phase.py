@@ -129,6 +129,73 @@ def test_phase2_merges_several_local_sources():
     )
 
 
+@pytest.mark.parametrize('rms_given', [True, False])
+def test_phase1_over_buffer_prefixes_equals_the_masked_read(rms_given):
+  """Phase 1 with `prefixes` reads the shortest prefix holding the traced
+  `num_valid` slots (one `lax.switch` branch per prefix) and a Python-int `num_valid`
+  slices the buffer: statistics and gradients against the whole masked buffer, for a
+  `num_valid` in every branch. Both sum the same float32 terms over the valid slots;
+  the masked ones add exact zeros, so only the summation order can differ (a few
+  ulps: 1e-6 of the largest entry)."""
+  keys = jax.random.split(jax.random.key(4), 4)
+  sources = spread_sources(keys[0], 9, (2, 3, 16), 1e-2, 1e2)
+  queries = jax.random.normal(keys[1], (3, 16))
+  gains = 1 + 0.3 * jax.random.normal(keys[2], (3, 16))
+  weights = jax.random.normal(keys[3], (3, 16))
+  inv_rms = depth.rms_inverse(sources, 1e-6) if rms_given else None
+
+  def loss(sources, queries, inv_rms, num_valid, prefixes):
+    stats = depth.phase1(
+      sources,
+      queries,
+      gains,
+      eps=1e-6,
+      num_valid=num_valid,
+      inv_rms_KBT=inv_rms,
+      prefixes=prefixes,
+    )
+    # Every output enters: the sums, and each query's output through its own weights.
+    return sum(
+      jnp.sum(jnp.log(sum_BT))
+      + jnp.sum(out_BTD * weights[q][None, None] / sum_BT[..., None])
+      for q, (_, sum_BT, out_BTD) in enumerate(stats)
+    )
+
+  grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)), static_argnums=4)
+  close = lambda a, b: np.testing.assert_allclose(
+    a, b, rtol=1e-6, atol=1e-6 * float(jnp.abs(b).max())
+  )
+  for num_valid in (1, 2, 4, 5, 9):
+    masked = grad(sources, queries, inv_rms, jnp.int32(num_valid), None)
+    for read in (
+      grad(sources, queries, inv_rms, jnp.int32(num_valid), (2, 5, 9)),
+      jax.value_and_grad(loss, argnums=(0, 1, 2))(
+        sources, queries, inv_rms, num_valid, None
+      ),
+    ):
+      jax.tree.map(close, read, masked)
+  with pytest.raises(ValueError, match='whole buffer'):
+    loss(sources, queries, inv_rms, jnp.int32(3), (2, 5))
+
+
+@pytest.mark.parametrize(
+  'residual, count, prefixes',
+  [
+    ('full', 4, (13, 29, 45, 65)),  # starts 1, 5, .., 61: 16 segments of 2 layers
+    ('full', 1, None),
+    ('full', 40, tuple(range(1, 62, 4)[:15]) + (65,)),  # one prefix per segment
+    ('block', 2, (8, 17)),  # S = 4: starts 1, 2, .., 16
+  ],
+)
+def test_phase1_prefixes_split_the_segment_starts(residual, count, prefixes):
+  """32 layers: the segment starts in groups of equal count, each read up to its
+  longest start, the last group up to the whole buffer."""
+  cfg = tiny_model_config(
+    num_layers=32, residual=residual, block_size=4, depth_read_prefixes=count
+  )
+  assert ar.residuals.make(cfg).phase1_prefixes() == prefixes
+
+
 def autodiff_merge(stats, local_JBTD, valid_J, query_D, gain_D, eps, inv_rms_JBT):
   """The Phase 2 merge as plain formulas, for autodiff: the reference for
   `depth.phase2`'s written-out VJP."""

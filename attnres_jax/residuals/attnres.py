@@ -243,8 +243,11 @@ class AttnResResidual(base.Residual):
     per-query statistics, kept apart (no [G, 2, ...] stacks to write and read)."""
     num_layers = params.query.shape[0]
     queries_QD, gains_QD = self.segment_queries(params, num_layers)
-    kernel = depth_pallas if self.cfg.depth_kernel == 'pallas' else depth
-    stats = kernel.phase1(
+    if self.cfg.depth_kernel == 'pallas':
+      read, prefixes = depth_pallas.phase1, {}
+    else:
+      read, prefixes = depth.phase1, {'prefixes': self.phase1_prefixes()}
+    stats = read(
       buffer_KBTD,
       queries_QD,
       gains_QD,
@@ -252,8 +255,24 @@ class AttnResResidual(base.Residual):
       num_valid=first,
       inv_rms_KBT=inv_rms_KBT,
       out_dtype=self.phase1_dtype,
+      **prefixes,
     )
     return [stats[2 * j : 2 * j + 2] for j in range(num_layers)]
+
+  def phase1_prefixes(self) -> tuple[int, ...] | None:
+    """The buffer prefixes the XLA Phase 1 picks from for a traced segment start
+    (`model.depth_read_prefixes` of them; None: the whole buffer, masked). A segment
+    starting at slot `first` reads `first` slots. The segment starts are split in
+    order into groups of equal count, each read with the longest start of its group;
+    the last group reads the whole buffer, which holds any start."""
+    count = self.cfg.depth_read_prefixes
+    num_segments = -(-self.cfg.num_layers // self.segment_layers)
+    starts = [self.first_local_slot(s) for s in range(num_segments)]
+    if count <= 1 or len(starts) <= 1:
+      return None
+    count = min(count, len(starts))
+    group_ends = [len(starts) * (g + 1) // count for g in range(count - 1)]
+    return tuple(starts[end - 1] for end in group_ends) + (self.num_slots,)
 
   def read(self, inner: SegmentCarry, params, per_layer, layer_in_segment, which):
     _, num_local_valid = self.local_index(layer_in_segment, which)
@@ -400,7 +419,11 @@ class AttnResResidual(base.Residual):
     size = self.segment_layers
     if layers_per_chunk % size:
       size = max(d for d in range(unit, size + 1, unit) if layers_per_chunk % d == 0)
-    return (dataclasses.replace(self, layers_per_segment=size), layers_per_chunk // size)
+    # One read of the whole buffer per segment: the pipeline vmaps its stages, whose
+    # segment starts differ, and a `lax.switch` on a batched index runs every branch.
+    whole_reads = dataclasses.replace(self.cfg, depth_read_prefixes=1)
+    chunk = dataclasses.replace(self, layers_per_segment=size, cfg=whole_reads)
+    return chunk, layers_per_chunk // size
 
 
 class LayerCarry(NamedTuple):
