@@ -385,11 +385,13 @@ def analyze(
   `peak_flops` and bytes / `hbm_bandwidth`; `roofline_<kind>` by `kind_of`, and
   `roofline_matmul_bytes_bound` of matmul kernels limited by bytes,
   `roofline_pallas` of the Pallas kernels, which carry no cycles), each also
-  `<name>_once` (every computation once, as XLA's totals count), collectives by kind,
-  and the trip counts found."""
+  `<name>_once` (as XLA's totals count: every computation once, and of a
+  conditional's branches the largest), collectives by kind, and the trip counts
+  found."""
   computations, entry = hlo_text.parse_module(text)
   counts, unknown = hlo_loops.multiplicities(computations, entry)
   totals = collections.defaultdict(float)
+  own = collections.defaultdict(lambda: collections.defaultdict(float))  # per computation
   collectives = {kind: {'count': 0.0, 'bytes': 0.0} for kind in COLLECTIVES}
   trips = []
   for name, times in counts.items():
@@ -414,7 +416,7 @@ def analyze(
         ('roofline', roofline),
       ):
         totals[key] += times * once
-        totals[key + '_once'] += once
+        own[name][key] += once
       if instruction.opcode == 'copy-start':
         totals['bytes_async_copies'] += times * moved
       kind = _collective(instruction, computations)
@@ -423,9 +425,36 @@ def analyze(
         collectives[kind]['bytes'] += times * _collective_bytes(instruction, computation)
       if instruction.opcode == 'while':
         trips.append(hlo_loops.trip_count(computations, instruction, computation))
+  for key, once in _once(computations, entry, own).items():
+    totals[key + '_once'] = once
   return dict(
     totals, collectives=collectives, while_trip_counts=trips, unknown_trip_counts=unknown
   )
+
+
+def _once(computations, name, own, memo=None) -> dict[str, float]:
+  """`own` (per computation, its instructions' totals) summed as XLA's cost analysis
+  sums a program: each called computation once, and per total the largest of a
+  conditional's branches (measured: a switch between 1 and 5 matmuls counts 5)."""
+  memo = {} if memo is None else memo
+  if name in memo:
+    return memo[name]
+  total = collections.Counter(own[name])
+  for instruction in hlo_text.Computation(computations[name]).instructions:
+    if instruction.opcode in ('while', 'call'):
+      for key in ('body', 'condition', 'to_apply'):
+        for callee in instruction.called(key):
+          total.update(_once(computations, callee, own, memo))
+    elif instruction.opcode == 'conditional':
+      branches = [
+        _once(computations, callee, own, memo)
+        for key in ('branch_computations', 'true_computation', 'false_computation')
+        for callee in instruction.called(key)
+      ]
+      for key in {k for branch in branches for k in branch}:
+        total[key] += max(branch.get(key, 0.0) for branch in branches)
+  memo[name] = dict(total)
+  return memo[name]
 
 
 def estimated_seconds(costs: dict[str, Any], compiler_seconds: float) -> float:

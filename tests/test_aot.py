@@ -168,7 +168,8 @@ def test_a_conditional_counts_the_mean_of_its_branches():
   """A scan of 4 steps whose switch takes a one-matmul branch twice and a
   three-matmul branch twice: each branch weighed 1/2 of its caller gives the 8
   matmuls that run (counting only the first branch, as the HLO parser once did, gave
-  4; every branch at full weight, 16)."""
+  4; every branch at full weight, 16). Once, as XLA's totals count: the larger
+  branch."""
   topo = aot.get_topology('v5e:2x2')
   mesh = jax.sharding.Mesh(np.array(topo.devices), ('x',))
   x = jax.ShapeDtypeStruct((512, 256), jnp.bfloat16, sharding=NamedSharding(mesh, P('x')))
@@ -191,6 +192,12 @@ def test_a_conditional_counts_the_mean_of_its_branches():
   dots = (2 * 1 + 2 * 3) * 2 * 128 * 256 * 256  # per device: 128 of the 512 rows
   # Besides the dots: a tanh per matmul and the final sum, 0.2% of the FLOPs.
   np.testing.assert_allclose(scanned['flops'], dots, rtol=0.005)
+  # Counted once, as XLA counts (the estimate scales the compiler's time by the
+  # ratio of the two): the larger branch, 3 matmuls.
+  np.testing.assert_allclose(scanned['flops_once'], dots / 8 * 3, rtol=0.005)
+  np.testing.assert_allclose(
+    scanned['flops_once'], compiled.cost_analysis()['flops'], rtol=COUNT_RTOL
+  )
 
 
 @functools.lru_cache(maxsize=None)
