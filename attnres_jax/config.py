@@ -94,8 +94,9 @@ class ModelConfig:
   depth_kernel: str = 'xla'
   # depth_kernel='xla': Phase 1 reads the shortest of this many static prefixes of the
   # buffer that holds a segment's completed slots (lax.switch), 1 = the whole buffer
-  # masked (the Pallas kernel loads the valid slots alone)
-  depth_read_prefixes: int = 4
+  # masked, 0 = automatic: 4 for Full AttnRes, 1 for Block (docs/results.md, the
+  # eighteenth pass); the Pallas kernel loads the valid slots alone
+  depth_read_prefixes: int = 0
   depth_query_input: bool = False  # ablation: query += W RMSNorm(latest source) / sqrt(D)
   depth_normalizer: str = 'softmax'  # ablation: 'softmax' | 'sigmoid'
   depth_key_norm: bool = True  # ablation: False = logits from the raw sources
@@ -193,10 +194,10 @@ def _validate_model(cfg: ModelConfig) -> None:
       f'depth_heads must be a positive divisor of d_model={cfg.d_model}, got '
       f'{cfg.depth_heads!r}.'
     )
-  if not _is_int(cfg.depth_read_prefixes) or cfg.depth_read_prefixes < 1:
+  if not _is_int(cfg.depth_read_prefixes) or cfg.depth_read_prefixes < 0:
     fail(
-      'depth_read_prefixes must be a positive integer (1 = Phase 1 reads the whole '
-      f'buffer), got {cfg.depth_read_prefixes!r}.'
+      'depth_read_prefixes must be an integer >= 0 (1 = Phase 1 reads the whole '
+      f'buffer, 0 = automatic), got {cfg.depth_read_prefixes!r}.'
     )
   layers = cfg.schedule_layers
   if not _is_int(layers) or layers < 0 or layers > cfg.num_layers:

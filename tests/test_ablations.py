@@ -212,7 +212,7 @@ def test_every_variant_has_finite_gradients_reaching_its_parameters(variant, res
     (dict(depth_heads=3), 'depth_heads'),
     (dict(depth_normalizer='relu'), 'depth_normalizer'),
     (dict(depth_window=-1), 'depth_window'),
-    (dict(depth_read_prefixes=0), 'depth_read_prefixes must be a positive integer'),
+    (dict(depth_read_prefixes=-1), 'depth_read_prefixes must be an integer >= 0'),
   ],
 )
 def test_ablation_config_errors(overrides, message):

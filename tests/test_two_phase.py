@@ -182,7 +182,9 @@ def test_phase1_over_buffer_prefixes_equals_the_masked_read(rms_given):
   'residual, count, prefixes',
   [
     ('full', 4, (13, 29, 45, 65)),  # starts 1, 5, .., 61: 16 segments of 2 layers
+    ('full', 0, (13, 29, 45, 65)),  # automatic: 4 for Full
     ('full', 1, None),
+    ('block', 0, None),  # automatic: the whole buffer for Block
     ('full', 40, tuple(range(1, 62, 4)[:15]) + (65,)),  # one prefix per segment
     ('block', 2, (8, 17)),  # S = 4: starts 1, 2, .., 16
   ],

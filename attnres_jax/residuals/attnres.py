@@ -34,6 +34,10 @@ depth_read_sources = attnres_schedule.depth_read_sources
 whole_block_layers = attnres_schedule.whole_block_layers
 
 
+# Phase 1 prefixes of Full AttnRes when `depth_read_prefixes` is 0 (automatic).
+AUTOMATIC_PREFIXES = 4
+
+
 class DepthCarry(NamedTuple):
   """Between segments: the depth buffer and each slot's inverse RMS."""
 
@@ -264,8 +268,16 @@ class AttnResResidual(base.Residual):
     (`model.depth_read_prefixes` of them; None: the whole buffer, masked). A segment
     starting at slot `first` reads `first` slots. The segment starts are split in
     order into groups of equal count, each read with the longest start of its group;
-    the last group reads the whole buffer, which holds any start."""
-    count = self.cfg.depth_read_prefixes
+    the last group reads the whole buffer, which holds any start.
+
+    Automatic (0): 4 for Full, whose buffer grows with every sublayer (65 slots at 32
+    layers), the whole buffer for Block, whose buffer is short (2 L / S + 1 slots).
+    On the TPU compiler's estimate (bench/aot.py d1024 v5p:2x2x1, bf16, 32 layers)
+    4 prefixes take Full from 2.29x to 2.17x the standard step and Block S=4 from
+    1.38x to 1.42x (docs/results.md, eighteenth pass)."""
+    count = self.cfg.depth_read_prefixes or (
+      AUTOMATIC_PREFIXES if self.block_size == 1 else 1
+    )
     num_segments = -(-self.cfg.num_layers // self.segment_layers)
     starts = [self.first_local_slot(s) for s in range(num_segments)]
     if count <= 1 or len(starts) <= 1:
