@@ -30,8 +30,6 @@ Scalar counts are spelled out (block_size, num_blocks), never a bare letter.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 import math
 
@@ -159,32 +157,6 @@ def attn_res_read(
 # through them cancel exactly and need not be computed.
 
 
-# What `cotangent_into` sets: (carried cotangent, slots zeroed, slot 0's extra).
-_COTANGENT_INTO = contextvars.ContextVar('depth_cotangent_into', default=None)
-
-
-@contextlib.contextmanager
-def cotangent_into(d_carry_KBTD, *, num_zeroed=0, d_first_BTD=None):
-  """A context: each VJP of Phase 1 evaluated within it that honours it (the Pallas
-  kernel's, `depth_pallas`; the prefix read's, `_read_prefix`) returns, as the
-  buffer's cotangent, `d_carry_KBTD` (a cotangent of that buffer carried by a
-  backward pass, of its shape and dtype) plus its own and, at slot 0, `d_first_BTD`
-  (if given; num_valid >= 1), with the `num_zeroed` slots from num_valid on set to
-  zero and the later ones left as they are. The sum then touches the slots read and
-  zeroed alone: no separate sum reads and writes the whole carry."""
-  token = _COTANGENT_INTO.set((d_carry_KBTD, num_zeroed, d_first_BTD))
-  try:
-    yield
-  finally:
-    _COTANGENT_INTO.reset(token)
-
-
-def carried_cotangent():
-  """What `cotangent_into` set around this VJP: (carry, num_zeroed, d_first), or
-  (None, 0, None) outside it."""
-  return _COTANGENT_INTO.get() or (None, 0, None)
-
-
 def phase1(
   buffer_KBTD,
   queries_QD,
@@ -287,18 +259,6 @@ def _pad_slots(x, num_slots, axis):
   return jnp.pad(x, widths)
 
 
-def _zero_slots(x_KBTD, start, count):
-  """`x_KBTD` with slots `start` .. `start + count - 1` (those that exist) zero,
-  through a window of `count` slots: a dynamic update at `start` alone would be
-  clamped back into the buffer and zero earlier slots where the range runs past it."""
-  count = min(count, x_KBTD.shape[0])
-  at = jnp.clip(start, 0, x_KBTD.shape[0] - count)
-  window_JBTD = jax.lax.dynamic_slice_in_dim(x_KBTD, at, count, 0)
-  zeroed_J = at + jnp.arange(count) >= start
-  window_JBTD = jnp.where(zeroed_J[:, None, None, None], 0, window_JBTD)
-  return jax.lax.dynamic_update_slice_in_dim(x_KBTD, window_JBTD, at, 0)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
 def _read_prefix(
   buffer_KBTD, folded_QD, inv_rms_KBT, num_valid, prefixes, eps, out_dtype
@@ -353,12 +313,13 @@ def _read_prefix_bwd(prefixes, eps, out_dtype, saved, d_stats):
   its output; the max is stop-gradient): de_qk = ds_q + <do_q, v_k>, dl_qk = e_qk
   de_qk, dv_k = sum_q (e_qk do_q + dl_qk r_k f_q) - (r_k^3 / D) dr_k v_k (the last
   term when r is computed from v), dr_k = sum_q dl_qk dot_qk, df_q = sum_k dl_qk r_k
-  v_k. Reads and writes the chosen prefix alone: the rest of dv is zero, or within
-  `cotangent_into`, the carry's (its prefix summed in, the zeroed slots zeroed)."""
+  v_k. Reads and writes the chosen prefix alone; the rest of dv is zero. (Summed
+  into a carried cotangent inside the branch instead, as the kernel's VJP does, it
+  measured faster on the TPU compiler's estimate but slower on CPU and with more
+  temp: docs/results.md, eighteenth pass.)"""
   buffer_KBTD, folded_QD, inv_rms_KBT, num_valid, per_token = saved
   del eps, out_dtype
   num_sources, dim = buffer_KBTD.shape[0], buffer_KBTD.shape[-1]
-  d_carry_KBTD, num_zeroed, d_first_BTD = carried_cotangent()
   d_sums = [d_sum_BT for _, d_sum_BT, _ in d_stats]
   d_outs = [d_out_BTD.astype(jnp.float32) for _, _, d_out_BTD in d_stats]
 
@@ -393,21 +354,8 @@ def _read_prefix_bwd(prefixes, eps, out_dtype, saved, d_stats):
       d_folded_QD = jnp.einsum(
         'qkbt,kbtd->qd', d_dots_QKBT, values_KBTD, preferred_element_type=jnp.float32
       )
-      d_inv_rms_KBT = _pad_slots(d_inv_rms_KBT, num_sources, 0)
-      if d_carry_KBTD is None:
-        d_buffer_KBTD = _pad_slots(
-          d_values_KBTD.astype(buffer_KBTD.dtype), num_sources, 0
-        )
-        return d_buffer_KBTD, d_folded_QD, d_inv_rms_KBT
-      if d_first_BTD is not None:
-        d_values_KBTD = d_values_KBTD.at[0].add(d_first_BTD.astype(jnp.float32))
-      summed_KBTD = d_carry_KBTD[:length].astype(jnp.float32) + d_values_KBTD
-      d_buffer_KBTD = jax.lax.dynamic_update_slice_in_dim(
-        d_carry_KBTD, summed_KBTD.astype(d_carry_KBTD.dtype), 0, 0
-      )
-      if num_zeroed:  # after the sum: they may lie inside the prefix
-        d_buffer_KBTD = _zero_slots(d_buffer_KBTD, num_valid, num_zeroed)
-      return d_buffer_KBTD, d_folded_QD, d_inv_rms_KBT
+      d_buffer_KBTD = _pad_slots(d_values_KBTD.astype(buffer_KBTD.dtype), num_sources, 0)
+      return d_buffer_KBTD, d_folded_QD, _pad_slots(d_inv_rms_KBT, num_sources, 0)
 
     return backward
 

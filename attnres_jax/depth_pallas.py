@@ -52,7 +52,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec as P
 
-from attnres_jax import depth
 from attnres_jax import pallas_mesh
 from attnres_jax.depth_pallas_kernels import backward_cost
 from attnres_jax.depth_pallas_kernels import HEADROOM_VMEM_BYTES
@@ -337,7 +336,7 @@ def _phase1_bwd(bound, eps, out_dtype, width_minor, residuals, cotangents):
   del out_dtype
   buf_KBTD, folded_QD, nv, rms_KBT, max_BQT = residuals
   _, dsum_BQT, douts = cotangents  # the max is stop-gradient
-  d_carry_KBTD, zeroed, d_first_BTD = depth.carried_cotangent()
+  d_carry_KBTD, zeroed, d_first_BTD = _INTO.get() or (None, 0, None)
   if d_carry_KBTD is not None and (
     d_carry_KBTD.shape != buf_KBTD.shape or d_carry_KBTD.dtype != buf_KBTD.dtype
   ):
@@ -379,7 +378,8 @@ def _phase1_bwd(bound, eps, out_dtype, width_minor, residuals, cotangents):
 
 _phase1.defvjp(_phase1_fwd, _phase1_bwd)
 
-# What `expected_valid` sets.
+# What the context managers below set.
+_INTO = contextvars.ContextVar('depth_pallas_into', default=None)
 _EXPECTED_VALID = contextvars.ContextVar('depth_pallas_expected_valid', default=None)
 
 
@@ -392,10 +392,15 @@ def _setting(var, value):
     var.reset(token)
 
 
-# The kernel's backward honours `depth.cotangent_into`: it reads the carry at the valid
-# slots and writes those and the zeroed ones in place (its own buffer, width on the
-# lanes).
-cotangent_into = depth.cotangent_into
+def cotangent_into(d_carry_KBTD, *, num_zeroed=0, d_first_BTD=None):
+  """A context: each VJP of `phase1` evaluated within it (the backward kernel traced)
+  returns, as the buffer's cotangent, `d_carry_KBTD` (a cotangent of that buffer
+  carried by a backward pass, of its shape and dtype) plus its own and, at slot 0,
+  `d_first_BTD` (if given; num_valid >= 1), with the `num_zeroed` slots from
+  num_valid on set to zero and the later ones left as they are. The backward kernel
+  reads the carry at the valid slots and writes those and the zeroed ones in place
+  (its own buffer, width on the lanes): no separate sum reads and writes the carry."""
+  return _setting(_INTO, (d_carry_KBTD, num_zeroed, d_first_BTD))
 
 
 def expected_valid(mean):

@@ -1,7 +1,6 @@
-"""The sum of Phase 1's buffer cotangent into the carried one (`depth.cotangent_into`:
-the backward kernel adds into the carry in place, Pallas interpret mode off the TPU;
-the XLA prefix read adds into its prefix), alone, on a mesh, and inside the
-linear-memory backward."""
+"""The in-place sum of Phase 1's buffer cotangent into the carried one
+(`depth_pallas.cotangent_into`: the backward kernel adds into the carry; Pallas
+interpret mode off the TPU), alone, on a mesh, and inside the linear-memory backward."""
 
 import contextlib
 import functools
@@ -119,44 +118,6 @@ def test_phase1_vjp_sums_into_the_carry(dtype, shape, num_valid, num_zeroed, fir
   np.testing.assert_array_equal(got[num_valid:], want[num_valid:])
   jaxpr = str(jax.make_jaxpr(fn)(*args, first_BTD, jnp.int32(num_valid)))
   assert bool(ALIASED.search(jaxpr)) == (shape == 'kernel')
-
-
-@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize(
-  'num_valid, num_zeroed, first',
-  [(1, 3, True), (3, 2, False), (4, 2, True), (5, 3, False), (6, 3, True)],
-)
-def test_prefix_read_vjp_sums_into_the_carry(dtype, num_valid, num_zeroed, first):
-  """The XLA Phase 1 over buffer prefixes (`depth.phase1(prefixes=...)`, a branch
-  per prefix) honours `cotangent_into` as the kernel does: its prefix summed into the
-  carry, the zeroed slots zero (also where they run past the buffer, or inside the
-  prefix read), the rest the carry's. Tolerances as for the kernel (`TOL`): the sum
-  is rounded once, the reference twice."""
-  args = operands(dtype, SHAPES['xla_add'])
-  buffer_KBTD, queries_QD, gains_QD, carry_KBTD = args
-  first_BTD = (
-    3 * jax.random.normal(jax.random.key(5), carry_KBTD.shape[1:]) if first else None
-  )
-  read = functools.partial(depth.phase1, prefixes=(2, 4, 6))
-
-  @jax.jit
-  def fn(num_valid):
-    into = depth.cotangent_into(carry_KBTD, num_zeroed=num_zeroed, d_first_BTD=first_BTD)
-    return buffer_cotangent(
-      read, buffer_KBTD, queries_QD, gains_QD, num_valid, backward=into
-    )
-
-  got = fn(jnp.int32(num_valid))
-  want = expected(*args, first_BTD, num_valid, num_zeroed)
-  assert got.dtype == want.dtype == dtype
-  valid = slice(0, num_valid)
-  scale = float(jnp.abs(want[valid].astype(jnp.float32)).max())
-  np.testing.assert_allclose(
-    np.asarray(got[valid], np.float32) / scale,
-    np.asarray(want[valid], np.float32) / scale,
-    atol=TOL[dtype],
-  )
-  np.testing.assert_array_equal(got[num_valid:], want[num_valid:])
 
 
 @pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])

@@ -273,8 +273,9 @@ class AttnResResidual(base.Residual):
     Automatic (0): 4 for Full, whose buffer grows with every sublayer (65 slots at 32
     layers), the whole buffer for Block, whose buffer is short (2 L / S + 1 slots).
     On the TPU compiler's estimate (bench/aot.py d1024 v5p:2x2x1, bf16, 32 layers)
-    4 prefixes take Full from 2.29x to 2.17x the standard step and Block S=4 from
-    1.38x to 1.42x (docs/results.md, eighteenth pass)."""
+    4 prefixes take Full from 2.29x to 2.23x the standard step and Block S=4 from
+    1.38x to 1.41x; on CPU (16 layers) Full from 1.59x to 1.24x (docs/results.md,
+    eighteenth pass)."""
     count = self.cfg.depth_read_prefixes or (
       AUTOMATIC_PREFIXES if self.block_size == 1 else 1
     )

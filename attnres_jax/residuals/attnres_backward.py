@@ -64,7 +64,7 @@ def make_stack(residual):
     keeps_partial = residual.block_size > 1  # Full: a sublayer's own slot starts empty
     # With the Phase 1 kernel: the buffer and Phase 1's cotangent of it have the
     # kernel's layout (tokens on the lanes), Phase 1's cotangent is summed into the
-    # carried one by its backward kernel (`depth.cotangent_into`: width on the
+    # carried one by its backward kernel (`depth_pallas.cotangent_into`: width on the
     # lanes, in place), and slot 0 is sliced once, outside the reverse scan. For
     # Block the separate sum read the carried [K, B, T, D] cotangent twice and wrote
     # it once a segment (bench/aot.py d1024 v5p:2x2x1, block:4/bf16/pallas, data /
@@ -187,16 +187,6 @@ def make_stack(residual):
       num_layers = len(layer_states)
       first = residual.first_local_slot(segment)
       num_local = residual.local_slots(num_layers)
-      # Phase 1's VJP sums its cotangent into the carry (`depth.cotangent_into`): the
-      # kernel's, and the XLA prefix read's (a traced segment start), whose separate
-      # sum read and wrote all K slots once more than the prefix it read, zero-padded
-      # (bench/aot.py d1024 x 32 layers v5p:2x2x1, full/bf16: the padded add and pad
-      # 224 Mcycles of the 3.7 G).
-      sums_into = kernel_layout or (
-        cfg.depth_kernel == 'xla'
-        and residual.phase1_prefixes() is not None
-        and isinstance(first, jax.Array)
-      )
 
       def phase1(buffer_KBTD, layer_states, *inv_rms_in_KBT):
         params = stack_lib.stacked_residual_params(graphdef, layer_states)
@@ -222,7 +212,7 @@ def make_stack(residual):
       if embedding_BTD is None:
         embedding_BTD = buffer_KBTD[0]
       d_local_JBTD = jax.lax.dynamic_slice_in_dim(d_buffer_KBTD, first, num_local, 0)
-      if not sums_into:  # there, Phase 1's VJP zeroes them
+      if not kernel_layout:  # there, Phase 1's VJP zeroes them
         d_buffer_KBTD = jax.lax.dynamic_update_slice_in_dim(
           d_buffer_KBTD, jnp.zeros_like(d_local_JBTD), first, 0
         )
@@ -297,15 +287,15 @@ def make_stack(residual):
             (d_slots, d_layer_states[j])
           )
       with (
-        depth.cotangent_into(  # Phase 1's VJP sums all into the carry
+        depth_pallas.cotangent_into(  # the kernel sums all into the carry, in place
           d_buffer_KBTD, num_zeroed=num_local, d_first_BTD=d_embedding_sum_BTD
         )
-        if sums_into  # and zeroes the segment's slots
+        if kernel_layout  # and zeroes the segment's slots
         else contextlib.nullcontext()
       ):
         d_buffer_phase1, d_states_phase1, *d_inv_rms_phase1 = phase1_vjp(d_stats)
       d_layer_states = jax.tree.map(jnp.add, tuple(d_layer_states), d_states_phase1)
-      if sums_into:  # the carry, Phase 1's and the embedding's, summed
+      if kernel_layout:  # the carry, Phase 1's and the embedding's, summed in place
         d_buffer_KBTD = d_buffer_phase1
       else:
         d_buffer_KBTD = d_buffer_KBTD + d_buffer_phase1
