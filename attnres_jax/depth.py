@@ -263,17 +263,27 @@ def _pad_slots(x, num_slots, axis):
 def _read_prefix(
   buffer_KBTD, folded_QD, inv_rms_KBT, num_valid, prefixes, eps, out_dtype
 ):
-  """Phase 1 statistics over the shortest of `prefixes` that holds `num_valid`."""
-  return _read_prefix_fwd(
-    buffer_KBTD, folded_QD, inv_rms_KBT, num_valid, prefixes, eps, out_dtype
-  )[0]
+  """Phase 1 statistics over the shortest of `prefixes` that holds `num_valid`
+  (forward alone: the branches keep nothing for a backward)."""
+  return _switch_reads(
+    buffer_KBTD, folded_QD, inv_rms_KBT, num_valid, prefixes, eps, out_dtype, False
+  )
 
 
 def _read_prefix_fwd(
   buffer_KBTD, folded_QD, inv_rms_KBT, num_valid, prefixes, eps, out_dtype
 ):
-  """The statistics, and the per-token values the backward needs zero-padded to K
-  (no D axis: small). Each branch of the switch outputs the same shapes."""
+  stats, per_token = _switch_reads(
+    buffer_KBTD, folded_QD, inv_rms_KBT, num_valid, prefixes, eps, out_dtype, True
+  )
+  return stats, (buffer_KBTD, folded_QD, inv_rms_KBT, num_valid, per_token)
+
+
+def _switch_reads(
+  buffer_KBTD, folded_QD, inv_rms_KBT, num_valid, prefixes, eps, out_dtype, keep
+):
+  """The statistics, and with `keep` the per-token values the backward needs,
+  zero-padded to K (no D axis: small), so that every branch outputs the same shapes."""
   num_sources = buffer_KBTD.shape[0]
 
   def branch(length):
@@ -287,6 +297,8 @@ def _read_prefix_fwd(
         eps=eps,
         out_dtype=out_dtype,
       )
+      if not keep:
+        return stats
       exp_QKBT, dots_QKBT, inv_rms_used_KBT = per_token
       return stats, (
         _pad_slots(exp_QKBT, num_sources, 1),
@@ -296,7 +308,7 @@ def _read_prefix_fwd(
 
     return read
 
-  stats, per_token = jax.lax.switch(
+  return jax.lax.switch(
     _prefix_index(prefixes, num_valid),
     [branch(length) for length in prefixes],
     buffer_KBTD,
@@ -304,7 +316,6 @@ def _read_prefix_fwd(
     inv_rms_KBT,
     num_valid,
   )
-  return stats, (buffer_KBTD, folded_QD, inv_rms_KBT, num_valid, per_token)
 
 
 def _read_prefix_bwd(prefixes, eps, out_dtype, saved, d_stats):

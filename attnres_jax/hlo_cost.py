@@ -441,18 +441,16 @@ def _once(computations, name, own, memo=None) -> dict[str, float]:
     return memo[name]
   total = collections.Counter(own[name])
   for instruction in hlo_text.Computation(computations[name]).instructions:
-    if instruction.opcode in ('while', 'call'):
-      for key in ('body', 'condition', 'to_apply'):
+    if instruction.opcode == 'while':
+      for key in ('body', 'condition'):
         for callee in instruction.called(key):
           total.update(_once(computations, callee, own, memo))
-    elif instruction.opcode == 'conditional':
-      branches = [
-        _once(computations, callee, own, memo)
-        for key in ('branch_computations', 'true_computation', 'false_computation')
-        for callee in instruction.called(key)
+    elif instruction.opcode in ('call', 'conditional'):  # a call: its one callee
+      callees = [
+        _once(computations, c, own, memo) for c in hlo_loops.called_once(instruction)
       ]
-      for key in {k for branch in branches for k in branch}:
-        total[key] += max(branch.get(key, 0.0) for branch in branches)
+      for key in {k for callee in callees for k in callee}:
+        total[key] += max(callee.get(key, 0.0) for callee in callees)
   memo[name] = dict(total)
   return memo[name]
 

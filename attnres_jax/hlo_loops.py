@@ -22,6 +22,11 @@ _CALLED_ONCE = (
 )
 
 
+def called_once(instruction: hlo_text.Instruction) -> list[str]:
+  """A call's computation, or a conditional's branches (one of which runs)."""
+  return [c for key in _CALLED_ONCE for c in instruction.called(key)]
+
+
 def trip_count(
   computations, while_instr: hlo_text.Instruction, caller: hlo_text.Computation
 ) -> int | None:
@@ -103,7 +108,7 @@ def multiplicities(computations, entry: str) -> tuple[dict[str, float], list[str
         counts[instruction.called('body')[0]] += counts[name] * n
         counts[instruction.called('condition')[0]] += counts[name] * (n + 1)
       elif instruction.opcode in ('call', 'conditional'):
-        callees = [c for key in _CALLED_ONCE for c in instruction.called(key)]
+        callees = called_once(instruction)
         for callee in callees:  # a call has one; one branch of N runs
           counts[callee] += counts[name] / len(callees)
   return dict(counts), unknown
