@@ -226,16 +226,7 @@ def make_stack(residual):
           )
         return residual.phase1(buffer_KBTD, params, first, inv_rms_KBT)
 
-      read_KBTD = buffer_KBTD
-      if read_bound:
-        # Sliced from a start that depends on the segment (always 0: `first` >= 1):
-        # a static slice of the final buffer is invariant in the reverse scan, and
-        # the compiler hoisted each group's out of its loop as a copy, all of them
-        # live at once (bench/memory.py 16 layers, Full: temp 1.23x -> 1.33x the
-        # standard's); sliced in the loop, it fuses into Phase 1's reads.
-        read_KBTD = jax.lax.dynamic_slice_in_dim(
-          buffer_KBTD, jnp.minimum(first, 0), read_bound, 0
-        )
+      read_KBTD = buffer_KBTD[:read_bound] if read_bound else buffer_KBTD
       primals = (read_KBTD, layer_states) + (received[:1] if received else ())
       with (
         depth_pallas.expected_valid(mean_valid)
