@@ -92,11 +92,10 @@ class ModelConfig:
   # 'pallas' (the TPU kernel of depth_pallas.py; interpret mode off the TPU); HC/mHC:
   # the stream write and mHC's Sinkhorn (hyper_pallas.py, sinkhorn_pallas.py)
   depth_kernel: str = 'xla'
-  # depth_kernel='xla': the scan over segments runs as this many consecutive scans,
-  # each Phase 1 reading the static prefix of the buffer its segments have written
-  # (AttnResResidual.segment_groups), 1 = one scan reading the whole buffer masked,
-  # 0 = automatic: 4 for Full AttnRes, 1 for Block (docs/results.md, the nineteenth
-  # pass); the Pallas kernel loads the valid slots alone
+  # depth_kernel='xla': Phase 1 reads the shortest of this many static prefixes of the
+  # buffer that holds a segment's completed slots (lax.switch), 1 = the whole buffer
+  # masked, 0 = automatic: 4 for Full AttnRes, 1 for Block (docs/results.md, the
+  # eighteenth pass); the Pallas kernel loads the valid slots alone
   depth_read_prefixes: int = 0
   depth_query_input: bool = False  # ablation: query += W RMSNorm(latest source) / sqrt(D)
   depth_normalizer: str = 'softmax'  # ablation: 'softmax' | 'sigmoid'

@@ -166,6 +166,7 @@ def phase1(
   num_valid,
   inv_rms_KBT=None,
   out_dtype=jnp.float32,
+  prefixes=None,
 ):
   """Phase 1: all Q queries against the first `num_valid` sources at once.
 
@@ -177,17 +178,45 @@ def phase1(
   outputs stay apart: stacked, they (and their cotangents) would be written once more
   to a [Q, B, T, D] array and read back by each query's Phase 2.
 
-  What is read: for a Python-int `num_valid`, the valid slots alone (a static slice);
-  for a traced one, all of `buffer_KBTD`, masked past `num_valid`. A caller that knows
-  a static bound on a traced `num_valid` passes the buffer's prefix up to it (the
-  scan over segments in groups: `AttnResResidual.segment_groups`).
+  What is read: for a Python-int `num_valid`, the valid slots alone (a static slice).
+  For a traced one, the whole buffer, masked, unless `prefixes` (static, ascending,
+  the last the whole buffer) are given: then the shortest prefix that holds the valid
+  slots, picked by `lax.switch` (`_read_prefix`). The masked read costs every slot a
+  pass over D, written or not, and an early segment of a deep Full model has only a
+  few of its 65 slots written.
   """
   folded_QD = queries_QD.astype(jnp.float32) * gains_QD.astype(jnp.float32)
+  num_sources = buffer_KBTD.shape[0]
   if num_valid is not None and not isinstance(num_valid, jax.Array):
-    length = min(int(num_valid), buffer_KBTD.shape[0])  # static: the valid slots alone
-    buffer_KBTD = buffer_KBTD[:length]
-    inv_rms_KBT = None if inv_rms_KBT is None else inv_rms_KBT[:length]
-    num_valid = None
+    length = min(int(num_valid), num_sources)  # static: the valid slots alone
+    given = None if inv_rms_KBT is None else inv_rms_KBT[:length]
+    return _phase1_stats(
+      buffer_KBTD[:length], folded_QD, given, None, eps=eps, out_dtype=out_dtype
+    )[0]
+  if prefixes is None or num_valid is None or tuple(prefixes) == (num_sources,):
+    return _phase1_stats(
+      buffer_KBTD, folded_QD, inv_rms_KBT, num_valid, eps=eps, out_dtype=out_dtype
+    )[0]
+  prefixes = tuple(int(n) for n in prefixes)
+  if list(prefixes) != sorted(set(prefixes)) or prefixes[0] < 1:
+    raise ValueError(f'prefixes must be ascending positive lengths, got {prefixes}.')
+  if prefixes[-1] != num_sources:  # then every num_valid has a branch
+    raise ValueError(f'The last prefix must be the whole buffer ({num_sources} slots).')
+  return _read_prefix(
+    buffer_KBTD,
+    folded_QD,
+    inv_rms_KBT,
+    num_valid,
+    prefixes,
+    float(eps),
+    jnp.dtype(out_dtype),
+  )
+
+
+def _phase1_stats(buffer_KBTD, folded_QD, inv_rms_KBT, num_valid, *, eps, out_dtype):
+  """Phase 1 over the whole of `buffer_KBTD` (masked past a traced `num_valid`):
+  (per-query statistics as `phase1` returns them, (exponentials [Q, K, B, T], dots
+  [Q, K, B, T], inverse RMS [K, B, T]) for a written-out backward)."""
   if inv_rms_KBT is None:
     inv_rms_KBT = rms_inverse(buffer_KBTD, eps)
   dots_QKBT = jnp.einsum(
@@ -205,7 +234,7 @@ def phase1(
   # batched over (b, t), one 'qkbt,kbtd->qbtd' contraction comes out as [B, T, Q, D],
   # and the TPU compiler copies it to [Q, B, T, D] forward and backward (float32);
   # each query's own contraction comes out in its consumer's layout.
-  return tuple(
+  stats = tuple(
     (
       max_QBT[q],
       sum_QBT[q],
@@ -215,6 +244,150 @@ def phase1(
     )
     for q in range(folded_QD.shape[0])
   )
+  return stats, (exp_QKBT, dots_QKBT, inv_rms_KBT)
+
+
+def _prefix_index(prefixes, num_valid):
+  """The branch of `_read_prefix`: the shortest prefix holding `num_valid` slots."""
+  return jnp.sum(jnp.asarray(prefixes[:-1]) < num_valid).astype(jnp.int32)
+
+
+def _pad_slots(x, num_slots, axis):
+  """`x` zero-padded along `axis` to `num_slots`."""
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, num_slots - x.shape[axis])
+  return jnp.pad(x, widths)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _read_prefix(
+  buffer_KBTD, folded_QD, inv_rms_KBT, num_valid, prefixes, eps, out_dtype
+):
+  """Phase 1 statistics over the shortest of `prefixes` that holds `num_valid`
+  (forward alone: the branches keep nothing for a backward)."""
+  return _switch_reads(
+    buffer_KBTD, folded_QD, inv_rms_KBT, num_valid, prefixes, eps, out_dtype, False
+  )
+
+
+def _read_prefix_fwd(
+  buffer_KBTD, folded_QD, inv_rms_KBT, num_valid, prefixes, eps, out_dtype
+):
+  stats, per_token = _switch_reads(
+    buffer_KBTD, folded_QD, inv_rms_KBT, num_valid, prefixes, eps, out_dtype, True
+  )
+  return stats, (buffer_KBTD, folded_QD, inv_rms_KBT, num_valid, per_token)
+
+
+def _switch_reads(
+  buffer_KBTD, folded_QD, inv_rms_KBT, num_valid, prefixes, eps, out_dtype, keep
+):
+  """The statistics, and with `keep` the per-token values the backward needs,
+  zero-padded to K (no D axis: small), so that every branch outputs the same shapes."""
+  num_sources = buffer_KBTD.shape[0]
+
+  def branch(length):
+    def read(buffer_KBTD, folded_QD, inv_rms_KBT, num_valid):
+      given = None if inv_rms_KBT is None else inv_rms_KBT[:length]
+      stats, per_token = _phase1_stats(
+        buffer_KBTD[:length],
+        folded_QD,
+        given,
+        num_valid,
+        eps=eps,
+        out_dtype=out_dtype,
+      )
+      if not keep:
+        return stats
+      exp_QKBT, dots_QKBT, inv_rms_used_KBT = per_token
+      return stats, (
+        _pad_slots(exp_QKBT, num_sources, 1),
+        _pad_slots(dots_QKBT, num_sources, 1),
+        _pad_slots(inv_rms_used_KBT, num_sources, 0),
+      )
+
+    return read
+
+  return jax.lax.switch(
+    _prefix_index(prefixes, num_valid),
+    [branch(length) for length in prefixes],
+    buffer_KBTD,
+    folded_QD,
+    inv_rms_KBT,
+    num_valid,
+  )
+
+
+def _read_prefix_bwd(prefixes, eps, out_dtype, saved, d_stats):
+  """With e = exp(logit - max) (zero on masked slots), dot = <v, f>, r the inverse
+  RMS, logit = dot r, and for query q the cotangents ds_q (of its sum) and do_q (of
+  its output; the max is stop-gradient): de_qk = ds_q + <do_q, v_k>, dl_qk = e_qk
+  de_qk, dv_k = sum_q (e_qk do_q + dl_qk r_k f_q) - (r_k^3 / D) dr_k v_k (the last
+  term when r is computed from v), dr_k = sum_q dl_qk dot_qk, df_q = sum_k dl_qk r_k
+  v_k. Reads and writes the chosen prefix alone; the rest of dv is zero. (Summed
+  into a carried cotangent inside the branch instead, as the kernel's VJP does, it
+  measured faster on the TPU compiler's estimate but slower on CPU and with more
+  temp: docs/results.md, eighteenth pass.)"""
+  buffer_KBTD, folded_QD, inv_rms_KBT, num_valid, per_token = saved
+  del eps, out_dtype
+  num_sources, dim = buffer_KBTD.shape[0], buffer_KBTD.shape[-1]
+  d_sums = [d_sum_BT for _, d_sum_BT, _ in d_stats]
+  d_outs = [d_out_BTD.astype(jnp.float32) for _, _, d_out_BTD in d_stats]
+
+  def branch(length):
+    def backward(buffer_KBTD, folded_QD, per_token, d_sums, d_outs):
+      values_KBTD = buffer_KBTD[:length]
+      exp_QKBT, dots_QKBT, inv_rms_used_KBT = (
+        per_token[0][:, :length],
+        per_token[1][:, :length],
+        per_token[2][:length],
+      )
+      d_exp_QKBT = jnp.stack(
+        [
+          d_sums[q][None]
+          + jnp.einsum(
+            'btd,kbtd->kbt', d_outs[q], values_KBTD, preferred_element_type=jnp.float32
+          )
+          for q in range(len(d_outs))
+        ]
+      )
+      d_logits_QKBT = exp_QKBT * d_exp_QKBT
+      d_dots_QKBT = d_logits_QKBT * inv_rms_used_KBT[None]
+      d_inv_rms_KBT = jnp.sum(d_logits_QKBT * dots_QKBT, axis=0)
+      d_values_KBTD = jnp.einsum(
+        'qkbt,qd->kbtd', d_dots_QKBT, folded_QD, preferred_element_type=jnp.float32
+      )
+      for q in range(len(d_outs)):  # elementwise: fused into one pass over the slots
+        d_values_KBTD += exp_QKBT[q][..., None] * d_outs[q][None]
+      if inv_rms_KBT is None:  # r = rsqrt(mean v^2 + eps): dr/dv = -(r^3 / D) v
+        shrink_KBT = inv_rms_used_KBT**3 * d_inv_rms_KBT / dim
+        d_values_KBTD -= shrink_KBT[..., None] * values_KBTD.astype(jnp.float32)
+      d_folded_QD = jnp.einsum(
+        'qkbt,kbtd->qd', d_dots_QKBT, values_KBTD, preferred_element_type=jnp.float32
+      )
+      d_buffer_KBTD = _pad_slots(d_values_KBTD.astype(buffer_KBTD.dtype), num_sources, 0)
+      return d_buffer_KBTD, d_folded_QD, _pad_slots(d_inv_rms_KBT, num_sources, 0)
+
+    return backward
+
+  d_buffer_KBTD, d_folded_QD, d_inv_rms_KBT = jax.lax.switch(
+    _prefix_index(prefixes, num_valid),
+    [branch(length) for length in prefixes],
+    buffer_KBTD,
+    folded_QD,
+    per_token,
+    d_sums,
+    d_outs,
+  )
+  return (
+    d_buffer_KBTD,
+    d_folded_QD,
+    None if inv_rms_KBT is None else d_inv_rms_KBT,
+    None,
+  )
+
+
+_read_prefix.defvjp(_read_prefix_fwd, _read_prefix_bwd)
 
 
 def phase2(

@@ -2,7 +2,9 @@
 count (the compiler's `known_trip_count`, else read from the loop's condition), nested
 loops multiplied, called computations as often as their caller, and each of a
 conditional's N branches 1 / N times as often: the mean, exact where each branch is
-taken equally often. XLA's own cost totals count every computation once."""
+taken equally often (as AttnRes's Phase 1 prefixes are over the segment scan,
+`AttnResResidual.phase1_prefixes`). XLA's own cost totals count every computation
+once."""
 
 from __future__ import annotations
 

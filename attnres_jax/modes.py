@@ -11,8 +11,8 @@ AttnRes options follow, each after a '/': `one_shot` or `two_phase` picks the re
 `block:4/bf16` or `full/one_shot`; `pallas` computes Phase 1 with the Pallas
 kernel (`depth_kernel`), e.g. `block:4/bf16/pallas`; `barrier` finishes each layer's
 gradients before the next in the backward (`backward_layer_barrier`); `prefixes:N`
-runs the segments as N scans, each XLA Phase 1 reading the static buffer prefix its
-segments have written (`depth_read_prefixes`), e.g. `full/prefixes:4`; for `hc`/`mhc`
+has the XLA Phase 1 read the shortest of N static buffer prefixes that holds a
+segment's completed slots (`depth_read_prefixes`), e.g. `full/prefixes:4`; for `hc`/`mhc`
 (its only option) the stream write's and mHC's Sinkhorn kernels, e.g. `mhc/pallas`. A tool
 whose block size follows the depth (bench/decode.py: about 8 blocks at every depth)
 accepts a bare `block` and supplies S. A mode string names model fields only; every other field
@@ -28,8 +28,8 @@ SYNTAX = (
   'standard | full | block:S | hc[:m] | mhc[:m], then optionally @G (segment layers) '
   'and AttnRes options /one_shot or /two_phase (the read), /bf16 or /f32 (storage), '
   '/pallas (the Phase 1 kernel; for hc and mhc the write and Sinkhorn kernels), '
-  '/barrier (the backward layer by layer), /prefixes:N (N segment scans, each XLA '
-  'Phase 1 reading a buffer prefix)'
+  '/barrier (the backward layer by layer), /prefixes:N (XLA Phase 1 reads the '
+  'shortest of N buffer prefixes)'
 )
 OPTIONS = {  # AttnRes option -> (model field, value)
   'one_shot': ('depth_read', 'one_shot'),

@@ -203,7 +203,6 @@ def run_layers(
   stats_weights_BT=None,
   extra_xs=None,
   index_layers: bool = False,
-  segment_groups=None,
 ):
   """Runs every layer through `residual`; returns (final carry, per-layer outputs).
 
@@ -218,13 +217,7 @@ def run_layers(
   slicing a segment [size, ...] and then its layers (each slice a copy of parameters).
   Only where the scan is not differentiated (a custom VJP's forward): autodiff would
   add a cotangent of the whole stack per segment.
-  `segment_groups`: the scan over whole segments as consecutive scans, ((segments,
-  the residual they run with), ...) in order (`AttnResResidual.segment_groups`); the
-  whole segments' outputs are then a tuple over the groups. Only with `index_layers`
-  (a group's slice of the grouped parameters would be a copy) and no `extra_xs`.
   """
-  if segment_groups is not None and (not index_layers or extra_xs is not None):
-    raise ValueError('segment_groups index the layers in the whole stack, no extra_xs.')
   if apply_sublayer is None:
     functions = [
       sublayer_function(graphdef, which, cfg.remat == 'sublayer') for which in SUBLAYERS
@@ -234,7 +227,7 @@ def run_layers(
       del layer_in_segment, inner, extra
       return functions[which](state_k, h_BTD, positions_BT), None
 
-  def layer_step(residual, inner, state_k, per_layer, extra, *, j):
+  def layer_step(inner, state_k, per_layer, extra, *, j):
     params = nnx.merge(graphdef, state_k).residual
     saved, stats = [], []
     for which in SUBLAYERS:
@@ -248,14 +241,14 @@ def run_layers(
     stats = jax.tree.map(lambda *s: jnp.stack(s), *stats) if collect_stats else None
     return inner, (tuple(saved), stats)
 
-  def run_segment(residual, carry, xs):
+  def run_segment(carry, xs):
     """The layers of one segment, unrolled: a segment is at most a few layers."""
     layer_states, segment, extras = xs
     params = stacked_residual_params(graphdef, layer_states)
     inner, per_layer = residual.begin_segment(carry, params, segment)
     ys = []
     for j, (state_j, extra_j) in enumerate(zip(layer_states, extras)):
-      step = functools.partial(layer_step, residual, j=j)
+      step = functools.partial(layer_step, j=j)
       if cfg.remat == 'layer':
         step = jax.checkpoint(step)
       per_layer_j = layer_entry(per_layer, j)
@@ -274,7 +267,7 @@ def run_layers(
   full_ys = tail_ys = None
   if states[0] is not None:
 
-    def run_grouped(residual, carry, xs):
+    def run_grouped(carry, xs):
       """`run_segment` on one segment's slices [size, ...] of the grouped arrays."""
       grouped_states, segment, grouped_extras = xs
       extras_j = (
@@ -287,29 +280,17 @@ def run_layers(
         if grouped_states is None
         else segment_layers_of(grouped_states, size)
       )
-      return run_segment(residual, carry, (layers, segment, extras_j))
+      return run_segment(carry, (layers, segment, extras_j))
 
-    groups = segment_groups or ((num_full, residual),)
-    if sum(count for count, _ in groups) != num_full:
-      raise ValueError(f'segment_groups {groups} do not cover {num_full} segments.')
-    full_ys, start = [], 0
-    for count, group_residual in groups:
-      carry, ys = scan_or_loop(
-        functools.partial(run_grouped, group_residual),
-        carry,
-        (
-          None if index_layers else states[0],
-          jnp.arange(start, start + count),
-          extras[0],
-        ),
-        unroll=not cfg.scan_layers,
-      )
-      full_ys.append(ys)
-      start += count
-    full_ys = tuple(full_ys) if segment_groups else full_ys[0]
+    carry, full_ys = scan_or_loop(
+      run_grouped,
+      carry,
+      (None if index_layers else states[0], jnp.arange(num_full), extras[0]),
+      unroll=not cfg.scan_layers,
+    )
   if states[1] is not None:
     extras_tail = extras[1] if extras[1] is not None else (None,) * len(states[1])
-    carry, tail_ys = run_segment(residual, carry, (states[1], num_full, extras_tail))
+    carry, tail_ys = run_segment(carry, (states[1], num_full, extras_tail))
   return carry, (full_ys, tail_ys)
 
 

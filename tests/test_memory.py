@@ -100,42 +100,28 @@ def test_backward_layer_barrier_orders_the_backward_and_changes_no_gradient(
   assert_grads_close(barrier, plain_gradients(residual, block_size, 0))
 
 
-@pytest.mark.parametrize(
-  'residual,block_size,num_layers,schedule_layers,bounds',
-  [
-    ('full', 1, 3, 1, (1, 3, 5)),  # a group per segment
-    ('block', 2, 3, 0, (1, 2, 3)),
-    ('full', 1, 5, 2, (1, 5)),  # two groups and a tail segment after them
-  ],
-)
-def test_segment_groups_change_no_gradient(
-  residual, block_size, num_layers, schedule_layers, bounds
-):
-  """`depth_read_prefixes`: the scan over segments runs as consecutive scans, each
-  Phase 1 reading a static prefix of the buffer and its backward adding into that
-  prefix of the carried cotangent; it gives plain autodiff's gradients of one scan
-  whose Phase 1 reads the whole buffer, masked."""
-  model = random_model(
-    residual, block_size, num_layers=num_layers, schedule_layers=schedule_layers
+@pytest.mark.parametrize('linear_memory_backward', [True, False])
+@pytest.mark.parametrize('residual,block_size', [('full', 1), ('block', 2)])
+def test_phase1_prefixes_change_no_gradient(residual, block_size, linear_memory_backward):
+  """`depth_read_prefixes`: Phase 1 of each segment reads a prefix of the buffer (a
+  `lax.switch` branch per prefix, every one taken by some segment here) with its VJP
+  written out, and gives plain autodiff's gradients of the whole masked read."""
+  model = random_model(residual, block_size)
+  prefixes = with_config(model, depth_read_prefixes=3).residual.phase1_prefixes()
+  assert prefixes is not None and len(prefixes) == 3, prefixes
+  read = gradients(
+    model, depth_read_prefixes=3, linear_memory_backward=linear_memory_backward
   )
-  grouped = with_config(model, depth_read_prefixes=3, linear_memory_backward=True)
-  num_full = num_layers // grouped.residual.segment_layers
-  groups = grouped.residual.segment_groups(num_full)
-  assert tuple(group.read_bound for _, group in groups) == bounds
+  assert_grads_close(read, plain_gradients(residual, block_size, 0))
 
-  def scans(model):
-    """The scans in the gradient's program: the segments' forward and backward."""
-    graphdef, state = nnx.split(model)
-    x = jnp.zeros((2, 12), jnp.int32)
-    loss = lambda s: jnp.mean(nnx.merge(graphdef, s)(x) ** 2)
-    return str(jax.make_jaxpr(jax.grad(loss))(state)).count('scan[')
 
-  one_scan = with_config(model, depth_read_prefixes=1, linear_memory_backward=True)
-  assert scans(grouped) - scans(one_scan) == 2 * (len(bounds) - 1)
-  plain = gradients(
-    model, linear_memory_backward=False, remat='none', depth_read_prefixes=1
-  )
-  assert_grads_close(gradients(grouped), plain)
+def test_pipeline_chunks_read_the_whole_buffer():
+  """A pipeline's stages are vmapped and their segment starts differ: a switch on
+  that batched index would run every branch, so a chunk keeps the masked read."""
+  model = random_model('full', 1, depth_read_prefixes=3)
+  assert model.residual.phase1_prefixes() is not None
+  chunk, _ = model.residual.pipeline_chunk(1)
+  assert chunk.phase1_prefixes() is None
 
 
 def test_sublayer_vjp_keeps_no_boolean_residuals():
@@ -189,13 +175,10 @@ def test_backward_keeps_no_float32_activation_and_no_sublayer_input(
   _, vjp_fn = jax.vjp(loss, state)
   activation = (2, 12, model.cfg.d_model)  # [B, T, D], alone or stacked
   kept = [v for v in jax.tree.leaves(vjp_fn) if v.shape[-3:] == activation]
-  # Stacked over layers, or over the segments of each scan (Full's segment groups);
-  # not the depth buffer [K, B, T, D] (the final read's operands).
-  num_slots = getattr(model.residual, 'num_slots', None)
-  per_layer = [v for v in kept if v.ndim == 4 and v.shape[0] != num_slots]
+  per_layer = [v for v in kept if v.shape[:-3] == (model.cfg.num_layers,)]
   assert not [v.shape for v in per_layer if v.dtype != jnp.bfloat16]
   assert not [v.shape for v in kept if v.shape == activation and v.dtype != jnp.bfloat16]
-  assert sum(v.shape[0] for v in per_layer) == per_layer_stacks * model.cfg.num_layers
+  assert len(per_layer) == per_layer_stacks
 
 
 def assert_within_twice_the_rounding(linear, plain, exact):

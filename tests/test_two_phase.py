@@ -130,12 +130,13 @@ def test_phase2_merges_several_local_sources():
 
 
 @pytest.mark.parametrize('rms_given', [True, False])
-def test_phase1_over_a_buffer_prefix_equals_the_masked_read(rms_given):
-  """Phase 1 of a traced `num_valid` over a prefix of the buffer that holds the valid
-  slots (a segment group's bound), and of a Python-int `num_valid` (a static slice):
-  statistics and gradients against the whole masked buffer. All sum the same float32
-  terms over the valid slots; the masked ones add exact zeros, so only the summation
-  order can differ (a few ulps: 1e-6 of the largest entry)."""
+def test_phase1_over_buffer_prefixes_equals_the_masked_read(rms_given):
+  """Phase 1 with `prefixes` reads the shortest prefix holding the traced
+  `num_valid` slots (one `lax.switch` branch per prefix) and a Python-int `num_valid`
+  slices the buffer: statistics and gradients against the whole masked buffer, for a
+  `num_valid` in every branch. Both sum the same float32 terms over the valid slots;
+  the masked ones add exact zeros, so only the summation order can differ (a few
+  ulps: 1e-6 of the largest entry)."""
   keys = jax.random.split(jax.random.key(4), 4)
   sources = spread_sources(keys[0], 9, (2, 3, 16), 1e-2, 1e2)
   queries = jax.random.normal(keys[1], (3, 16))
@@ -143,15 +144,15 @@ def test_phase1_over_a_buffer_prefix_equals_the_masked_read(rms_given):
   weights = jax.random.normal(keys[3], (3, 16))
   inv_rms = depth.rms_inverse(sources, 1e-6) if rms_given else None
 
-  def loss(sources, queries, inv_rms, num_valid, bound):
-    bounded = lambda x: None if x is None else x[:bound]
+  def loss(sources, queries, inv_rms, num_valid, prefixes):
     stats = depth.phase1(
-      bounded(sources),
+      sources,
       queries,
       gains,
       eps=1e-6,
       num_valid=num_valid,
-      inv_rms_KBT=bounded(inv_rms),
+      inv_rms_KBT=inv_rms,
+      prefixes=prefixes,
     )
     # Every output enters: the sums, and each query's output through its own weights.
     return sum(
@@ -165,39 +166,36 @@ def test_phase1_over_a_buffer_prefix_equals_the_masked_read(rms_given):
     a, b, rtol=1e-6, atol=1e-6 * float(jnp.abs(b).max())
   )
   for num_valid in (1, 2, 4, 5, 9):
-    masked = grad(sources, queries, inv_rms, jnp.int32(num_valid), 9)
-    for bound in sorted({num_valid, 5, 9} - set(range(num_valid))):
-      jax.tree.map(
-        close, grad(sources, queries, inv_rms, jnp.int32(num_valid), bound), masked
-      )
-    static = jax.value_and_grad(loss, argnums=(0, 1, 2))(
-      sources, queries, inv_rms, num_valid, 9
-    )
-    jax.tree.map(close, static, masked)
+    masked = grad(sources, queries, inv_rms, jnp.int32(num_valid), None)
+    for read in (
+      grad(sources, queries, inv_rms, jnp.int32(num_valid), (2, 5, 9)),
+      jax.value_and_grad(loss, argnums=(0, 1, 2))(
+        sources, queries, inv_rms, num_valid, None
+      ),
+    ):
+      jax.tree.map(close, read, masked)
+  with pytest.raises(ValueError, match='whole buffer'):
+    loss(sources, queries, inv_rms, jnp.int32(3), (2, 5))
 
 
 @pytest.mark.parametrize(
-  'residual, count, groups',
+  'residual, count, prefixes',
   [
-    # 16 segments of 2 layers, starting at slots 1, 5, .., 61
-    ('full', 4, ((4, 13), (4, 29), (4, 45), (4, 61))),
-    ('full', 0, ((4, 13), (4, 29), (4, 45), (4, 61))),  # automatic: 4 for Full
-    ('full', 1, ((16, 0),)),
-    ('block', 0, ((16, 0),)),  # automatic: one scan for Block
-    ('full', 40, tuple((1, start) for start in range(1, 62, 4))),  # one per segment
-    ('block', 2, ((8, 8), (8, 16))),  # S = 4: starts 1, 2, .., 16
-    ('full', 3, ((5, 17), (5, 37), (6, 61))),  # counts as near equal as they divide
+    ('full', 4, (13, 29, 45, 65)),  # starts 1, 5, .., 61: 16 segments of 2 layers
+    ('full', 0, (13, 29, 45, 65)),  # automatic: 4 for Full
+    ('full', 1, None),
+    ('block', 0, None),  # automatic: the whole buffer for Block
+    ('full', 40, tuple(range(1, 62, 4)[:15]) + (65,)),  # one prefix per segment
+    ('block', 2, (8, 17)),  # S = 4: starts 1, 2, .., 16
   ],
 )
-def test_segment_groups_split_the_segments(residual, count, groups):
-  """32 layers: consecutive groups of segments of equal count, each bounded by the
-  start of its last segment (0: no bound)."""
+def test_phase1_prefixes_split_the_segment_starts(residual, count, prefixes):
+  """32 layers: the segment starts in groups of equal count, each read up to its
+  longest start, the last group up to the whole buffer."""
   cfg = tiny_model_config(
     num_layers=32, residual=residual, block_size=4, depth_read_prefixes=count
   )
-  model_residual = ar.residuals.make(cfg)
-  got = model_residual.segment_groups(32 // model_residual.segment_layers)
-  assert tuple((n, group.read_bound) for n, group in got) == groups
+  assert ar.residuals.make(cfg).phase1_prefixes() == prefixes
 
 
 def autodiff_merge(stats, local_JBTD, valid_J, query_D, gain_D, eps, inv_rms_JBT):

@@ -66,9 +66,6 @@ class AttnResResidual(base.Residual):
   cfg: Any
   one_shot: bool = False
   layers_per_segment: int = 0  # 0: the configured or default segment length
-  # A static bound on the segment starts this residual reads with (0: none): the XLA
-  # Phase 1 then reads only the buffer's first `read_bound` slots (`segment_groups`).
-  read_bound: int = 0
 
   no_decay = frozenset({'query', 'gain', 'mix'})  # decay would pull reads to uniform
   figures = ('depth_weights', 'depth_entropy')
@@ -250,8 +247,10 @@ class AttnResResidual(base.Residual):
     per-query statistics, kept apart (no [G, 2, ...] stacks to write and read)."""
     num_layers = params.query.shape[0]
     queries_QD, gains_QD = self.segment_queries(params, num_layers)
-    read = depth_pallas.phase1 if self.cfg.depth_kernel == 'pallas' else depth.phase1
-    buffer_KBTD, inv_rms_KBT = self.bounded(buffer_KBTD, inv_rms_KBT)
+    if self.cfg.depth_kernel == 'pallas':
+      read, prefixes = depth_pallas.phase1, {}
+    else:
+      read, prefixes = depth.phase1, {'prefixes': self.phase1_prefixes()}
     stats = read(
       buffer_KBTD,
       queries_QD,
@@ -260,44 +259,33 @@ class AttnResResidual(base.Residual):
       num_valid=first,
       inv_rms_KBT=inv_rms_KBT,
       out_dtype=self.phase1_dtype,
+      **prefixes,
     )
     return [stats[2 * j : 2 * j + 2] for j in range(num_layers)]
 
-  def bounded(self, buffer_KBTD, inv_rms_KBT=None):
-    """The buffer (and inverse RMS) as Phase 1 reads it: its first `read_bound` slots
-    where a bound is set, else all of it."""
-    if not self.read_bound:
-      return buffer_KBTD, inv_rms_KBT
-    bound = lambda x: None if x is None else x[: self.read_bound]
-    return bound(buffer_KBTD), bound(inv_rms_KBT)
-
-  def segment_groups(self, num_segments: int) -> tuple[tuple[int, AttnResResidual], ...]:
-    """The scan over `num_segments` whole segments, from the model's first, as
-    consecutive scans: (segments, the residual they run with) for each. A segment
-    starting at slot `first` reads `first` slots, and the XLA Phase 1 of a traced
-    `first` reads its whole operand, masked, so one scan over all segments reads the
-    whole buffer in every segment; an early segment of a deep Full model has a few of
-    its 65 slots written. `model.depth_read_prefixes` groups of equal count (as near
-    as they divide), each bounded by its last segment's start: every scan reads a
-    static prefix of the buffer, and its backward adds into that prefix of the
-    carried cotangent alone (in place: no conditional, no padding). Each group is
-    compiled on its own.
+  def phase1_prefixes(self) -> tuple[int, ...] | None:
+    """The buffer prefixes the XLA Phase 1 picks from for a traced segment start
+    (`model.depth_read_prefixes` of them; None: the whole buffer, masked). A segment
+    starting at slot `first` reads `first` slots. The segment starts are split in
+    order into groups of equal count, each read with the longest start of its group;
+    the last group reads the whole buffer, which holds any start.
 
     Automatic (0): 4 for Full, whose buffer grows with every sublayer (65 slots at 32
-    layers), the whole buffer (one group) for Block, whose buffer is short (2 L / S +
-    1 slots). The Pallas kernel loads only the valid slots already: one group. The
-    numbers are in docs/results.md (nineteenth pass)."""
+    layers), the whole buffer for Block, whose buffer is short (2 L / S + 1 slots).
+    On the TPU compiler's estimate (bench/aot.py d1024 v5p:2x2x1, bf16, 32 layers)
+    4 prefixes take Full from 2.29x to 2.23x the standard step and Block S=4 from
+    1.38x to 1.41x; on CPU (16 layers) Full from 1.59x to 1.24x (docs/results.md,
+    eighteenth pass)."""
     count = self.cfg.depth_read_prefixes or (
       AUTOMATIC_PREFIXES if self.block_size == 1 else 1
     )
-    count = min(count, num_segments)
-    if count <= 1 or self.cfg.depth_kernel == 'pallas':
-      return ((num_segments, self),)
-    ends = [num_segments * (g + 1) // count for g in range(count)]
-    return tuple(
-      (end - start, dataclasses.replace(self, read_bound=self.first_local_slot(end - 1)))
-      for start, end in zip([0] + ends[:-1], ends)
-    )
+    num_segments = -(-self.cfg.num_layers // self.segment_layers)
+    starts = [self.first_local_slot(s) for s in range(num_segments)]
+    if count <= 1 or len(starts) <= 1:
+      return None
+    count = min(count, len(starts))
+    group_ends = [len(starts) * (g + 1) // count for g in range(count - 1)]
+    return tuple(starts[end - 1] for end in group_ends) + (self.num_slots,)
 
   def read(self, inner: SegmentCarry, params, per_layer, layer_in_segment, which):
     _, num_local_valid = self.local_index(layer_in_segment, which)
@@ -444,7 +432,10 @@ class AttnResResidual(base.Residual):
     size = self.segment_layers
     if layers_per_chunk % size:
       size = max(d for d in range(unit, size + 1, unit) if layers_per_chunk % d == 0)
-    chunk = dataclasses.replace(self, layers_per_segment=size)
+    # One read of the whole buffer per segment: the pipeline vmaps its stages, whose
+    # segment starts differ, and a `lax.switch` on a batched index runs every branch.
+    whole_reads = dataclasses.replace(self.cfg, depth_read_prefixes=1)
+    chunk = dataclasses.replace(self, layers_per_segment=size, cfg=whole_reads)
     return chunk, layers_per_chunk // size
 
 

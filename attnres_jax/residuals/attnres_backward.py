@@ -101,27 +101,10 @@ def make_stack(residual):
       else depth_pallas.expected_valid(expected_valid)
     )
 
-    # The scan over the full segments as consecutive scans, each with its own reader
-    # (`AttnResResidual.segment_groups`: a static bound on the slots its Phase 1
-    # reads); the backward runs them in reverse. A chunk: one scan (its segment
-    # offset is traced, and the pipeline vmaps its stages).
-    segment_groups = ()
-    if num_full:
-      segment_groups = (
-        ((num_full, None),) if resumed else residual.segment_groups(num_full)
-      )
-    group_starts = [
-      sum(n for n, _ in segment_groups[:g]) for g in range(len(segment_groups))
-    ]
-
     def run_segments(layer_state, start, segment_offset, positions_BT, **kwargs):
       """The stack's layers from `start` (resumed at `segment_offset` for a chunk),
-      the kernels charged as stated above; the full segments' outputs a tuple over
-      `segment_groups`."""
-      runner, groups = residual, segment_groups
-      if resumed:
-        runner = stack_lib.Resumed(residual, segment_offset)
-        groups = tuple((count, runner) for count, _ in groups)
+      the kernels charged as stated above."""
+      runner = stack_lib.Resumed(residual, segment_offset) if resumed else residual
       with phase1_costs():
         return stack_lib.run_layers(
           runner,
@@ -131,7 +114,6 @@ def make_stack(residual):
           positions_BT,
           cfg=stack_cfg,
           index_layers=True,
-          segment_groups=groups or None,
           **kwargs,
         )
 
@@ -177,10 +159,8 @@ def make_stack(residual):
         layer_state, start, segment_offset, positions_BT, apply_sublayer=apply_sublayer
       )
       buffer_KBTD = carry.buffer_KBTD
-      saved_of = lambda ys: tuple(y[0] for y in ys)  # per layer: the pairs kept
-      saved = (
-        None if full_ys is None else tuple(saved_of(ys) for ys in full_ys),
-        None if tail_ys is None else saved_of(tail_ys),
+      saved = tuple(
+        None if ys is None else tuple(y[0] for y in ys) for ys in (full_ys, tail_ys)
       )
       # Resumed: what the chunk received of the inverse RMS (Phase 1 read it).
       inv_rms_in_KBT = start.inv_rms_KBT if resumed else None
@@ -197,22 +177,16 @@ def make_stack(residual):
       positions_BT,
       embedding_BTD=None,
       mean_valid=None,
-      read_bound=0,
     ):
       """Cotangents through one segment: (d_buffer before it, d_layer_states, and
       resumed, the received inverse RMS' cotangent). `received`: None, or (the
       received inverse RMS, its cotangent so far, the chunk's first slot).
       `embedding_BTD`: slot 0 of the final buffer if the caller sliced it (outside
       the segments' scan), else None. `mean_valid`: what the Phase 1 kernels' cost
-      estimates charge for a traced `first` (the mean over the scan's segments).
-      `read_bound`: the segment group's static bound on the slots Phase 1 reads (0:
-      none); Phase 1 is differentiated against that prefix of the buffer, and its
-      cotangent added into that prefix of the carried one, in place."""
+      estimates charge for a traced `first` (the mean over the scan's segments)."""
       num_layers = len(layer_states)
       first = residual.first_local_slot(segment)
       num_local = residual.local_slots(num_layers)
-      if read_bound and (received or kernel_layout):
-        raise ValueError('A read bound is for the XLA Phase 1 of a whole model.')
 
       def phase1(buffer_KBTD, layer_states, *inv_rms_in_KBT):
         params = stack_lib.stacked_residual_params(graphdef, layer_states)
@@ -226,8 +200,7 @@ def make_stack(residual):
           )
         return residual.phase1(buffer_KBTD, params, first, inv_rms_KBT)
 
-      read_KBTD = buffer_KBTD[:read_bound] if read_bound else buffer_KBTD
-      primals = (read_KBTD, layer_states) + (received[:1] if received else ())
+      primals = (buffer_KBTD, layer_states) + (received[:1] if received else ())
       with (
         depth_pallas.expected_valid(mean_valid)
         if mean_valid is not None
@@ -324,14 +297,6 @@ def make_stack(residual):
       d_layer_states = jax.tree.map(jnp.add, tuple(d_layer_states), d_states_phase1)
       if kernel_layout:  # the carry, Phase 1's and the embedding's, summed in place
         d_buffer_KBTD = d_buffer_phase1
-      elif read_bound:  # into the prefix Phase 1 read, the embedding's in slot 0
-        d_embedding_BTD = d_embedding_sum_BTD.astype(d_buffer_KBTD.dtype)
-        d_read_KBTD = (
-          (d_buffer_KBTD[:read_bound] + d_buffer_phase1).at[0].add(d_embedding_BTD)
-        )
-        d_buffer_KBTD = jax.lax.dynamic_update_slice_in_dim(
-          d_buffer_KBTD, d_read_KBTD, 0, 0
-        )
       else:
         d_buffer_KBTD = d_buffer_KBTD + d_buffer_phase1
         d_embedding_BTD = d_embedding_sum_BTD.astype(d_buffer_KBTD.dtype)
@@ -400,12 +365,9 @@ def make_stack(residual):
           positions_BT,
           embedding_BTD,
         )
-      d_ys = []
-      for group in reversed(range(len(segment_groups))):
-        count, reader = segment_groups[group]
-        group_start = group_starts[group]
+      if num_full:
 
-        def body(d_carry, xs, reader=reader):
+        def body(d_carry, xs):
           index, saved = xs
           d_buffer_KBTD, d_states, d_inv_rms_KBT = segment_backward(
             buffer_KBTD,
@@ -417,7 +379,6 @@ def make_stack(residual):
             positions_BT,
             embedding_BTD,
             expected_valid,
-            0 if reader is None else reader.read_bound,
           )
           d_segment = jax.tree.map(  # [G, ...], in the parameters' dtype
             lambda x, *d: jnp.stack(d).astype(x.dtype), layer_state, *d_states
@@ -444,21 +405,15 @@ def make_stack(residual):
           )
           return (d_buffer_KBTD, d_inv_rms_KBT, d_layers), None
 
-        if d_full is None and not resumed:
-          d_full = jax.tree.map(
-            lambda x: jnp.zeros_like(x[: num_full * size]), layer_state
-          )
-        (d_buffer_KBTD, d_inv_rms_KBT, d_full), d_ys_group = jax.lax.scan(
+        zeros = jax.tree.map(lambda x: jnp.zeros_like(x[: num_full * size]), layer_state)
+        (d_buffer_KBTD, d_inv_rms_KBT, d_full), d_ys = jax.lax.scan(
           body,
-          (d_buffer_KBTD, d_inv_rms_KBT, d_full),
-          (jnp.arange(group_start, group_start + count), full_saved[group]),
+          (d_buffer_KBTD, d_inv_rms_KBT, None if resumed else zeros),
+          (jnp.arange(num_full), full_saved),
           reverse=True,
         )
-        d_ys.insert(0, d_ys_group)
-      if resumed and d_ys:  # [segments, G, ...] -> [L, ...]
-        d_full = jax.tree.map(
-          lambda *y: jnp.concatenate(y).reshape(-1, *y[0].shape[2:]), *d_ys
-        )
+        if resumed:  # [segments, G, ...] -> [L, ...]
+          d_full = jax.tree.map(lambda y: y.reshape(-1, *y.shape[2:]), d_ys)
       if d_tail is not None:
         d_tail = jax.tree.map(lambda *y: jnp.stack(y), *d_tail)
       parts = [d for d in (d_full, d_tail) if d is not None]
