@@ -182,6 +182,9 @@ def _summarize(compiled, seconds: float, topo: Topology, model_flops: float) -> 
       'output_bytes': memory.output_size_in_bytes,
       'alias_bytes': memory.alias_size_in_bytes,
       'temp_bytes': memory.temp_size_in_bytes,
+      # The compiler's own peak (arguments, outputs and temporaries live at once);
+      # unlike temp it is not the sum of the step's temporary allocations.
+      'peak_bytes': getattr(memory, 'peak_memory_in_bytes', None),
       'code_bytes': memory.generated_code_size_in_bytes,
       'total_bytes': total,
       'capacity_bytes': topo.device_hbm_bytes,

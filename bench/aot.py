@@ -4,7 +4,9 @@ this host with libtpu (attnres_jax/aot.py). Per row: the train step's estimated 
 ratio of the compiler's per-kernel cycles summed with loops counted ("cyc x"; they
 leave out Pallas kernels, which "+kern" adds at the program's own cycles per roofline
 second: `aot.cycles_with_kernels`), MFU,
-HBM per device, temp memory / the standard's, bytes accessed, extra bytes over the
+HBM per device, temp memory / the standard's, the compiler's peak memory / the
+standard's ("peak": `peak_memory_in_bytes`, what must fit; temp sums every temporary
+allocation and grows with the number of loops, docs/results.md), bytes accessed, extra bytes over the
 standard's, that extra / the residual's floor (`Residual.min_extra_per_sublayer`,
 docs/method.md), collective bytes, and the bytes that cross HBM (`hlo_hbm`: on-chip
 operands and prefetch copies' on-chip side left out, which "bytes accessed" counts)
@@ -105,7 +107,7 @@ def main(argv=None):
   rows = []
   print(
     f'{"mode":<12}{"size":<6}{"topology":<9}{"est. ms":>9}{"vs std":>7}{"cyc x":>7}{"+kern":>7}'
-    f'{"MFU":>6}{"HBM GiB":>9}{"temp":>7}{"GB acc.":>9}{"extra":>7}{"/min":>6}'
+    f'{"MFU":>6}{"HBM GiB":>9}{"temp":>7}{"peak":>7}{"GB acc.":>9}{"extra":>7}{"/min":>6}'
     f'{"coll. GB":>9}{"HBM GB":>8}{"/min":>6}{"x std":>7}{"vs std@G":>9}'
     f'{"compile s":>10}  note'
   )
@@ -157,9 +159,9 @@ def main(argv=None):
         coll = sum(v['bytes'] for v in row['collectives'].values()) / 1e9
         nan = float('nan')
         ratio = lambda key, s=standard: row[key] / s[key] if s else nan
-        temp = (
-          row['memory']['temp_bytes'] / standard['memory']['temp_bytes']
-          if standard
+        memory_ratio = lambda key: (
+          row['memory'][key] / standard['memory'][key]
+          if standard and row['memory'].get(key) and standard['memory'].get(key)
           else nan
         )
         floor, hbm_floor = row.get('extra_over_floor'), row.get('extra_hbm_over_floor')
@@ -169,7 +171,8 @@ def main(argv=None):
           f'{ratio("est_step_seconds"):>7.2f}'
           f'{ratio("compiler_cycles_loops_counted"):>7.3f}'
           f'{ratio("compiler_cycles_with_kernels"):>7.3f}{row["est_mfu"]:>6.0%}'
-          f'{row["memory"]["total_bytes"] / aot.GIB:>9.1f}{temp:>7.2f}'
+          f'{row["memory"]["total_bytes"] / aot.GIB:>9.1f}{memory_ratio("temp_bytes"):>7.2f}'
+          f'{memory_ratio("peak_bytes"):>7.2f}'
           f'{row["bytes_accessed"] / 1e9:>9.1f}{ratio("bytes_accessed") - 1:>+7.0%}'
           f'{times(floor):>6}{coll:>9.2f}'
           f'{row["hbm_bytes"] / 1e9:>8.1f}{times(hbm_floor):>6}'
