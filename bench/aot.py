@@ -3,10 +3,10 @@ this host with libtpu (attnres_jax/aot.py). Per row: the train step's estimated 
 (the compiler's roofline, loops counted) and its ratio to the standard step's, the
 ratio of the compiler's per-kernel cycles summed with loops counted ("cyc x"; they
 leave out Pallas kernels, which "+kern" adds at the program's own cycles per roofline
-second: `aot.cycles_with_kernels`), MFU,
-HBM per device, temp memory / the standard's, the compiler's peak memory / the
-standard's ("peak": `peak_memory_in_bytes`, what must fit; temp sums every temporary
-allocation and grows with the number of loops, docs/results.md), bytes accessed, extra bytes over the
+second: `aot.cycles_with_kernels`), MFU, HBM per device, temp memory / the
+standard's, the compiler's peak memory / the standard's ("peak":
+`peak_memory_in_bytes`, what must fit; temp grows with the number of loops beyond
+what is live at once, docs/results.md), bytes accessed, extra bytes over the
 standard's, that extra / the residual's floor (`Residual.min_extra_per_sublayer`,
 docs/method.md), collective bytes, and the bytes that cross HBM (`hlo_hbm`: on-chip
 operands and prefetch copies' on-chip side left out, which "bytes accessed" counts)
