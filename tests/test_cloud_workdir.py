@@ -137,6 +137,15 @@ def gcs():
 
 
 def _lease_record(path: str) -> dict:
+  # The holder rewrites the record every lease / 4 seconds, and a path read takes the
+  # object's size and its bytes in separate requests: a read across a renewal can come
+  # back cut to the old length (seen once, with the host loaded). Read again then; the
+  # lease's own reads pin one generation (`GcsLease._read`).
+  for _ in range(20):
+    try:
+      return json.loads(epath.Path(path).read_text())
+    except json.JSONDecodeError:
+      time.sleep(0.01)
   return json.loads(epath.Path(path).read_text())
 
 
