@@ -187,6 +187,8 @@ def _summarize(compiled, seconds: float, topo: Topology, model_flops: float) -> 
       'peak_bytes': getattr(memory, 'peak_memory_in_bytes', None),
       'code_bytes': memory.generated_code_size_in_bytes,
       'total_bytes': total,
+      # What must fit (`train.compiled_memory_need`): the peak and the code.
+      'need_bytes': train_lib.compiled_memory_need(memory),
       'capacity_bytes': topo.device_hbm_bytes,
     },
     'flops': costs['flops'],
@@ -358,7 +360,7 @@ def format_table(report: dict[str, Any]) -> str:
     f'{report["num_chips"]} {chip["generation"]} chips, {report["num_devices"]} '
     f'devices, mesh {report["mesh"]}; per device: {chip["hbm_bytes"] / GIB:.0f} GiB '
     f'HBM per chip, {chip["peak_flops"] / 1e12:.0f} TFLOP/s peak per chip.',
-    f'{"step":<7}{"args GiB":>9}{"temp GiB":>9}{"total GiB":>10}{"TFLOP":>9}'
+    f'{"step":<7}{"args GiB":>9}{"temp GiB":>9}{"need GiB":>10}{"TFLOP":>9}'
     f'{"GB acc.":>9}{"est. ms":>9}{"MFU":>6}  {"collectives (count / GB)":<46}'
     f'{"compile s":>9}',
   ]
@@ -373,7 +375,7 @@ def format_table(report: dict[str, Any]) -> str:
     mfu = f'{s["est_mfu"]:.0%}' if s['est_mfu'] is not None and step != 'decode' else '-'
     lines.append(
       f'{step:<7}{m["argument_bytes"] / GIB:>9.2f}{m["temp_bytes"] / GIB:>9.2f}'
-      f'{m["total_bytes"] / GIB:>10.2f}{s["flops"] / 1e12:>9.3f}'
+      f'{m["need_bytes"] / GIB:>10.2f}{s["flops"] / 1e12:>9.3f}'
       f'{s["bytes_accessed"] / 1e9:>9.2f}{s["est_step_seconds"] * 1e3:>9.2f}'
       f'{mfu:>6}  {coll or "-":<46}{s["compile_seconds"]:>9.1f}'
     )

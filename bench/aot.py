@@ -3,7 +3,8 @@ this host with libtpu (attnres_jax/aot.py). Per row: the train step's estimated 
 (the compiler's roofline, loops counted) and its ratio to the standard step's, the
 ratio of the compiler's per-kernel cycles summed with loops counted ("cyc x"; they
 leave out Pallas kernels, which "+kern" adds at the program's own cycles per roofline
-second: `aot.cycles_with_kernels`), MFU, HBM per device, temp memory / the
+second: `aot.cycles_with_kernels`), MFU, HBM per device ("HBM GiB": what must fit,
+the compiler's peak and the code, `train.compiled_memory_need`), temp memory / the
 standard's, the compiler's peak memory / the standard's ("peak":
 `peak_memory_in_bytes`, what must fit; temp grows with the number of loops beyond
 what is live at once, docs/results.md), bytes accessed, extra bytes over the
@@ -171,7 +172,7 @@ def main(argv=None):
           f'{ratio("est_step_seconds"):>7.2f}'
           f'{ratio("compiler_cycles_loops_counted"):>7.3f}'
           f'{ratio("compiler_cycles_with_kernels"):>7.3f}{row["est_mfu"]:>6.0%}'
-          f'{row["memory"]["total_bytes"] / aot.GIB:>9.1f}{memory_ratio("temp_bytes"):>7.2f}'
+          f'{row["memory"]["need_bytes"] / aot.GIB:>9.1f}{memory_ratio("temp_bytes"):>7.2f}'
           f'{memory_ratio("peak_bytes"):>7.2f}'
           f'{row["bytes_accessed"] / 1e9:>9.1f}{ratio("bytes_accessed") - 1:>+7.0%}'
           f'{times(floor):>6}{coll:>9.2f}'

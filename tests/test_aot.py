@@ -279,7 +279,13 @@ def test_tiny_model_compiles_for_a_topology(mesh, kinds):
     assert (
       step['collectives'][kind]['count'] > 0 and step['collectives'][kind]['bytes'] > 0
     )
-  assert 0 < step['memory']['total_bytes'] < step['memory']['capacity_bytes']
+  memory = step['memory']
+  assert 0 < memory['total_bytes'] < memory['capacity_bytes']
+  # What must fit: the TPU compiler's peak (arguments included) and the code. (For a
+  # program this small the peak is above the summed figure: temp is 0 here, and the
+  # peak counts more than the arguments and temporaries.)
+  assert memory['peak_bytes'] > memory['argument_bytes'] - memory['alias_bytes']
+  assert memory['need_bytes'] == memory['peak_bytes'] + memory['code_bytes']
   assert step['est_step_seconds'] >= step['xla_seconds_loops_once'] > 0
   assert step['compiler_cycles_loops_counted'] > 0
   assert 'train' in aot.format_table(report)

@@ -11,6 +11,7 @@ import re
 import shutil
 import threading
 import time
+import types
 
 import grain
 import jax
@@ -256,6 +257,63 @@ def test_seq_len_that_cannot_fit_fails_before_compilation(tmp_path, no_compilati
   train_lib.check_memory(default_config.get_config(), memory_bytes=4 * 2**20)
   with pytest.raises(ValueError, match='cannot fit'):
     train_lib.check_memory(default_config.get_config(), memory_bytes=4 * 2**20 - 1)
+
+
+def _compiled_with(**sizes):
+  """A stand-in for a compiled step whose `memory_analysis()` gives `sizes` (bytes)."""
+  fields = dict(
+    argument_size_in_bytes=0,
+    output_size_in_bytes=0,
+    alias_size_in_bytes=0,
+    temp_size_in_bytes=0,
+    generated_code_size_in_bytes=0,
+    peak_memory_in_bytes=0,
+  )
+  fields.update(sizes)
+  stats = types.SimpleNamespace(**fields)
+  return types.SimpleNamespace(memory_analysis=lambda: stats)
+
+
+def test_compiled_step_is_checked_by_its_peak_not_its_summed_temporaries():
+  config = default_config.get_config('tiny')
+  # A program of many loops: temporaries summed over them far past what is live at
+  # once (the TPU compiler reported 60 GiB of temp and a 41 GiB peak for one step).
+  many_loops = _compiled_with(
+    argument_size_in_bytes=6 * 2**30,
+    output_size_in_bytes=6 * 2**30,
+    alias_size_in_bytes=6 * 2**30,
+    temp_size_in_bytes=60 * 2**30,
+    peak_memory_in_bytes=41 * 2**30,
+    generated_code_size_in_bytes=2**20,
+  )
+  assert (
+    train_lib.compiled_memory_need(many_loops.memory_analysis()) == 41 * 2**30 + 2**20
+  )
+  train_lib.check_memory(config, 41 * 2**30 + 2**20, compiled=many_loops)
+  with pytest.raises(ValueError, match=r'needs 41\.00 GiB per device \(at its peak;'):
+    train_lib.check_memory(config, 41 * 2**30, compiled=many_loops)
+  # Without a peak (a backend that reports none), the sum bounds it from above.
+  no_peak = _compiled_with(
+    argument_size_in_bytes=2**30, temp_size_in_bytes=3 * 2**30, peak_memory_in_bytes=0
+  )
+  train_lib.check_memory(config, 4 * 2**30, compiled=no_peak)
+  with pytest.raises(ValueError, match=r'needs 4\.00 GiB .*summed, no peak reported'):
+    train_lib.check_memory(config, 4 * 2**30 - 1, compiled=no_peak)
+
+
+def test_compiled_memory_need_of_a_real_program_is_its_peak():
+  def loops(x):
+    return jax.lax.fori_loop(0, 3, lambda i, y: jnp.sin(y @ y), x)
+
+  compiled = jax.jit(loops).lower(jax.ShapeDtypeStruct((256, 256), jnp.float32)).compile()
+  memory = compiled.memory_analysis()
+  need = train_lib.compiled_memory_need(memory)
+  assert need == memory.peak_memory_in_bytes + memory.generated_code_size_in_bytes
+  assert need > memory.argument_size_in_bytes  # the peak holds the arguments
+  config = default_config.get_config('tiny')
+  train_lib.check_memory(config, need, compiled=compiled)
+  with pytest.raises(ValueError, match='does not fit'):
+    train_lib.check_memory(config, need - 1, compiled=compiled)
 
 
 def test_unknown_config_field_is_named():
