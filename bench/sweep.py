@@ -52,8 +52,9 @@ FLAGS = flags.FLAGS
 flags.DEFINE_list(
   'groups',
   list(PANELS),
-  'Run groups: ' + ', '.join(GROUPS) + ' (the '
-  'compute ladder for bench/scaling.py; not run by default).',
+  'Run groups: ' + ', '.join(GROUPS) + ' (scaling, the compute ladder for '
+  'bench/scaling.py, and storage, bfloat16 compute with float32 or bfloat16 Phase 1 '
+  'outputs, are not run by default).',
 )
 flags.DEFINE_list('runs', [], 'Explicit run names (overrides --groups).')
 flags.DEFINE_list('seeds', ['0', '1', '2'], 'Seeds (model init and data order).')
@@ -209,7 +210,9 @@ def loss_curve(name: str, seeds: list[int], flops_per_step: float):
 
 def standard_baseline(name: str) -> str:
   """The standard-residual run of the same size as `name`."""
-  return name.rsplit('_', 1)[0] + '_standard' if name.startswith('depth_') else 'standard'
+  if name.startswith('depth_'):
+    return name.rsplit('_', 1)[0] + '_standard'
+  return 'storage_standard' if name.startswith('storage_') else 'standard'
 
 
 def report(names: list[str], seeds: list[int]) -> None:

@@ -96,12 +96,20 @@ SWEEP_SCALING = {
   for name in SCALING_RESIDUALS
   for width in SCALING_WIDTHS
 }
+# bfloat16 compute, with the depth read's Phase 1 outputs kept in float32 (the default,
+# `depth_dtype=''`) or in bfloat16 (`/bf16`, the build the TPU numbers are measured
+# on): what storing them in bfloat16 costs in loss (docs/results.md).
+SWEEP_STORAGE = {
+  f'storage_{modes.run_name(mode)}': dict(modes.fields(mode), dtype='bfloat16')
+  for mode in ('standard', 'block:4', 'block:4/bf16', 'full', 'full/bf16')
+}
 SWEEP_GROUPS = {
   'modes': SWEEP_MODES,
   'ablations': SWEEP_ABLATIONS,
   'depths': SWEEP_DEPTHS,
   'comparators': SWEEP_COMPARATORS,
   'scaling': SWEEP_SCALING,
+  'storage': SWEEP_STORAGE,
 }
 SWEEP_RUNS = {name: run for group in SWEEP_GROUPS.values() for name, run in group.items()}
 
