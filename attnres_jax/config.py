@@ -86,7 +86,7 @@ class ModelConfig:
   # starts: less temporary memory, a slower step (docs/results.md, thirteenth pass).
   backward_layer_barrier: bool = False
   # AttnRes storage of the depth buffer, partial sums and Phase 1 outputs: '' = the
-  # compute dtype (Phase 1 outputs float32) | 'bfloat16' | 'float32'
+  # compute dtype | 'bfloat16' | 'float32' (softmax statistics and sums: float32)
   depth_dtype: str = ''
   # AttnRes Phase 1 (the read of the completed slots) and its VJP: 'xla' (jnp) |
   # 'pallas' (the TPU kernel of depth_pallas.py; interpret mode off the TPU); HC/mHC:

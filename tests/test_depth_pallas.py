@@ -281,15 +281,20 @@ def test_pallas_kernel_needs_the_two_phase_read():
 def test_pallas_kernel_that_cannot_fit_on_chip_memory_is_refused():
   """The kernels hold one slot at a time, so what they need does not grow with the
   slots: Full AttnRes over 16 or 64 layers (33 or 129 slots; refused at width 2048
-  when the whole buffer sat in VMEM) is accepted. It grows with a segment's queries:
-  one segment of 16 layers (32 queries, float32 outputs) at width 2048 needs about
-  102 MiB at the narrowest tile, more than v5p's 64 MiB, and is refused."""
+  when the whole buffer sat in VMEM) is accepted. It grows with a segment's queries
+  and their dtype: one segment of 16 layers (32 queries) at width 2048 needs about
+  70 MiB at the narrowest tile with bfloat16 outputs (the compute dtype's, the
+  default) and 103 MiB with float32 storage, more than v5p's 64 MiB: refused."""
   full = dict(residual='full', dtype='bfloat16', depth_kernel='pallas', mlp_dim=64)
   wide = dict(d_model=2048, num_heads=16)
   for layers in (16, 64):
     tiny_model_config(**full, **wide, num_layers=layers)
-  with pytest.raises(ValueError, match="needs 101.6 MiB.*depth_kernel='xla'"):
+  with pytest.raises(ValueError, match="needs 69.6 MiB.*depth_kernel='xla'"):
     tiny_model_config(**full, **wide, num_layers=16, schedule_layers=16)
+  with pytest.raises(ValueError, match="needs 102.6 MiB.*depth_kernel='xla'"):
+    tiny_model_config(
+      **full, **wide, num_layers=16, schedule_layers=16, depth_dtype='float32'
+    )
   tiny_model_config(**full, d_model=1024, num_heads=8, num_layers=16, schedule_layers=4)
 
 

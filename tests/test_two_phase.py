@@ -91,6 +91,34 @@ def test_bfloat16_phase1_storage_is_within_its_rounding(block_size):
     )
 
 
+@pytest.mark.parametrize(
+  'dtype, depth_dtype, storage, outputs',
+  [
+    ('float32', '', jnp.float32, jnp.float32),
+    ('bfloat16', '', jnp.bfloat16, jnp.bfloat16),  # the default: the compute dtype
+    ('bfloat16', 'float32', jnp.float32, jnp.float32),
+    ('float32', 'bfloat16', jnp.bfloat16, jnp.bfloat16),
+  ],
+)
+def test_depth_state_dtype_follows_depth_dtype_else_the_compute_dtype(
+  dtype, depth_dtype, storage, outputs
+):
+  """The buffer, the partial sums and Phase 1's outputs share one dtype; the online
+  softmax statistics stay float32 whatever it is."""
+  residual = model(4, 'two_phase', dtype=dtype, depth_dtype=depth_dtype).residual
+  assert residual.storage_dtype == storage and residual.phase1_dtype == outputs
+  carry = residual.init(jnp.zeros((2, 10, TINY['d_model'])))
+  assert carry.buffer_KBTD.dtype == storage
+  buffer = jnp.ones((3, 2, 10, TINY['d_model']), storage)
+  queries = jnp.ones((2, TINY['d_model']))
+  stats = depth.phase1(
+    buffer, queries, queries, eps=1e-6, num_valid=2, out_dtype=residual.phase1_dtype
+  )
+  assert all(
+    o.dtype == outputs and m.dtype == s.dtype == jnp.float32 for m, s, o in stats
+  )
+
+
 def test_bfloat16_depth_storage_model_matches_one_shot():
   """A float32 model storing its depth buffer in bf16 (model.depth_dtype): the buffer
   and its reads are bf16, the block schedule matches the one-shot read of the same

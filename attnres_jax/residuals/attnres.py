@@ -92,12 +92,12 @@ class AttnResResidual(base.Residual):
   @property
   def storage_dtype(self):
     """The depth buffer's and the partial sums' dtype."""
-    return jnp.dtype(self.cfg.depth_dtype or self.cfg.dtype)
+    return attnres_schedule.storage_dtype_of(self.cfg)
 
   @property
   def phase1_dtype(self):
-    """Phase 1 outputs' dtype: float32 unless `depth_dtype` says otherwise."""
-    return jnp.dtype(self.cfg.depth_dtype or jnp.float32)
+    """Phase 1 outputs' dtype."""
+    return attnres_schedule.phase1_dtype_of(self.cfg)
 
   def to_compute(self, h_BTD):
     """A read's result in the compute dtype (the sublayer's input)."""
