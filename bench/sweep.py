@@ -53,8 +53,8 @@ flags.DEFINE_list(
   'groups',
   list(PANELS),
   'Run groups: ' + ', '.join(GROUPS) + ' (scaling, the compute ladder for '
-  'bench/scaling.py, and storage, bfloat16 compute with float32 or bfloat16 Phase 1 '
-  'outputs, are not run by default).',
+  'bench/scaling.py, and storage, bfloat16 compute with a bfloat16 or float32 depth '
+  'state, are not run by default).',
 )
 flags.DEFINE_list('runs', [], 'Explicit run names (overrides --groups).')
 flags.DEFINE_list('seeds', ['0', '1', '2'], 'Seeds (model init and data order).')

@@ -96,12 +96,12 @@ SWEEP_SCALING = {
   for name in SCALING_RESIDUALS
   for width in SCALING_WIDTHS
 }
-# bfloat16 compute, with the depth read's Phase 1 outputs kept in float32 (the default,
-# `depth_dtype=''`) or in bfloat16 (`/bf16`, the build the TPU numbers are measured
-# on): what storing them in bfloat16 costs in loss (docs/results.md).
+# bfloat16 compute, with the depth state (buffer, partial sums, Phase 1 outputs) in
+# the compute dtype (the default) or in float32 (`/f32`): what bfloat16 depth storage
+# costs in loss (docs/results.md, twentieth pass).
 SWEEP_STORAGE = {
   f'storage_{modes.run_name(mode)}': dict(modes.fields(mode), dtype='bfloat16')
-  for mode in ('standard', 'block:4', 'block:4/bf16', 'full', 'full/bf16')
+  for mode in ('standard', 'block:4', 'block:4/f32', 'full', 'full/f32')
 }
 SWEEP_GROUPS = {
   'modes': SWEEP_MODES,
