@@ -167,13 +167,6 @@ def _summarize(compiled, seconds: float, topo: Topology, model_flops: float) -> 
   hbm = hlo_hbm.hbm_costs(text, topo.device_peak_flops, bandwidth)
   compiler_seconds = float(cost.get('optimal_seconds', 0.0))
   step_seconds = hlo_cost.estimated_seconds(costs, compiler_seconds)
-  total = (
-    memory.argument_size_in_bytes
-    + memory.output_size_in_bytes
-    - memory.alias_size_in_bytes
-    + memory.temp_size_in_bytes
-    + memory.generated_code_size_in_bytes
-  )
   peak = topo.device_peak_flops * len(topo.devices)
   return {
     'compile_seconds': seconds,
@@ -186,7 +179,7 @@ def _summarize(compiled, seconds: float, topo: Topology, model_flops: float) -> 
       # unlike temp it is not the sum of the step's temporary allocations.
       'peak_bytes': getattr(memory, 'peak_memory_in_bytes', None),
       'code_bytes': memory.generated_code_size_in_bytes,
-      'total_bytes': total,
+      'total_bytes': train_lib.summed_memory_bytes(memory),
       # What must fit (`train.compiled_memory_need`): the peak and the code.
       'need_bytes': train_lib.compiled_memory_need(memory),
       'capacity_bytes': topo.device_hbm_bytes,

@@ -151,15 +151,31 @@ def compiled_memory_need(memory) -> int:
   arguments and no temporaries). Without a peak, the sum arguments + outputs - donated
   + temporaries + code.
   """
-  held = (
+  peak = reported_peak_bytes(memory)
+  if peak > 0:
+    held = (
+      memory.argument_size_in_bytes
+      + memory.output_size_in_bytes
+      - memory.alias_size_in_bytes
+    )
+    return max(peak, held) + memory.generated_code_size_in_bytes
+  return summed_memory_bytes(memory)
+
+
+def reported_peak_bytes(memory) -> int:
+  """The compiler's peak from `memory_analysis()`, 0 where the backend reports none."""
+  return getattr(memory, 'peak_memory_in_bytes', 0) or 0
+
+
+def summed_memory_bytes(memory) -> int:
+  """arguments + outputs - donated + temporaries + code, from `memory_analysis()`."""
+  return (
     memory.argument_size_in_bytes
     + memory.output_size_in_bytes
     - memory.alias_size_in_bytes
+    + memory.temp_size_in_bytes
+    + memory.generated_code_size_in_bytes
   )
-  peak = getattr(memory, 'peak_memory_in_bytes', 0) or 0
-  if peak > 0:
-    return max(peak, held) + memory.generated_code_size_in_bytes
-  return held + memory.temp_size_in_bytes + memory.generated_code_size_in_bytes
 
 
 def check_memory(
@@ -191,9 +207,7 @@ def check_memory(
     need = compiled_memory_need(m)
     if need > memory_bytes:
       measure = (
-        'at its peak'
-        if (getattr(m, 'peak_memory_in_bytes', 0) or 0) > 0
-        else 'summed, no peak reported'
+        'at its peak' if reported_peak_bytes(m) > 0 else 'summed, no peak reported'
       )
       raise ValueError(
         f'{what} does not fit: it needs {need / 2**30:,.2f} GiB per device '

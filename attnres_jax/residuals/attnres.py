@@ -92,12 +92,12 @@ class AttnResResidual(base.Residual):
   @property
   def storage_dtype(self):
     """The depth buffer's and the partial sums' dtype."""
-    return attnres_schedule.storage_dtype_of(self.cfg)
+    return attnres_schedule.depth_state_dtype_of(self.cfg)
 
   @property
   def phase1_dtype(self):
-    """Phase 1 outputs' dtype."""
-    return attnres_schedule.phase1_dtype_of(self.cfg)
+    """Phase 1 outputs' dtype: the storage dtype."""
+    return attnres_schedule.depth_state_dtype_of(self.cfg)
 
   def to_compute(self, h_BTD):
     """A read's result in the compute dtype (the sublayer's input)."""

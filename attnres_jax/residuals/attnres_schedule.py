@@ -20,16 +20,11 @@ def block_size_of(cfg) -> int:
   return 1 if cfg.residual == 'full' else cfg.block_size
 
 
-def storage_dtype_of(cfg):
-  """The depth buffer's and the partial sums' dtype: `depth_dtype`, else the compute
-  dtype."""
-  return jnp.dtype(cfg.depth_dtype or cfg.dtype)
-
-
-def phase1_dtype_of(cfg):
-  """Phase 1 outputs' dtype (the online-softmax statistics stay float32):
-  `depth_dtype`, else the compute dtype. bfloat16 outputs under bfloat16 compute train
-  to the same loss as float32 ones (docs/results.md, twentieth pass)."""
+def depth_state_dtype_of(cfg):
+  """The dtype of the depth buffer, the partial sums and Phase 1's outputs (the
+  online-softmax statistics stay float32): `depth_dtype`, else the compute dtype.
+  bfloat16 outputs under bfloat16 compute train to the same loss as float32 ones
+  (docs/results.md, twentieth pass)."""
   return jnp.dtype(cfg.depth_dtype or cfg.dtype)
 
 
@@ -114,9 +109,8 @@ def _check_kernel_fits_vmem(cfg) -> None:
   size = block_size_of(cfg)
   layers = cfg.schedule_layers or default_segment_layers(cfg.num_layers, size)
   queries = 2 * min(layers, cfg.num_layers)
-  storage = storage_dtype_of(cfg).itemsize
-  outputs = phase1_dtype_of(cfg).itemsize
-  need = depth_pallas_kernels.least_vmem_bytes(queries, cfg.d_model, storage, outputs)
+  itemsize = depth_state_dtype_of(cfg).itemsize  # the slots' and the outputs'
+  need = depth_pallas_kernels.least_vmem_bytes(queries, cfg.d_model, itemsize, itemsize)
   if need > depth_pallas_kernels.VMEM_BYTES:
     base.invalid(
       f"depth_kernel='pallas' needs {need / 2**20:.1f} MiB of on-chip memory for "
