@@ -43,6 +43,7 @@ EXECUTION_FIELDS = (
   'depth_dtype',
   'depth_kernel',
   'depth_read_prefixes',
+  'phase1_backward',
 )
 # The read ablations (paper Section 5); off = the paper's read.
 ABLATION_FIELDS = (
@@ -97,6 +98,12 @@ class ModelConfig:
   # masked, 0 = automatic: 4 for Full AttnRes, 1 for Block (docs/results.md, the
   # eighteenth pass); the Pallas kernel loads the valid slots alone
   depth_read_prefixes: int = 0
+  # The linear-memory backward with depth_kernel='pallas': Phase 1's results 'kept'
+  # from the forward pass (one [B, T, D] per sublayer held) | 'recompute'd per
+  # segment | 'auto': kept where a segment's Phase 1 reads more completed slots, on
+  # average, than three times its queries (deep Full AttnRes; docs/results.md,
+  # twenty-first pass)
+  phase1_backward: str = 'auto'
   depth_query_input: bool = False  # ablation: query += W RMSNorm(latest source) / sqrt(D)
   depth_normalizer: str = 'softmax'  # ablation: 'softmax' | 'sigmoid'
   depth_key_norm: bool = True  # ablation: False = logits from the raw sources

@@ -14,7 +14,8 @@ innermost and sequential, one slot [D, tile] a step. The slot's BlockSpec clamps
 index to num_valid - 1 (a scalar-prefetch operand, traced inside the layer scan), so
 the steps past the valid slots re-use the block in VMEM: no DMA and no work. The
 forward is an online softmax over the slot steps; the backward takes the forward's
-max and treats each slot on its own.
+max and treats each slot on its own, so a call handed an earlier call's results
+(`kept`, the linear-memory backward's `phase1_backward`) runs no forward kernel.
 
 HBM traffic from the BlockSpecs, per device: forward reads the num_valid slots once
 (num_valid B T D elements) and writes the Q outputs (Q B T D) and 2 Q B T float32
@@ -378,6 +379,31 @@ def _phase1_bwd(bound, eps, out_dtype, width_minor, residuals, cotangents):
 
 _phase1.defvjp(_phase1_fwd, _phase1_bwd)
 
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
+def _phase1_kept(
+  buf_KBTD, folded_QD, nv, rms_KBT, max_BQT, sum_BQT, outs, bound, eps, dtype, wm
+):
+  """`_phase1` whose forward an earlier call on the same operands already ran: it
+  returns that call's results (max, sum, outs) and differentiates as `_phase1`."""
+  del buf_KBTD, folded_QD, nv, rms_KBT, bound, eps, dtype, wm
+  return max_BQT, sum_BQT, outs
+
+
+def _phase1_kept_fwd(
+  buf_KBTD, folded_QD, nv, rms_KBT, max_BQT, sum_BQT, outs, bound, eps, dtype, wm
+):
+  del bound, eps, dtype, wm
+  return (max_BQT, sum_BQT, outs), (buf_KBTD, folded_QD, nv, rms_KBT, max_BQT)
+
+
+def _phase1_kept_bwd(bound, eps, out_dtype, width_minor, residuals, cotangents):
+  grads = _phase1_bwd(bound, eps, out_dtype, width_minor, residuals, cotangents)
+  return (*grads, None, None, None)  # the kept results are constants
+
+
+_phase1_kept.defvjp(_phase1_kept_fwd, _phase1_kept_bwd)
+
 # What the context managers below set.
 _INTO = contextvars.ContextVar('depth_pallas_into', default=None)
 _EXPECTED_VALID = contextvars.ContextVar('depth_pallas_expected_valid', default=None)
@@ -422,13 +448,16 @@ def phase1(
   inv_rms_KBT=None,
   out_dtype=jnp.float32,
   width_minor_cotangent=False,
+  kept=None,
 ):
   """`depth.phase1` computed by the Pallas kernels (module docstring): a tuple over
   the Q queries of (max [B, T], sum of exponentials [B, T], output [B, T, D]). Its
   VJP within `cotangent_into` sums the buffer's cotangent into a carried one; outside
   it, with `width_minor_cotangent`, the kernel writes the buffer's cotangent width
   on the lanes, the layout a backward pass carries it in (the transposes in VMEM),
-  not tokens on the lanes for the compiler to relayout."""
+  not tokens on the lanes for the compiler to relayout. `kept`: this function's
+  result for the same operands, computed earlier (a forward pass that kept it for
+  its backward); the forward kernel is not run again, and the VJP is the same."""
   num_slots = buffer_KBTD.shape[0]
   if num_valid is None:
     num_valid = num_slots
@@ -440,15 +469,20 @@ def phase1(
     bound = num_slots if mean is None else float(mean)
   nv = jnp.clip(jnp.asarray(num_valid, jnp.int32), 0, num_slots).reshape(1)
   folded_QD = queries_QD.astype(jnp.float32) * gains_QD.astype(jnp.float32)
-  max_BQT, sum_BQT, outs = _phase1(
-    buffer_KBTD,
-    folded_QD,
-    nv,
-    inv_rms_KBT,
-    bound,
-    float(eps),
-    jnp.dtype(out_dtype),
-    bool(width_minor_cotangent),
-  )
+  settings = (bound, float(eps), jnp.dtype(out_dtype), bool(width_minor_cotangent))
+  if kept is None:
+    max_BQT, sum_BQT, outs = _phase1(buffer_KBTD, folded_QD, nv, inv_rms_KBT, *settings)
+  else:
+    max_BQT, sum_BQT = (jnp.stack([q[i] for q in kept], axis=1) for i in (0, 1))
+    max_BQT, sum_BQT, outs = _phase1_kept(
+      buffer_KBTD,
+      folded_QD,
+      nv,
+      inv_rms_KBT,
+      max_BQT,
+      sum_BQT,
+      tuple(q[2] for q in kept),
+      *settings,
+    )
   max_BQT = jax.lax.stop_gradient(max_BQT)
   return tuple((max_BQT[:, q], sum_BQT[:, q], out) for q, out in enumerate(outs))

@@ -22,6 +22,7 @@ import re
 from typing import NamedTuple
 
 from attnres_jax import hlo_cost
+from attnres_jax import hlo_hbm
 from attnres_jax import hlo_loops
 from attnres_jax import hlo_text
 
@@ -40,6 +41,7 @@ class Kernel(NamedTuple):
   times: float
   cycles: float
   roofline_seconds: float
+  hbm_bytes: float  # one execution's bytes that cross HBM (`hlo_hbm`)
 
   @property
   def direction(self) -> str:
@@ -86,17 +88,22 @@ def module_kernels(computations, entry: str, peak_flops: float, bandwidth: float
           times=times,
           cycles=float(cycles.group(1)) if cycles else 0.0,
           roofline_seconds=max(flops / peak_flops, (sum(reads) + written) / bandwidth),
+          hbm_bytes=hlo_hbm.kernel_hbm_bytes(instruction, computation, computations),
         )
       )
   return found
 
 
+SUMMED = ('cycles', 'roofline_seconds', 'hbm_bytes')  # per group, loops counted
+
+
 def by_group(found: list[Kernel]) -> dict[tuple[str, str, str], dict[str, float]]:
-  """{(direction, kind, what): {'cycles', 'roofline_seconds'}}, loops counted."""
-  groups = collections.defaultdict(lambda: {'cycles': 0.0, 'roofline_seconds': 0.0})
+  """{(direction, kind, what): {'cycles', 'roofline_seconds', 'hbm_bytes'}}, loops
+  counted."""
+  groups = collections.defaultdict(lambda: dict.fromkeys(SUMMED, 0.0))
   for kernel in found:
-    groups[kernel.group]['cycles'] += kernel.times * kernel.cycles
-    groups[kernel.group]['roofline_seconds'] += kernel.times * kernel.roofline_seconds
+    for key in SUMMED:
+      groups[kernel.group][key] += kernel.times * getattr(kernel, key)
   return dict(groups)
 
 
@@ -104,11 +111,12 @@ def total_cycles(found: list[Kernel]) -> float:
   return sum(kernel.times * kernel.cycles for kernel in found)
 
 
-def diff(base: list[Kernel], other: list[Kernel]) -> list[dict]:
-  """Per group, the base's and the other's cycles and roofline seconds (loops
-  counted) and the other minus the base, largest difference in cycles first."""
+def diff(base: list[Kernel], other: list[Kernel], by: str = 'cycles') -> list[dict]:
+  """Per group, the base's and the other's cycles, roofline seconds and HBM bytes
+  (loops counted) and the other minus the base, largest difference in `by` ('cycles'
+  or 'hbm_bytes') first."""
   base_groups, other_groups = by_group(base), by_group(other)
-  zero = {'cycles': 0.0, 'roofline_seconds': 0.0}
+  zero = dict.fromkeys(SUMMED, 0.0)
   rows = []
   for group in set(base_groups) | set(other_groups):
     a, b = base_groups.get(group, zero), other_groups.get(group, zero)
@@ -121,9 +129,12 @@ def diff(base: list[Kernel], other: list[Kernel]) -> list[dict]:
         other_cycles=b['cycles'],
         delta_cycles=b['cycles'] - a['cycles'],
         delta_roofline_seconds=b['roofline_seconds'] - a['roofline_seconds'],
+        base_hbm_bytes=a['hbm_bytes'],
+        other_hbm_bytes=b['hbm_bytes'],
+        delta_hbm_bytes=b['hbm_bytes'] - a['hbm_bytes'],
       )
     )
-  rows.sort(key=lambda row: -abs(row['delta_cycles']))
+  rows.sort(key=lambda row: -abs(row[f'delta_{by}']))
   return rows
 
 

@@ -10,7 +10,10 @@ AttnRes options follow, each after a '/': `one_shot` or `two_phase` picks the re
 (`depth_read`), `bf16` or `f32` the depth state's storage (`depth_dtype`), e.g.
 `block:4/bf16` or `full/one_shot`; `pallas` computes Phase 1 with the Pallas
 kernel (`depth_kernel`), e.g. `block:4/bf16/pallas`; `barrier` finishes each layer's
-gradients before the next in the backward (`backward_layer_barrier`); `prefixes:N`
+gradients before the next in the backward (`backward_layer_barrier`);
+`keep_phase1` or `recompute_phase1` has the linear-memory backward take Phase 1's
+results from the forward pass or compute them again (`phase1_backward`; default
+automatic, with `pallas`); `prefixes:N`
 has the XLA Phase 1 read the shortest of N static buffer prefixes that holds a
 segment's completed slots (`depth_read_prefixes`), e.g. `full/prefixes:4`; for `hc`/`mhc`
 (its only option) the stream write's and mHC's Sinkhorn kernels, e.g. `mhc/pallas`. A tool
@@ -28,7 +31,8 @@ SYNTAX = (
   'standard | full | block:S | hc[:m] | mhc[:m], then optionally @G (segment layers) '
   'and AttnRes options /one_shot or /two_phase (the read), /bf16 or /f32 (storage), '
   '/pallas (the Phase 1 kernel; for hc and mhc the write and Sinkhorn kernels), '
-  '/barrier (the backward layer by layer), /prefixes:N (XLA Phase 1 reads the '
+  '/barrier (the backward layer by layer), /keep_phase1 or /recompute_phase1 (the '
+  "backward's Phase 1 results), /prefixes:N (XLA Phase 1 reads the "
   'shortest of N buffer prefixes)'
 )
 OPTIONS = {  # AttnRes option -> (model field, value)
@@ -38,6 +42,8 @@ OPTIONS = {  # AttnRes option -> (model field, value)
   'f32': ('depth_dtype', 'float32'),
   'pallas': ('depth_kernel', 'pallas'),
   'barrier': ('backward_layer_barrier', True),
+  'keep_phase1': ('phase1_backward', 'keep'),
+  'recompute_phase1': ('phase1_backward', 'recompute'),
 }
 COUNTED_OPTIONS = {  # AttnRes option name:N -> the model field that takes N
   'prefixes': 'depth_read_prefixes',

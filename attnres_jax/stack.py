@@ -84,9 +84,10 @@ def _sublayer_stats(residual, applied, token_weights_BT):
   return entry
 
 
-# apply_sublayer(which, layer_in_segment, layer_state, h, *, inner, extra)
+# apply_sublayer(which, layer_in_segment, layer_state, h, *, inner, extra, per_layer)
 #   -> (out, saved): one sublayer's branch; `inner` is the residual's inner carry
-#   before the sublayer, `extra` the layer's slice of `extra_xs`.
+#   before the sublayer, `extra` the layer's slice of `extra_xs`, `per_layer` the
+#   layer's share of what `Residual.begin_segment` computed (AttnRes: its Phase 1).
 SublayerHook = Callable[..., tuple[jax.Array, Any]]
 
 
@@ -223,8 +224,10 @@ def run_layers(
       sublayer_function(graphdef, which, cfg.remat == 'sublayer') for which in SUBLAYERS
     ]
 
-    def apply_sublayer(which, layer_in_segment, state_k, h_BTD, *, inner, extra):
-      del layer_in_segment, inner, extra
+    def apply_sublayer(
+      which, layer_in_segment, state_k, h_BTD, *, inner, extra, per_layer
+    ):
+      del layer_in_segment, inner, extra, per_layer
       return functions[which](state_k, h_BTD, positions_BT), None
 
   def layer_step(inner, state_k, per_layer, extra, *, j):
@@ -232,7 +235,13 @@ def run_layers(
     saved, stats = [], []
     for which in SUBLAYERS:
       branch = functools.partial(
-        apply_sublayer, which, j, state_k, inner=inner, extra=extra
+        apply_sublayer,
+        which,
+        j,
+        state_k,
+        inner=inner,
+        extra=extra,
+        per_layer=per_layer,
       )
       inner, applied = residual.sublayer(inner, params, per_layer, j, which, branch)
       saved.append(applied.saved)

@@ -213,6 +213,8 @@ def test_every_variant_has_finite_gradients_reaching_its_parameters(variant, res
     (dict(depth_normalizer='relu'), 'depth_normalizer'),
     (dict(depth_window=-1), 'depth_window'),
     (dict(depth_read_prefixes=-1), 'depth_read_prefixes must be an integer >= 0'),
+    (dict(phase1_backward='always'), 'phase1_backward must be one of'),
+    (dict(phase1_backward='keep'), "set depth_kernel='pallas'"),
   ],
 )
 def test_ablation_config_errors(overrides, message):

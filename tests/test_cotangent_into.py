@@ -8,17 +8,21 @@ import json
 import re
 import sys
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
+from attnres_jax import config as config_lib
 from attnres_jax import depth
 from attnres_jax import depth_pallas
 from attnres_jax import pipeline
+from attnres_jax import residuals
 from attnres_jax import sharding
-from conftest import child_result, tiny_model, with_config
+from attnres_jax.residuals import attnres_schedule
+from conftest import child_result, tiny_model, tiny_model_config, with_config
 
 EPS = 1e-6
 ALIASED = re.compile(r'input_output_aliases=\(\(\d+, 0\),\)')  # the carry in place
@@ -298,20 +302,83 @@ def gradients(model, tokens, **changes):
   return jax.jit(jax.grad(loss))(state)
 
 
+def test_phase1_with_kept_results_returns_them_and_the_kernels_vjp():
+  """`phase1(kept=...)`: an earlier call's results, returned as they are, and the
+  VJP of a call that runs the forward kernel itself. Exactly equal: the kernel is
+  deterministic, so the kept maximum (the backward kernel's only residual from the
+  forward one) is the one the call would compute, and the same backward kernel runs
+  on the same operands."""
+  buffer_KBTD, queries_QD, gains_QD, _ = operands(jnp.float32, SHAPES['kernel'])
+  call = functools.partial(depth_pallas.phase1, eps=EPS, num_valid=4)
+  kept = call(buffer_KBTD, queries_QD, gains_QD)
+  plain, plain_vjp = jax.vjp(call, buffer_KBTD, queries_QD, gains_QD)
+  again, kept_vjp = jax.vjp(
+    functools.partial(call, kept=kept), buffer_KBTD, queries_QD, gains_QD
+  )
+  chex.assert_trees_all_equal(again, kept)
+  chex.assert_trees_all_equal(again, plain)
+  keys = iter(jax.random.split(jax.random.key(5), 3 * len(plain)))
+  cotangent = jax.tree.map(lambda x: jax.random.normal(next(keys), x.shape), plain)
+  chex.assert_trees_all_equal(kept_vjp(cotangent), plain_vjp(cotangent))
+
+
 @pytest.mark.parametrize(
-  'residual, block_size, schedule_layers',
+  'residual, block_size, num_layers, keeps',
   [
-    ('full', 1, 0),
-    ('full', 1, 2),
-    ('block', 4, 0),  # segments of 2 layers, one block each, and a last one of 1
+    ('full', 1, 32, True),  # 2-layer segments: 31 slots read on average, 4 queries
+    ('full', 1, 16, True),  # 15 slots
+    ('full', 1, 8, False),  # 7 slots
+    ('block', 4, 32, False),  # 8.5: 7.5 completed blocks and the embedding
+    ('block', 4, 8, False),  # 2.5
+    ('block', 8, 32, False),  # 4.5 against 8 queries
+  ],
+)
+def test_auto_keeps_phase1_where_its_reads_outweigh_its_outputs(
+  residual, block_size, num_layers, keeps
+):
+  """`phase1_backward='auto'`: Phase 1's results kept for the backward pass where a
+  segment's Phase 1, computed again, would read more than three times as many slots
+  as it writes outputs; 'keep' and 'recompute' decide alone."""
+  cfg = tiny_model_config(residual=residual, block_size=block_size, num_layers=num_layers)
+  attnres = residuals.make(config_lib.ModelConfig.from_config(cfg))
+  segments = num_layers // attnres.segment_layers
+  mean_first = sum(attnres.first_local_slot(s) for s in range(segments)) / segments
+  queries = 2 * attnres.segment_layers
+  assert attnres_schedule.keeps_phase1('auto', mean_first, queries) == keeps
+  assert attnres_schedule.keeps_phase1('keep', mean_first, queries)
+  assert not attnres_schedule.keeps_phase1('recompute', mean_first, queries)
+
+
+def kernel_launches(jaxpr) -> int:
+  """The Pallas calls in `jaxpr` and the jaxprs it holds (a loop's body once, each
+  branch of a conditional)."""
+  count = 0
+  for eqn in jaxpr.eqns:
+    count += eqn.primitive.name == 'pallas_call'
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (list, tuple)) else [value]:
+        if isinstance(sub, (jax.extend.core.ClosedJaxpr, jax.extend.core.Jaxpr)):
+          count += kernel_launches(getattr(sub, 'jaxpr', sub))
+  return count
+
+
+@pytest.mark.parametrize(
+  'residual, block_size, schedule_layers, phase1_backward, segment_kinds',
+  [
+    ('full', 1, 0, 'auto', 1),  # 3 segments of 1 layer
+    ('full', 1, 2, 'auto', 2),
+    ('block', 4, 0, 'auto', 2),  # segments of 2 layers, one block each, and one of 1
+    ('full', 1, 0, 'keep', 1),  # Phase 1's results kept from the forward pass
+    ('block', 4, 0, 'keep', 2),
   ],
 )
 def test_linear_memory_backward_with_the_kernels_equals_autodiff(
-  residual, block_size, schedule_layers
+  residual, block_size, schedule_layers, phase1_backward, segment_kinds
 ):
   """Full and Block AttnRes with the Phase 1 kernel, 128 tokens of width 128 (the
   accumulate kernel runs: lane-aligned), through the segments' scan and a shorter
-  last segment."""
+  last segment; with Phase 1 computed again in the backward pass (what 'auto' picks
+  at this depth) or kept from the forward pass."""
   model = tiny_model(
     residual,
     block_size,
@@ -320,14 +387,27 @@ def test_linear_memory_backward_with_the_kernels_equals_autodiff(
     num_heads=1,
     depth_kernel='pallas',
     schedule_layers=schedule_layers,
+    phase1_backward=phase1_backward,
   )
   tokens = jax.random.randint(jax.random.key(2), (2, 128), 0, 256)
   plain = gradients(model, tokens, linear_memory_backward=False)
   linear = gradients(model, tokens, linear_memory_backward=True)
-  graphdef, state = nnx.split(with_config(model, linear_memory_backward=True))
-  loss = lambda s: jnp.mean(nnx.merge(graphdef, s)(tokens) ** 2)
-  jaxpr = str(jax.make_jaxpr(jax.grad(loss))(state))
-  assert re.search(r'input_output_aliases=\(\(\d+, 0\),\)', jaxpr)  # the fused sum ran
+
+  def jaxpr_of(**changes):
+    graphdef, state = nnx.split(
+      with_config(model, linear_memory_backward=True, **changes)
+    )
+    loss = lambda s: jnp.mean(nnx.merge(graphdef, s)(tokens) ** 2)
+    return jax.make_jaxpr(jax.grad(loss))(state).jaxpr
+
+  jaxpr = jaxpr_of()
+  assert re.search(r'input_output_aliases=\(\(\d+, 0\),\)', str(jaxpr))  # fused sum
+  if phase1_backward == 'keep':  # the backward pass launches no forward kernel: one
+    # fewer in the scan's body and in a shorter last segment (`segment_kinds` of
+    # them), each one per platform (jax.lax.platform_dependent: TPU, interpret mode)
+    recomputed = jaxpr_of(phase1_backward='recompute')
+    removed = kernel_launches(recomputed) - kernel_launches(jaxpr)
+    assert removed == segment_kinds * 2
   # As test_memory.assert_grads_close (5e-5 there): the two backward passes sum the
   # same float32 terms in different orders, a few ulps of each parameter's largest
   # gradient entry; here over 128 tokens of width 128 instead of 12 of width 32, so

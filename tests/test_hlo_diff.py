@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from attnres_jax import aot
 from attnres_jax import hlo_diff
+from attnres_jax import hlo_hbm
 from bench import hlo_diff as hlo_diff_cli
 
 pytestmark = pytest.mark.skipif(
@@ -65,6 +66,17 @@ def test_groups_split_the_difference_loops_counted(tmp_path):
   # its own that costs cycles there and none in the base.
   added = {row['what'] for row in rows if row['base_cycles'] == 0 < row['delta_cycles']}
   assert 'fusion:rsqrt' in added
+  # The bytes that cross HBM too: the groups' add up to each program's total.
+  for role, text in (('base', base_text), ('other', other_text)):
+    np.testing.assert_allclose(
+      sum(row[f'{role}_hbm_bytes'] for row in rows),
+      hlo_hbm.hbm_costs(text)['hbm_bytes'],
+      rtol=1e-9,
+    )
+  by_bytes = [
+    abs(row['delta_hbm_bytes']) for row in hlo_diff.diff(base, other, 'hbm_bytes')
+  ]
+  assert by_bytes == sorted(by_bytes, reverse=True)
 
   # The command line: the same totals, a table and the JSON.
   paths = [tmp_path / 'base.hlo.txt', tmp_path / 'other.hlo.txt']

@@ -35,6 +35,11 @@ from configs import default as default_config
       dict(residual='full', depth_read_prefixes=4, depth_dtype='bfloat16'),
       'full_prefixes4_bf16',
     ),
+    (
+      'full/pallas/keep_phase1',
+      dict(residual='full', depth_kernel='pallas', phase1_backward='keep'),
+      'full_pallas_keep_phase1',
+    ),
   ],
 )
 def test_mode_fields_and_run_names(mode, fields, run_name):

@@ -241,14 +241,19 @@ class AttnResResidual(base.Residual):
       return inner, None
     return inner, self.phase1(buffer_KBTD, params, first, inv_rms_KBT)
 
-  def phase1(self, buffer_KBTD, params, first, inv_rms_KBT=None):
+  def phase1(self, buffer_KBTD, params, first, inv_rms_KBT=None, kept=None):
     """Phase 1 of a segment (its layers' stacked `params`) against the slots before
     `first`: a list over its G layers of (attention, MLP) pairs of `depth.phase1`'s
-    per-query statistics, kept apart (no [G, 2, ...] stacks to write and read)."""
+    per-query statistics, kept apart (no [G, 2, ...] stacks to write and read).
+    `kept` (the Phase 1 kernel only): that list as an earlier call on the same
+    operands returned it, returned again without rerunning the forward kernel."""
     num_layers = params.query.shape[0]
     queries_QD, gains_QD = self.segment_queries(params, num_layers)
     if self.cfg.depth_kernel == 'pallas':
-      read, prefixes = depth_pallas.phase1, {}
+      flat = None if kept is None else [stats for layer in kept for stats in layer]
+      read, prefixes = depth_pallas.phase1, {'kept': flat}
+    elif kept is not None:
+      raise ValueError("Phase 1's results can be kept only with depth_kernel='pallas'.")
     else:
       read, prefixes = depth.phase1, {'prefixes': self.phase1_prefixes()}
     stats = read(

@@ -9,8 +9,10 @@ autodiff would keep of the sublayer after its PreNorm (its VJP closure; the laye
 parameters in it are forwarded by the scans, not copied) and, for Block, the running
 partial sum the sublayer read. The sublayer's input is not kept: the backward
 recomputes the read anyway, and reruns the norm from it. The backward pass runs the
-segments in reverse: Phase 1 is recomputed and differentiated once per segment (its
-cotangents summed over the segment's sublayers), Phase 2 once per sublayer.
+segments in reverse: Phase 1 is recomputed (or, with the Phase 1 kernel, its results
+kept from the forward pass: `model.phase1_backward`) and differentiated once per
+segment (its cotangents summed over the segment's sublayers), Phase 2 once per
+sublayer.
 Contract: gradients equal plain autodiff of the same schedule (tests/test_memory.py).
 
 The same backward runs a pipeline chunk (`pipeline.py`): layers in the middle of the
@@ -32,6 +34,7 @@ from attnres_jax import depth_pallas
 from attnres_jax import pallas_mesh
 from attnres_jax import sharding
 from attnres_jax import stack as stack_lib
+from attnres_jax.residuals import attnres_schedule
 from attnres_jax.residuals.float_residuals import keeping_float_residuals
 
 
@@ -95,6 +98,11 @@ def make_stack(residual):
     if cfg.depth_kernel == 'pallas' and not resumed and num_full:
       firsts = [residual.first_local_slot(s) for s in range(num_full)]
       expected_valid = sum(firsts) / num_full
+    # Phase 1's results kept from the forward pass for the backward's merges and the
+    # kernel's VJP, rather than computed again (`attnres_schedule.keeps_phase1`).
+    keeps_phase1 = expected_valid is not None and attnres_schedule.keeps_phase1(
+      cfg.phase1_backward, expected_valid, 2 * residual.segment_layers
+    )
     phase1_costs = lambda: (
       contextlib.nullcontext()
       if expected_valid is None
@@ -143,17 +151,21 @@ def make_stack(residual):
       return [d_state_body, d_state_norm], d_h_BTD
 
     def forward(layer_state, start, segment_offset, positions_BT):
-      def apply_sublayer(which, layer_in_segment, state_k, h_BTD, inner, extra):
+      def apply_sublayer(
+        which, layer_in_segment, state_k, h_BTD, inner, extra, per_layer
+      ):
         del extra
         index, num_valid = residual.local_index(layer_in_segment, which)
         # The partial sum in its own slot, kept where the sublayer reads it (Block, not
         # first in its block; the first reads no slot of its block, which is zero).
         reads_own = keeps_partial and num_valid > index
         partial_BTD = inner.local_JBTD[index] if reads_own else None
+        phase1_kept = per_layer[which] if keeps_phase1 else None
         if recompute_sublayers:
-          return sublayer(which, state_k, h_BTD, positions_BT), (partial_BTD, None)
+          out_BTD = sublayer(which, state_k, h_BTD, positions_BT)
+          return out_BTD, (partial_BTD, None, phase1_kept)
         out_BTD, saved_vjp = body_vjp(which, state_k, h_BTD, positions_BT)
-        return out_BTD, (partial_BTD, saved_vjp)
+        return out_BTD, (partial_BTD, saved_vjp, phase1_kept)
 
       carry, (full_ys, tail_ys) = run_segments(
         layer_state, start, segment_offset, positions_BT, apply_sublayer=apply_sublayer
@@ -188,6 +200,9 @@ def make_stack(residual):
       first = residual.first_local_slot(segment)
       num_local = residual.local_slots(num_layers)
 
+      # Phase 1's results as the forward pass kept them, else computed again here.
+      kept = [tuple(s[2] for s in saved_j) for saved_j in saved] if keeps_phase1 else None
+
       def phase1(buffer_KBTD, layer_states, *inv_rms_in_KBT):
         params = stack_lib.stacked_residual_params(graphdef, layer_states)
         inv_rms_KBT = None  # from the buffer, as the forward computed it
@@ -198,7 +213,7 @@ def make_stack(residual):
             inv_rms_in_KBT[0],
             depth.rms_inverse(buffer_KBTD, eps),
           )
-        return residual.phase1(buffer_KBTD, params, first, inv_rms_KBT)
+        return residual.phase1(buffer_KBTD, params, first, inv_rms_KBT, kept=kept)
 
       primals = (buffer_KBTD, layer_states) + (received[:1] if received else ())
       with (
@@ -228,7 +243,7 @@ def make_stack(residual):
         state_j, d_stats_j = layer_states[j], [None, None]
         for which in reversed(stack_lib.SUBLAYERS):
           index, num_valid = residual.local_index(j, which)
-          partial_BTD, saved_vjp = saved[j][which]
+          partial_BTD, saved_vjp, _ = saved[j][which]
           # The local slots as this sublayer read them: earlier ones complete, its own
           # holding the partial sum it saw (when not read, Full or first in its block,
           # left as it is: its weight is zero).

@@ -13,6 +13,7 @@ from attnres_jax.residuals import base
 
 READ_FLOPS_PER_SOURCE_AND_CHANNEL = 7  # key RMS 2d, logit 2d, weighted sum 2d, rest ~d
 DEPTH_KERNELS = ('xla', 'pallas')  # Phase 1: jnp, or the Pallas kernel (depth_pallas)
+PHASE1_BACKWARDS = ('auto', 'keep', 'recompute')  # model.phase1_backward
 
 
 def block_size_of(cfg) -> int:
@@ -53,6 +54,23 @@ def default_segment_layers(num_layers: int, block_size: int) -> int:
   return min(whole_block_layers(block_size), num_layers)
 
 
+def keeps_phase1(setting: str, mean_first: float, num_queries: int) -> bool:
+  """Whether the linear-memory backward takes each segment's Phase 1 results from
+  the forward pass (`phase1_backward`) rather than running the forward kernel again.
+  Computed again, a segment's Phase 1 reads its `first` completed slots and writes
+  its `num_queries` outputs; kept, the forward pass copies the outputs into the
+  stack it keeps for the backward pass and holds one [B, T, D] per sublayer until
+  then. 'auto' keeps them where the average read is more than three times the
+  outputs. Measured on v5p:2x2x1 (docs/results.md, twenty-first pass): Full at 32
+  layers (31 slots, 4 queries) -1.6% step and 7.2 GB a step less, and at 16 layers
+  of width 2048 (15 slots) -0.5%, peak memory +2-3 points (target 1.20x); Block S=4
+  at 32 layers (8.5 slots) -0.6%, but its peak and temp then pass its 1.05x target
+  on FSDP (1.020x -> 1.051x); at 8 layers the step did not move."""
+  if setting == 'auto':
+    return mean_first > 3 * num_queries
+  return setting == 'keep'
+
+
 def whole_block_layers(block_size: int) -> int:
   """The fewest layers that cover whole blocks of `block_size` sublayers."""
   return block_size // 2 if block_size % 2 == 0 else block_size
@@ -79,6 +97,15 @@ def validate(cfg) -> None:
   if cfg.depth_kernel not in DEPTH_KERNELS:
     base.invalid(
       f'depth_kernel must be one of {DEPTH_KERNELS}, got {cfg.depth_kernel!r}.'
+    )
+  if cfg.phase1_backward not in PHASE1_BACKWARDS:
+    base.invalid(
+      f'phase1_backward must be one of {PHASE1_BACKWARDS}, got {cfg.phase1_backward!r}.'
+    )
+  if cfg.phase1_backward == 'keep' and cfg.depth_kernel != 'pallas':
+    base.invalid(
+      "phase1_backward='keep' keeps the Phase 1 kernel's results for the backward "
+      "pass; set depth_kernel='pallas', or phase1_backward='auto'."
     )
   if cfg.depth_kernel == 'pallas' and cfg.depth_read != 'two_phase':
     base.invalid(
