@@ -153,13 +153,17 @@ def compiled_memory_need(memory) -> int:
   """
   peak = reported_peak_bytes(memory)
   if peak > 0:
-    held = (
-      memory.argument_size_in_bytes
-      + memory.output_size_in_bytes
-      - memory.alias_size_in_bytes
-    )
-    return max(peak, held) + memory.generated_code_size_in_bytes
+    return max(peak, _held_bytes(memory)) + memory.generated_code_size_in_bytes
   return summed_memory_bytes(memory)
+
+
+def _held_bytes(memory) -> int:
+  """arguments + outputs - donated: what the program holds outside its temporaries."""
+  return (
+    memory.argument_size_in_bytes
+    + memory.output_size_in_bytes
+    - memory.alias_size_in_bytes
+  )
 
 
 def reported_peak_bytes(memory) -> int:
@@ -170,11 +174,7 @@ def reported_peak_bytes(memory) -> int:
 def summed_memory_bytes(memory) -> int:
   """arguments + outputs - donated + temporaries + code, from `memory_analysis()`."""
   return (
-    memory.argument_size_in_bytes
-    + memory.output_size_in_bytes
-    - memory.alias_size_in_bytes
-    + memory.temp_size_in_bytes
-    + memory.generated_code_size_in_bytes
+    _held_bytes(memory) + memory.temp_size_in_bytes + memory.generated_code_size_in_bytes
   )
 
 

@@ -252,8 +252,6 @@ class AttnResResidual(base.Residual):
     if self.cfg.depth_kernel == 'pallas':
       flat = None if kept is None else [stats for layer in kept for stats in layer]
       read, prefixes = depth_pallas.phase1, {'kept': flat}
-    elif kept is not None:
-      raise ValueError("Phase 1's results can be kept only with depth_kernel='pallas'.")
     else:
       read, prefixes = depth.phase1, {'prefixes': self.phase1_prefixes()}
     stats = read(
