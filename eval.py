@@ -22,13 +22,13 @@ from absl import app
 from absl import flags
 from absl import logging
 
-from attnres_jax import analysis
-from attnres_jax import checkpointing
-from attnres_jax import data
-from attnres_jax import lease
-from attnres_jax import sampling
-from attnres_jax import storage
-from attnres_jax import workdir as workdir_lib
+from attnres_jax.evaluation import analysis
+from attnres_jax.runs import checkpointing
+from attnres_jax.data import pipeline as data
+from attnres_jax.runs import lease
+from attnres_jax.inference import sampling
+from attnres_jax.runs import storage
+from attnres_jax.runs import workdir as workdir_lib
 
 _WORKDIR = flags.DEFINE_string(
   'workdir', None, 'Run directory (config.json, checkpoints).'

@@ -28,11 +28,12 @@ from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
-from attnres_jax import aot
+from attnres_jax.compile_report import aot
 from attnres_jax import config as config_lib
-from attnres_jax import preemption
-from attnres_jax import quiet
-from attnres_jax import train
+from attnres_jax.runs import preemption
+from attnres_jax.runs import quiet
+from attnres_jax.training import step as train
+from attnres_jax.training import loop as loop_lib
 
 _CONFIG = config_flags.DEFINE_config_file(
   'config', 'configs/default.py', 'Training configuration file.', lock_config=True
@@ -122,7 +123,7 @@ def main(argv):
   if not _DEBUG.value:
     quiet.silence_save_errors()  # a failed save: one line, not pages of orbax's
   try:
-    train.train_and_evaluate(
+    loop_lib.train_and_evaluate(
       _CONFIG.value, _WORKDIR.value, allow_config_change=_ALLOW_CONFIG_CHANGE.value
     )
   except preemption.Preempted as e:

@@ -19,9 +19,9 @@ from typing import Any
 
 import ml_collections
 
-from attnres_jax import pipeline_plan
+from attnres_jax.parallel import pipeline_plan
 from attnres_jax import residuals
-from attnres_jax import sharding
+from attnres_jax.nn import sharding
 
 REMAT_POLICIES = ('none', 'sublayer', 'layer')
 DTYPES = ('float32', 'bfloat16')

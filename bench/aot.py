@@ -1,5 +1,5 @@
 """Ahead-of-time TPU cost table: residual modes x model sizes x topologies, compiled on
-this host with libtpu (attnres_jax/aot.py). Per row: the train step's estimated time
+this host with libtpu (attnres_jax/compile_report/aot.py). Per row: the train step's estimated time
 (the compiler's roofline, loops counted) and its ratio to the standard step's, the
 ratio of the compiler's per-kernel cycles summed with loops counted ("cyc x"; they
 leave out Pallas kernels, which "+kern" adds at the program's own cycles per roofline
@@ -31,7 +31,7 @@ import json
 import os
 import time
 
-from attnres_jax import aot
+from attnres_jax.compile_report import aot
 from attnres_jax import config as config_lib
 from attnres_jax import modes
 from attnres_jax import residuals

@@ -47,7 +47,7 @@ from flax import nnx
 
 import attnres_jax as ar
 from attnres_jax import modes as modes_lib
-from attnres_jax import metrics as metrics_lib
+from attnres_jax.runs import metrics as metrics_lib
 
 # Flag names differ from bench/memory.py's, so both modules can load in one process.
 FLAGS = flags.FLAGS

@@ -29,13 +29,13 @@ import os
 import time
 
 
-from attnres_jax import aot
+from attnres_jax.compile_report import aot
 from attnres_jax import config as config_lib
-from attnres_jax import hlo_cost
-from attnres_jax import hlo_hbm
+from attnres_jax.compile_report import hlo_cost
+from attnres_jax.compile_report import hlo_hbm
 from attnres_jax import modes as modes_lib
-from attnres_jax import sampling
-from attnres_jax import sharding
+from attnres_jax.inference import sampling
+from attnres_jax.nn import sharding
 
 from configs import default as default_config
 

@@ -1,5 +1,5 @@
 """Two compiled programs side by side in the TPU compiler's own cost (its per-kernel
-cycles, loops counted; attnres_jax/hlo_diff.py): the groups of kernels whose cycles
+cycles, loops counted; attnres_jax/compile_report/hlo_diff.py): the groups of kernels whose cycles
 differ most, and the other program's costliest kernels. Takes the optimized HLO that
 `bench/aot.py --hlo_dir` writes, e.g.
 
@@ -17,8 +17,8 @@ which the cycles leave out). `--by=hbm_bytes` orders the groups by those bytes.
 import argparse
 import json
 
-from attnres_jax import hlo_diff
-from attnres_jax import tpu_topology
+from attnres_jax.compile_report import hlo_diff
+from attnres_jax.compile_report import tpu_topology
 
 V5P = tpu_topology.CHIPS['TPU v5']
 

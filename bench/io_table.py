@@ -28,7 +28,7 @@ import os
 from absl import app, flags
 
 from attnres_jax import config as config_lib
-from attnres_jax import depth
+from attnres_jax.residuals.attnres import depth
 from attnres_jax import flops
 from attnres_jax import modes
 from attnres_jax import residuals

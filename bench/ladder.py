@@ -25,7 +25,7 @@ import time
 
 from absl import app, flags
 
-from attnres_jax import train
+from attnres_jax.training import step as train
 from bench import scaling
 from configs import default as default_config
 

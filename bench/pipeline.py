@@ -14,7 +14,7 @@
    devices; peak per-device memory from XLA's `memory_analysis()` (temporaries +
    arguments + outputs of one device's program), cached vs naive.
 
-3. TPU (`--topology=v5p:2x2x1`, compile-only with libtpu, `attnres_jax/aot.py`): per
+3. TPU (`--topology=v5p:2x2x1`, compile-only with libtpu, `attnres_jax/compile_report/aot.py`): per
    device temp memory and the estimated step time (loops counted with their trip
    counts) of the train step for standard, Block S=4 and Full AttnRes, FSDP over all
    chips (no pipeline) against stage x data with M microbatches, each pipeline
@@ -50,16 +50,17 @@ from absl import app, flags
 import jax
 import numpy as np
 
-from attnres_jax import aot
-from attnres_jax import checkpointing
+from attnres_jax.compile_report import aot
+from attnres_jax.runs import checkpointing
 from attnres_jax import config as config_lib
-from attnres_jax import metrics as metrics_lib
+from attnres_jax.runs import metrics as metrics_lib
 from attnres_jax import modes
-from attnres_jax import optim
-from attnres_jax import pipeline
-from attnres_jax import pipeline_plan
-from attnres_jax import sharding
-from attnres_jax import train
+from attnres_jax.training import optim
+from attnres_jax.parallel import pipeline
+from attnres_jax.compile_report import pipeline_hlo
+from attnres_jax.parallel import pipeline_plan
+from attnres_jax.nn import sharding
+from attnres_jax.training import step as train
 
 from configs import default as default_config
 
@@ -115,7 +116,7 @@ flags.DEFINE_integer(
   'tpu_top_kernels',
   0,
   'Part tpu, with --tpu_hlo_dir: also record the costliest kernels of the schedule '
-  'loop (forward and backward), this many (`pipeline_plan.top_kernels`).',
+  'loop (forward and backward), this many (`pipeline_hlo.top_kernels`).',
 )
 
 NUM_DEVICES = 8
@@ -224,7 +225,7 @@ def communication() -> list[dict]:
               .compile()
             )
           hlo = compiled.as_text()
-          loop = [c for c in pipeline_plan.collective_permutes(hlo) if c['in_loop']]
+          loop = [c for c in pipeline_hlo.collective_permutes(hlo) if c['in_loop']]
           row[f'{transfer}_bytes'] = sum(c['bytes'] for c in loop)
           row[f'{transfer}_shapes'] = [s for c in loop for s in c['shapes']]
         plan = pipeline_plan.transfer_plan(cfg, pipe)
@@ -455,9 +456,9 @@ def tpu_rows() -> list[dict]:
             topo.device_peak_flops,
             topo.chip.hbm_bandwidth / topo.devices_per_chip,
           )
-          row['time_by_loop'] = pipeline_plan.time_by_loop(text, *roofline)
+          row['time_by_loop'] = pipeline_hlo.time_by_loop(text, *roofline)
           if FLAGS.tpu_top_kernels:
-            row['top_kernels'] = pipeline_plan.top_kernels(
+            row['top_kernels'] = pipeline_hlo.top_kernels(
               text, *roofline, count=FLAGS.tpu_top_kernels
             )
         if stages == 1:

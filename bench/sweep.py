@@ -36,11 +36,11 @@ matplotlib.use('Agg')
 import matplotlib.pyplot as plt
 import numpy as np
 
-from attnres_jax import checkpointing
+from attnres_jax.runs import checkpointing
 from attnres_jax import flops
-from attnres_jax import metrics as metrics_lib
-from attnres_jax import optim
-from attnres_jax import train
+from attnres_jax.runs import metrics as metrics_lib
+from attnres_jax.training import optim
+from attnres_jax.training import step as train
 from configs import default as default_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # train.py's

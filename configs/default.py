@@ -18,7 +18,7 @@ import ml_collections
 
 from attnres_jax import config as config_lib
 from attnres_jax import modes
-from attnres_jax import sharding
+from attnres_jax.nn import sharding
 
 RESIDUALS = ('standard', 'full', 'block')
 
@@ -169,11 +169,11 @@ def get_config(arg: str = '') -> ml_collections.ConfigDict:
   )
 
   # The device mesh, its logical-axis rules and the pipeline, documented where they
-  # are defined: attnres_jax/sharding.py, default_mesh_config and DEFAULT_RULES
+  # are defined: attnres_jax/nn/sharding.py, default_mesh_config and DEFAULT_RULES
   # (e.g. --config.mesh.shape='(2,2,2)', --config.mesh.rules.hidden=tensor,
   # --config.mesh.stage=2).
   config.mesh = sharding.default_mesh_config()
-  # What the pipeline's backward pass keeps (attnres_jax/pipeline_plan.py, SCHEDULES):
+  # What the pipeline's backward pass keeps (attnres_jax/parallel/pipeline_plan.py, SCHEDULES):
   # 'remat' (each iteration's received state, and an AttnRes chunk's backward residuals:
   # its output buffer and partial sums; the rest rerun), 'remat_rerun' (the received
   # state only; the whole iteration rerun) or 'gpipe' (all).

@@ -34,10 +34,10 @@ import pytest
 from flax import nnx
 from jax.experimental.compilation_cache import compilation_cache as compilation_cache_lib
 
-from attnres_jax import checkpointing
+from attnres_jax.runs import checkpointing
 from attnres_jax import config as config_lib
-from attnres_jax import data as data_lib
-from attnres_jax import model as model_lib
+from attnres_jax.data import pipeline as data_lib
+from attnres_jax.models import transformer as model_lib
 from configs import default as default_config
 
 jax.config.update('jax_numpy_rank_promotion', 'raise')
@@ -175,7 +175,9 @@ def child_env(num_devices: int) -> dict[str, str]:
   env['XLA_FLAGS'] = (
     f'--xla_force_host_platform_device_count={num_devices} {FAST_COMPILE}'
   )
-  env['PYTHONPATH'] = ROOT + os.pathsep + env.get('PYTHONPATH', '')
+  # The repository root (the library, configs) and tests/ (conftest, shared helpers).
+  tests_dir = os.path.join(ROOT, 'tests')
+  env['PYTHONPATH'] = os.pathsep.join([ROOT, tests_dir, env.get('PYTHONPATH', '')])
   env.setdefault('JAX_PLATFORMS', 'cpu')
   return env
 

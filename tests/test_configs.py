@@ -10,7 +10,7 @@ import pytest
 from ml_collections import config_flags
 
 from attnres_jax import config as config_lib
-from attnres_jax import sharding
+from attnres_jax.nn import sharding
 from configs import default as default_config
 
 

@@ -3,7 +3,7 @@
 import attnres_jax as ar
 from attnres_jax import flops
 from attnres_jax import residuals
-from attnres_jax.residuals import attnres
+from attnres_jax.residuals.attnres import residual as attnres
 
 
 def residual_flops(cfg) -> float:

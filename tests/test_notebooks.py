@@ -21,7 +21,7 @@ CELL_TIMEOUT_S = 300
 
 # Both with a small SentencePiece vocabulary (the byte tokenizer is the presets' own):
 # trained once on the plays into the shared data dir, copied into each run; on 200 kB
-# of them, as tests/test_tokenizer.py does (the presets' 10 MB take ~20 s more).
+# of them, as tests/data/test_tokenizer.py does (the presets' 10 MB take ~20 s more).
 SUBWORD = dict(TOKENIZER='sentencepiece', VOCAB_SIZE=400, TOKENIZER_BYTES=200_000)
 TINY = {
   'quickstart.ipynb': dict(CONFIG='tiny', NUM_STEPS=10, SAMPLE_LENGTH=20, **SUBWORD),

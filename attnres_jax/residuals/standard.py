@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from attnres_jax import sharding
+from attnres_jax.nn import sharding
 from attnres_jax.residuals import base
 
 

@@ -1,0 +1,1 @@
+"""Compile-only reports for TPU topologies and the HLO readers behind them."""

@@ -1,0 +1,1 @@
+"""Datasets (TFDS + grain), the embedded Shakespeare corpus and tokenizers."""

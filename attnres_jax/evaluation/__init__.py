@@ -1,0 +1,1 @@
+"""The one evaluation path, the paper's depth statistics, figures and run comparisons."""

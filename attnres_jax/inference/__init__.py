@@ -1,0 +1,1 @@
+"""Batched generation with a KV cache."""

@@ -1,0 +1,1 @@
+"""The Transformer language model, built on the layer stack and a residual."""

@@ -1,0 +1,1 @@
+"""Pipeline parallelism over a 'stage' mesh axis."""

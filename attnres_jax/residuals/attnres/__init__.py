@@ -1,0 +1,1 @@
+"""Attention Residuals: Full and Block AttnRes through the paper's block schedule."""

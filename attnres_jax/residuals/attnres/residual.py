@@ -1,0 +1,486 @@
+"""Attention Residuals: Full (block size 1) and Block AttnRes through the paper's block
+schedule (`docs/method.md`), with the depth-read ablations of the paper's Section 5.
+
+The carry between segments is the depth buffer [K, B, T, D] (slot 0 the embedding,
+then one slot per block) and each slot's inverse RMS (`DepthCarry`). A segment of G
+layers starts on a block boundary and owns J local slots (its blocks), which live in
+the inner carry (`SegmentCarry`) and are written into the buffer when it ends.
+Two-phase reads run Phase 1 for the segment's Q = 2 G queries against the completed
+slots at its start, then merge the local slots per sublayer (Phase 2). One-shot reads
+(the reference, the ablations, the analysis statistics) read the buffer with the local
+slots in place. The linear-memory backward pass is `attnres_backward.py`; the
+schedule's sizes, config checks and costs are `attnres_schedule.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from attnres_jax.residuals.attnres import depth
+from attnres_jax.kernels import depth_pallas
+from attnres_jax.nn import sharding
+from attnres_jax.residuals.attnres import backward as attnres_backward
+from attnres_jax.residuals.attnres import reads as attnres_reads
+from attnres_jax.residuals.attnres import schedule as attnres_schedule
+from attnres_jax.residuals import base
+
+# Schedule functions that other modules use through this one.
+block_size_of = attnres_schedule.block_size_of
+depth_read_sources = attnres_schedule.depth_read_sources
+whole_block_layers = attnres_schedule.whole_block_layers
+
+
+# Phase 1 prefixes of Full AttnRes when `depth_read_prefixes` is 0 (automatic).
+AUTOMATIC_PREFIXES = 4
+
+
+class DepthCarry(NamedTuple):
+  """Between segments: the depth buffer and each slot's inverse RMS."""
+
+  buffer_KBTD: jax.Array
+  inv_rms_KBT: jax.Array
+
+
+class SegmentCarry(NamedTuple):
+  """Within a segment: the buffer as it was at the segment's start, the buffer slot of
+  its first local slot, and the local slots it writes (with their inverse RMS); or,
+  where the residual writes its slots in place (`AttnResResidual.writes_in_place`),
+  the buffer with the slots written so far, and no local slots (None)."""
+
+  buffer_KBTD: jax.Array
+  inv_rms_KBT: jax.Array
+  first: Any
+  local_JBTD: jax.Array
+  local_inv_rms_JBT: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class AttnResResidual(base.Residual):
+  """Full and Block AttnRes (`cfg.residual` 'full' / 'block'); `one_shot`: every read
+  one softmax over the buffer (the reference and the analysis)."""
+
+  cfg: Any
+  one_shot: bool = False
+  layers_per_segment: int = 0  # 0: the configured or default segment length
+
+  no_decay = frozenset({'query', 'gain', 'mix'})  # decay would pull reads to uniform
+  figures = ('depth_weights', 'depth_entropy')
+  cached_transfer = True
+
+  # -- configuration and names ------------------------------------------------------
+
+  def validate(self) -> None:
+    attnres_schedule.validate(self.cfg)
+
+  @property
+  def label(self) -> str:
+    if self.cfg.residual == 'full':
+      return 'Full AttnRes'
+    return f'Block AttnRes (S={self.cfg.block_size})'
+
+  def describe(self):
+    return {'block_size': self.block_size}
+
+  @property
+  def block_size(self) -> int:
+    return block_size_of(self.cfg)
+
+  @property
+  def storage_dtype(self):
+    """The depth buffer's and the partial sums' dtype."""
+    return attnres_schedule.depth_state_dtype_of(self.cfg)
+
+  @property
+  def phase1_dtype(self):
+    """Phase 1 outputs' dtype: the storage dtype."""
+    return attnres_schedule.depth_state_dtype_of(self.cfg)
+
+  def to_compute(self, h_BTD):
+    """A read's result in the compute dtype (the sublayer's input)."""
+    return h_BTD.astype(self.cfg.dtype)
+
+  @property
+  def segment_layers(self) -> int:
+    return (
+      self.layers_per_segment
+      or self.cfg.schedule_layers
+      or attnres_schedule.default_segment_layers(self.cfg.num_layers, self.block_size)
+    )
+
+  @property
+  def num_slots(self) -> int:
+    return depth.num_slots(2 * self.cfg.num_layers, self.block_size)
+
+  @property
+  def two_phase(self) -> bool:
+    return not self.one_shot and self.cfg.depth_read == 'two_phase'
+
+  @property
+  def writes_in_place(self) -> bool:
+    """Two-phase Full AttnRes writes each sublayer's output straight into its buffer
+    slot: the slot is empty until then and written once, and Phase 1 read the buffer
+    at the segment's start, so the merge reads the segment's slots from the buffer.
+    A separate stack of local slots was zero-filled every segment and copied into the
+    buffer at its end (bench/aot.py d1024 v5p:2x2x1 data, full/bf16/pallas: 51.14 ->
+    50.68 ms). Block keeps the stack: its own slot accumulates the block's partial
+    sum, and written in place it measured no better (block:4/bf16/pallas 47.89 ->
+    47.90 ms, block:8 50.14 -> 50.64)."""
+    return self.two_phase and self.block_size == 1
+
+  @property
+  def custom_stack(self):
+    if not (self.two_phase and self.cfg.linear_memory_backward and self.cfg.scan_layers):
+      return None
+    run = attnres_backward.make_stack(self)
+    return lambda *args: DepthCarry(*run(*args))
+
+  def for_statistics(self):
+    return dataclasses.replace(self, one_shot=True)
+
+  def layer_params(self):
+    return attnres_reads.DepthReads(self.cfg, (2,), ('sublayers',), self.num_slots)
+
+  def final_params(self):
+    return attnres_reads.DepthReads(self.cfg, (), (), self.num_slots)
+
+  # -- the block schedule -----------------------------------------------------------
+
+  def local_slots(self, num_layers: int) -> int:
+    """J: the slots that a segment of `num_layers` layers (starting on a block
+    boundary) writes."""
+    return -(-2 * num_layers // self.block_size)
+
+  def first_local_slot(self, segment):
+    """The buffer slot of a segment's first local slot (segment may be traced)."""
+    return 1 + segment * (2 * self.segment_layers // self.block_size)
+
+  def local_index(self, layer_in_segment, which):
+    """Which local slot a sublayer writes, and how many local slots it reads."""
+    position = 2 * layer_in_segment + which
+    index = position // self.block_size
+    return index, index + (position % self.block_size != 0)
+
+  def init(self, x_BTD):
+    x_BTD = x_BTD.astype(self.storage_dtype)
+    buffer_KBTD = jnp.zeros((self.num_slots,) + x_BTD.shape, x_BTD.dtype)
+    buffer_KBTD = sharding.constrain(buffer_KBTD.at[0].set(x_BTD), sharding.DEPTH_BUFFER)
+    inv_rms_KBT = jnp.zeros((self.num_slots,) + x_BTD.shape[:-1], jnp.float32)
+    return DepthCarry(
+      buffer_KBTD, inv_rms_KBT.at[0].set(depth.rms_inverse(x_BTD, self.cfg.attn_res_eps))
+    )
+
+  def segment_queries(self, params, num_layers):
+    """The segment's queries and gains, [Q, D] in sublayer order, whole on every
+    device (tiny: otherwise a sharded model dimension makes Phase 1 all-reduce its
+    [Q, K, B, T] logits instead)."""
+    d = self.cfg.d_model
+    whole = lambda x: sharding.constrain(x[...].reshape(2 * num_layers, d), (None, None))
+    return whole(params.query), whole(params.gain)
+
+  def merge(
+    self,
+    phase1_stats,
+    local_JBTD,
+    query_D,
+    gain_D,
+    layer_in_segment,
+    which,
+    first,
+    embedding_BTD,
+    local_inv_rms_JBT=None,
+    num_local=None,
+  ):
+    """Phase 2 of one sublayer: its Phase 1 statistics merged with the local slots it
+    reads (`local_JBTD`: the segment's J slots, or where `num_local` gives J, the ones
+    it reads alone, None if none). The model's first sublayer reads the embedding
+    alone, whatever its query: it takes it as is, so that its query's gradient is
+    exactly zero (through the online softmax it would be two float32 terms that cancel
+    only to a few ulps)."""
+    _, num_valid = self.local_index(layer_in_segment, which)
+    if num_valid:
+      valid_J = jnp.arange(local_JBTD.shape[0]) < num_valid
+      h_BTD = depth.phase2(
+        phase1_stats,
+        local_JBTD,
+        valid_J,
+        query_D,
+        gain_D,
+        eps=self.cfg.attn_res_eps,
+        local_inv_rms_JBT=local_inv_rms_JBT,
+        num_written=num_valid,
+        num_local=num_local,
+      )
+    else:  # a segment's first sublayer: no local slot to merge
+      h_BTD = depth.phase1_read(phase1_stats, embedding_BTD.dtype)
+    if layer_in_segment == 0 and which == 0:
+      h_BTD = jnp.where(first == 1, embedding_BTD, h_BTD)
+    return self.to_compute(h_BTD)
+
+  def begin_segment(self, carry, params, segment):
+    num_layers = params.query.shape[0]
+    num_local = self.local_slots(num_layers)
+    buffer_KBTD, inv_rms_KBT = carry
+    first = self.first_local_slot(segment)
+    if self.writes_in_place:
+      inner = SegmentCarry(buffer_KBTD, inv_rms_KBT, first, None, None)
+      return inner, self.phase1(buffer_KBTD, params, first, inv_rms_KBT)
+    local_JBTD = jnp.zeros((num_local,) + buffer_KBTD.shape[1:], buffer_KBTD.dtype)
+    local_inv_rms_JBT = jnp.zeros((num_local,) + inv_rms_KBT.shape[1:], jnp.float32)
+    inner = SegmentCarry(
+      buffer_KBTD,
+      inv_rms_KBT,
+      first,
+      sharding.constrain(local_JBTD, sharding.DEPTH_BUFFER),
+      local_inv_rms_JBT,
+    )
+    if not self.two_phase:
+      return inner, None
+    return inner, self.phase1(buffer_KBTD, params, first, inv_rms_KBT)
+
+  def phase1(self, buffer_KBTD, params, first, inv_rms_KBT=None, kept=None):
+    """Phase 1 of a segment (its layers' stacked `params`) against the slots before
+    `first`: a list over its G layers of (attention, MLP) pairs of `depth.phase1`'s
+    per-query statistics, kept apart (no [G, 2, ...] stacks to write and read).
+    `kept` (the Phase 1 kernel only): that list as an earlier call on the same
+    operands returned it, returned again without rerunning the forward kernel."""
+    num_layers = params.query.shape[0]
+    queries_QD, gains_QD = self.segment_queries(params, num_layers)
+    if self.cfg.depth_kernel == 'pallas':
+      flat = None if kept is None else [stats for layer in kept for stats in layer]
+      read, prefixes = depth_pallas.phase1, {'kept': flat}
+    else:
+      read, prefixes = depth.phase1, {'prefixes': self.phase1_prefixes()}
+    stats = read(
+      buffer_KBTD,
+      queries_QD,
+      gains_QD,
+      eps=self.cfg.attn_res_eps,
+      num_valid=first,
+      inv_rms_KBT=inv_rms_KBT,
+      out_dtype=self.phase1_dtype,
+      **prefixes,
+    )
+    return [stats[2 * j : 2 * j + 2] for j in range(num_layers)]
+
+  def phase1_prefixes(self) -> tuple[int, ...] | None:
+    """The buffer prefixes the XLA Phase 1 picks from for a traced segment start
+    (`model.depth_read_prefixes` of them; None: the whole buffer, masked). A segment
+    starting at slot `first` reads `first` slots. The segment starts are split in
+    order into groups of equal count, each read with the longest start of its group;
+    the last group reads the whole buffer, which holds any start.
+
+    Automatic (0): 4 for Full, whose buffer grows with every sublayer (65 slots at 32
+    layers), the whole buffer for Block, whose buffer is short (2 L / S + 1 slots).
+    On the TPU compiler's estimate (bench/aot.py d1024 v5p:2x2x1, bf16, 32 layers)
+    4 prefixes take Full from 2.29x to 2.23x the standard step and Block S=4 from
+    1.38x to 1.41x; on CPU (16 layers) Full from 1.59x to 1.24x (docs/results.md,
+    eighteenth pass)."""
+    count = self.cfg.depth_read_prefixes or (
+      AUTOMATIC_PREFIXES if self.block_size == 1 else 1
+    )
+    num_segments = -(-self.cfg.num_layers // self.segment_layers)
+    starts = [self.first_local_slot(s) for s in range(num_segments)]
+    if count <= 1 or len(starts) <= 1:
+      return None
+    count = min(count, len(starts))
+    group_ends = [len(starts) * (g + 1) // count for g in range(count - 1)]
+    return tuple(starts[end - 1] for end in group_ends) + (self.num_slots,)
+
+  def read(self, inner: SegmentCarry, params, per_layer, layer_in_segment, which):
+    _, num_local_valid = self.local_index(layer_in_segment, which)
+    query_D, gain_D = params.query[...][which], params.gain[...][which]
+    if self.two_phase:
+      local_JBTD, local_inv_rms_JBT = inner.local_JBTD, inner.local_inv_rms_JBT
+      if self.writes_in_place:  # the slots it reads, written so far in the buffer
+        local_JBTD, local_inv_rms_JBT = (
+          jax.lax.dynamic_slice_in_dim(x, inner.first, num_local_valid, 0)
+          if num_local_valid
+          else None
+          for x in (inner.buffer_KBTD, inner.inv_rms_KBT)
+        )
+      h_BTD = self.merge(
+        per_layer[which],
+        local_JBTD,
+        query_D,
+        gain_D,
+        layer_in_segment,
+        which,
+        inner.first,
+        inner.buffer_KBTD[0],
+        local_inv_rms_JBT,
+      )
+      return h_BTD, None
+    # One shot: the buffer as this sublayer sees it, local slots in place.
+    view = DepthCarry(
+      *(
+        jax.lax.dynamic_update_slice_in_dim(whole, local, inner.first, 0)
+        for whole, local in (
+          (inner.buffer_KBTD, inner.local_JBTD),
+          (inner.inv_rms_KBT, inner.local_inv_rms_JBT),
+        )
+      )
+    )
+    h_BTD, weights_KBT = attnres_reads.read_row(
+      self.cfg,
+      view.buffer_KBTD,
+      inner.first + num_local_valid,
+      params,
+      which,
+      view.inv_rms_KBT,
+    )
+    return self.to_compute(h_BTD), weights_KBT
+
+  def write(
+    self, inner: SegmentCarry, params, per_layer, layer_in_segment, which, out_BTD
+  ):
+    index, _ = self.local_index(layer_in_segment, which)
+    eps = self.cfg.attn_res_eps
+    if self.writes_in_place:
+      buffer_KBTD, inv_rms_KBT = attnres_reads.add_to_slot(
+        inner.buffer_KBTD,
+        inner.inv_rms_KBT,
+        inner.first + index,
+        out_BTD,
+        eps,
+        empty=True,
+      )
+      return inner._replace(buffer_KBTD=buffer_KBTD, inv_rms_KBT=inv_rms_KBT)
+    local_JBTD, local_inv_rms_JBT = attnres_reads.add_to_slot(
+      inner.local_JBTD, inner.local_inv_rms_JBT, index, out_BTD, eps
+    )
+    return inner._replace(local_JBTD=local_JBTD, local_inv_rms_JBT=local_inv_rms_JBT)
+
+  def end_segment(self, carry, inner: SegmentCarry, segment):
+    if self.writes_in_place:
+      return DepthCarry(inner.buffer_KBTD, inner.inv_rms_KBT)
+    return DepthCarry(
+      sharding.constrain(
+        jax.lax.dynamic_update_slice_in_dim(
+          inner.buffer_KBTD, inner.local_JBTD, inner.first, 0
+        ),
+        sharding.DEPTH_BUFFER,
+      ),
+      jax.lax.dynamic_update_slice_in_dim(
+        inner.inv_rms_KBT, inner.local_inv_rms_JBT, inner.first, 0
+      ),
+    )
+
+  def final(self, carry: DepthCarry, params):
+    h_BTD, weights_KBT = attnres_reads.read_row(
+      self.cfg, carry.buffer_KBTD, None, params, (), carry.inv_rms_KBT
+    )
+    if self.two_phase and self.cfg.depth_kernel == 'pallas' and not self.cfg.ablations:
+      # The read itself through the Phase 1 kernel (one query, every slot): one pass
+      # over the buffer, and a backward that writes the buffer's cotangent in the
+      # layout the backward pass carries it (XLA's read swept the buffer twice and
+      # its cotangent was relayouted: bench/aot.py d1024 v5p:2x2x1 data,
+      # full/bf16/pallas 50.68 -> 49.93 ms). The weights, for statistics only, stay
+      # XLA's (dropped by the compiler where unused).
+      ((_, sum_BT, out_BTD),) = depth_pallas.phase1(
+        carry.buffer_KBTD,
+        params.query[...][None],
+        params.gain[...][None],
+        eps=self.cfg.attn_res_eps,
+        num_valid=self.num_slots,
+        width_minor_cotangent=True,
+      )
+      h_BTD = depth.phase1_read((None, sum_BT, out_BTD), carry.buffer_KBTD.dtype)
+    return self.to_compute(h_BTD), weights_KBT
+
+  # -- analysis ---------------------------------------------------------------------
+
+  def sublayer_statistics(self, weights, mean):
+    if weights is None:
+      return {}
+    plogp = jnp.where(weights > 0, weights * jnp.log(weights), 0.0)
+    return {
+      'depth_weights': jax.vmap(mean)(weights),
+      'depth_entropy': mean(-jnp.sum(plogp, axis=0)),
+    }
+
+  def final_statistics(self, weights, mean):
+    return {'final_depth_weights': jax.vmap(mean)(weights)}
+
+  # -- cost -------------------------------------------------------------------------
+
+  def forward_flops(self) -> float:
+    return attnres_schedule.forward_flops(self.cfg)
+
+  def io_per_sublayer(self) -> tuple[float, float]:
+    return attnres_schedule.io_per_sublayer(self)
+
+  def min_extra_per_sublayer(self) -> float:
+    return attnres_schedule.min_extra_per_sublayer(self)
+
+  # -- the pipeline -----------------------------------------------------------------
+
+  def carry_axes(self):
+    return DepthCarry(sharding.DEPTH_BUFFER, sharding.DEPTH_BUFFER[:-1])
+
+  def pipeline_refusal(self, layers_per_chunk: int) -> str | None:
+    if self.cfg.ablations:
+      return 'the depth-read ablations are not pipelined.'
+    return None
+
+  def pipeline_chunk(self, layers_per_chunk: int):
+    if (2 * layers_per_chunk) % self.block_size:  # a block spans a chunk boundary
+      return BufferReads(self.cfg), layers_per_chunk
+    # The configured segment, or the longest shorter one that divides the chunk and
+    # covers whole blocks (`unit` layers always do: the chunk starts on a block).
+    unit = whole_block_layers(self.block_size)
+    size = self.segment_layers
+    if layers_per_chunk % size:
+      size = max(d for d in range(unit, size + 1, unit) if layers_per_chunk % d == 0)
+    # One read of the whole buffer per segment: the pipeline vmaps its stages, whose
+    # segment starts differ, and a `lax.switch` on a batched index runs every branch.
+    whole_reads = dataclasses.replace(self.cfg, depth_read_prefixes=1)
+    chunk = dataclasses.replace(self, layers_per_segment=size, cfg=whole_reads)
+    return chunk, layers_per_chunk // size
+
+
+class LayerCarry(NamedTuple):
+  """`BufferReads`' inner carry: the buffer and the (global) index of the layer."""
+
+  buffer_KBTD: jax.Array
+  inv_rms_KBT: jax.Array
+  layer: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class BufferReads(AttnResResidual):
+  """AttnRes one layer at a time, every read one softmax over the buffer as it stands
+  (the running partial sum in place): for pipeline chunks that start inside a block,
+  where no block-schedule segment can start. Same carry as `AttnResResidual`."""
+
+  @property
+  def segment_layers(self) -> int:
+    return 1
+
+  def begin_segment(self, carry, params, segment):
+    return LayerCarry(*carry, segment), None  # segment = the (global) layer index
+
+  def read(self, inner: LayerCarry, params, per_layer, layer_in_segment, which):
+    sublayer = 2 * inner.layer + which
+    h_BTD, weights_KBT = attnres_reads.read_row(
+      self.cfg,
+      inner.buffer_KBTD,
+      depth.num_valid_sources(sublayer, self.block_size),
+      params,
+      which,
+      inner.inv_rms_KBT,
+    )
+    return self.to_compute(h_BTD), weights_KBT
+
+  def write(self, inner: LayerCarry, params, per_layer, layer_in_segment, which, out_BTD):
+    slot = depth.output_slot(2 * inner.layer + which, self.block_size)
+    buffer_KBTD, inv_rms_KBT = attnres_reads.add_to_slot(
+      inner.buffer_KBTD, inner.inv_rms_KBT, slot, out_BTD, self.cfg.attn_res_eps
+    )
+    return LayerCarry(buffer_KBTD, inv_rms_KBT, inner.layer)
+
+  def end_segment(self, carry, inner: LayerCarry, segment):
+    return DepthCarry(inner.buffer_KBTD, inner.inv_rms_KBT)

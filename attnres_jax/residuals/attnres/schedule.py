@@ -1,0 +1,202 @@
+"""The block schedule's arithmetic for AttnRes, as functions of the config: block and
+segment sizes, the config's checks, and what the reads cost (FLOPs, the slots a
+sublayer reads and writes, the least extra traffic; `docs/method.md`).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from attnres_jax.residuals.attnres import depth
+from attnres_jax.kernels import depth_pallas_kernels
+from attnres_jax.residuals import base
+
+READ_FLOPS_PER_SOURCE_AND_CHANNEL = 7  # key RMS 2d, logit 2d, weighted sum 2d, rest ~d
+DEPTH_KERNELS = ('xla', 'pallas')  # Phase 1: jnp, or the Pallas kernel (depth_pallas)
+PHASE1_BACKWARDS = ('auto', 'keep', 'recompute')  # model.phase1_backward
+
+
+def block_size_of(cfg) -> int:
+  """S in sublayers: 1 for Full, the configured size for Block."""
+  return 1 if cfg.residual == 'full' else cfg.block_size
+
+
+def depth_state_dtype_of(cfg):
+  """The dtype of the depth buffer, the partial sums and Phase 1's outputs (the
+  online-softmax statistics stay float32): `depth_dtype`, else the compute dtype.
+  bfloat16 outputs under bfloat16 compute train to the same loss as float32 ones
+  (docs/results.md, twentieth pass)."""
+  return jnp.dtype(cfg.depth_dtype or cfg.dtype)
+
+
+def depth_read_sources(cfg) -> int:
+  """Sources weighed by all reads of one token (the final read included)."""
+  num_sublayers, size = 2 * cfg.num_layers, block_size_of(cfg)
+  reads = [depth.num_valid_sources(l, size) for l in range(num_sublayers)]
+  reads.append(depth.num_slots(num_sublayers, size))  # the final read
+  if cfg.depth_window:
+    reads = [min(n, cfg.depth_window + 1) for n in reads]
+  return sum(reads)
+
+
+def default_segment_layers(num_layers: int, block_size: int) -> int:
+  """Layers per schedule segment when the config leaves it to us: the shortest that
+  covers whole blocks (2 G sublayers a multiple of block_size, so that every segment
+  has the same slot layout), and 2 layers for Full AttnRes.
+
+  Measured (`bench/memory.py`, d256 T256 B8, 16 layers, step time / standard):
+  Block S=2 1.12 / 1.27 / 1.37 with G = 1 / 2 / 4, Full 1.62 / 1.57 / 1.68. Longer
+  segments read the completed blocks less often but merge more local slots per
+  sublayer, unroll more layers in the scan body and keep more memory.
+  """
+  if block_size == 1:
+    return min(2 if num_layers % 2 == 0 else 1, num_layers)
+  return min(whole_block_layers(block_size), num_layers)
+
+
+def keeps_phase1(setting: str, mean_first: float, num_queries: int) -> bool:
+  """Whether the linear-memory backward takes each segment's Phase 1 results from
+  the forward pass (`phase1_backward`) rather than running the forward kernel again.
+  Computed again, a segment's Phase 1 reads its `first` completed slots and writes
+  its `num_queries` outputs; kept, the forward pass copies the outputs into the
+  stack it keeps for the backward pass and holds one [B, T, D] per sublayer until
+  then. 'auto' keeps them where the average read is more than three times the
+  outputs. Measured on v5p:2x2x1 (docs/results.md, twenty-first pass): Full at 32
+  layers (31 slots, 4 queries) -1.6% step and 7.2 GB a step less, and at 16 layers
+  of width 2048 (15 slots) -0.5%, peak memory +2-3 points (target 1.20x); Block S=4
+  at 32 layers (8.5 slots) -0.6%, but its peak and temp then pass its 1.05x target
+  on FSDP (1.020x -> 1.051x); at 8 layers the step did not move."""
+  if setting == 'auto':
+    return mean_first > 3 * num_queries
+  return setting == 'keep'
+
+
+def whole_block_layers(block_size: int) -> int:
+  """The fewest layers that cover whole blocks of `block_size` sublayers."""
+  return block_size // 2 if block_size % 2 == 0 else block_size
+
+
+def validate(cfg) -> None:
+  """Refuses a config the AttnRes residual cannot run."""
+  if cfg.residual == 'block' and (not base.is_int(cfg.block_size) or cfg.block_size < 1):
+    base.invalid(
+      f'block_size is the number of sublayers per AttnRes block and must be an '
+      f'integer >= 1, got {cfg.block_size!r} (1 = Full AttnRes; >= 2 * '
+      'num_layers = one block).'
+    )
+  if cfg.ablations and cfg.depth_read == 'two_phase':
+    base.invalid(
+      f'depth_read="two_phase" computes the paper\'s softmax read only; the '
+      f'ablations {cfg.ablations} use the one-shot read: set depth_read="one_shot".'
+    )
+  if cfg.depth_dtype not in ('', 'bfloat16', 'float32'):
+    base.invalid(
+      f"depth_dtype must be '' (the compute dtype), 'bfloat16' or 'float32', got "
+      f'{cfg.depth_dtype!r}.'
+    )
+  if cfg.depth_kernel not in DEPTH_KERNELS:
+    base.invalid(
+      f'depth_kernel must be one of {DEPTH_KERNELS}, got {cfg.depth_kernel!r}.'
+    )
+  if cfg.phase1_backward not in PHASE1_BACKWARDS:
+    base.invalid(
+      f'phase1_backward must be one of {PHASE1_BACKWARDS}, got {cfg.phase1_backward!r}.'
+    )
+  if cfg.phase1_backward == 'keep' and cfg.depth_kernel != 'pallas':
+    base.invalid(
+      "phase1_backward='keep' keeps the Phase 1 kernel's results for the backward "
+      "pass; set depth_kernel='pallas', or phase1_backward='auto'."
+    )
+  if cfg.depth_kernel == 'pallas' and cfg.depth_read != 'two_phase':
+    base.invalid(
+      "depth_kernel='pallas' computes Phase 1 of the two-phase read; set "
+      "depth_read='two_phase' or depth_kernel='xla'."
+    )
+  layers = cfg.schedule_layers
+  if (
+    cfg.residual == 'block'
+    and layers
+    and layers < cfg.num_layers
+    and (2 * layers) % cfg.block_size
+  ):
+    base.invalid(
+      f'schedule_layers={layers} layers ({2 * layers} sublayers) does not cover '
+      f'whole blocks of block_size={cfg.block_size} sublayers; use a multiple of '
+      f'{whole_block_layers(cfg.block_size)} layers, num_layers, or 0.'
+    )
+  if cfg.depth_kernel == 'pallas':
+    _check_kernel_fits_vmem(cfg)
+
+
+def _check_kernel_fits_vmem(cfg) -> None:
+  """The Phase 1 kernel holds one depth slot of a tile of tokens in on-chip memory at
+  a time, with the Q outputs of its segment (their float32 accumulators, or their
+  cotangents): at its narrowest tile that must fit, or the TPU compiler fails late.
+  The need grows with the segment's queries and the width, not with the slots."""
+  size = block_size_of(cfg)
+  layers = cfg.schedule_layers or default_segment_layers(cfg.num_layers, size)
+  queries = 2 * min(layers, cfg.num_layers)
+  itemsize = depth_state_dtype_of(cfg).itemsize  # the slots' and the outputs'
+  need = depth_pallas_kernels.least_vmem_bytes(queries, cfg.d_model, itemsize, itemsize)
+  if need > depth_pallas_kernels.VMEM_BYTES:
+    base.invalid(
+      f"depth_kernel='pallas' needs {need / 2**20:.1f} MiB of on-chip memory for "
+      f'the {queries} queries of a schedule segment at width {cfg.d_model} at its '
+      f'narrowest tile of {depth_pallas_kernels.LANES} tokens, more than the '
+      f"{depth_pallas_kernels.VMEM_BYTES // 2**20} MiB it may assume (v5p's VMEM): use "
+      "depth_kernel='xla' or shorter schedule segments (schedule_layers)."
+    )
+
+
+def forward_flops(cfg) -> float:
+  """FLOPs of all depth reads of one token, forward."""
+  d, num_sublayers = cfg.d_model, 2 * cfg.num_layers
+  total = READ_FLOPS_PER_SOURCE_AND_CHANNEL * d * depth_read_sources(cfg)
+  if cfg.residual == 'block':
+    total += d * num_sublayers  # the partial sums
+  if cfg.depth_query_input:
+    total += 2.0 * d * d * (num_sublayers + 1)
+  return float(total)
+
+
+def io_per_sublayer(residual) -> tuple[float, float]:
+  """Phase 1, once per schedule segment, reads the completed slots and writes each
+  of the segment's 2G sublayers a partial output o (d wide); Phase 2 reads o and the
+  segment's valid local slots and writes h; the write reads f(h) (and the partial
+  sum it adds to) and writes the slot; the final read reads every slot and writes
+  h. One-shot reads read every valid slot and write h."""
+  num_sublayers, size, per_segment = (
+    2 * residual.cfg.num_layers,
+    residual.block_size,
+    residual.segment_layers,
+  )
+  read = write = 0.0
+  for l in range(num_sublayers):
+    layer, which = divmod(l, 2)
+    segment, layer_in_segment = divmod(layer, per_segment)
+    _, num_local_valid = residual.local_index(layer_in_segment, which)
+    first = residual.first_local_slot(segment)  # the completed slots
+    if residual.two_phase:
+      if layer_in_segment == 0 and which == 0:  # Phase 1 of the segment
+        queries = 2 * min(per_segment, residual.cfg.num_layers - layer)
+        read, write = read + first, write + queries
+      read, write = read + 1 + num_local_valid, write + 1  # Phase 2
+    else:
+      read, write = read + first + num_local_valid, write + 1
+    adds = l % size != 0  # a partial sum: the slot is read, then written
+    read, write = read + 1 + adds, write + 1
+  read, write = read + residual.num_slots, write + 1  # the final read
+  return read / num_sublayers, write / num_sublayers
+
+
+def min_extra_per_sublayer(residual) -> float:
+  """Block (S >= 2, N blocks): 6 + 2N/S; Full (segments of Q sublayers over L):
+  2(L/Q + Q) + 4/Q - 1 (`docs/method.md`, the derivation)."""
+  num_sublayers = 2 * residual.cfg.num_layers
+  if residual.block_size >= 2:
+    return (
+      6.0
+      + 2.0 * depth.num_blocks(num_sublayers, residual.block_size) / residual.block_size
+    )
+  q = 2 * min(residual.segment_layers, residual.cfg.num_layers)
+  return 2.0 * (num_sublayers / q + q) + 4.0 / q - 1.0

@@ -1,0 +1,1 @@
+"""The paper's comparators: Hyper-Connections and mHC."""

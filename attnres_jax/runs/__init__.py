@@ -1,0 +1,1 @@
+"""A run's workdir: lock and lease, storage (local or gs://), checkpoints, metrics, preemption."""

@@ -1,0 +1,1 @@
+"""The train step, the training loop, the optimizer."""
