@@ -30,6 +30,7 @@ import time
 
 
 from attnres_jax.compile_report import aot
+from attnres_jax.compile_report import decode_lowering
 from attnres_jax import config as config_lib
 from attnres_jax.compile_report import hlo_cost
 from attnres_jax.compile_report import hlo_hbm
@@ -64,7 +65,8 @@ def measure(mode, batch, context, weights_dtype, topo, dump_dir=None):
   start = time.perf_counter()
   mesh = sharding.make_mesh(config.mesh, devices=topo.devices)
   rules = sharding.rules_from_config(config.mesh)
-  compiled = aot.decode_lowered(config, mesh, rules, weights_dtype).compile()
+  lowered = decode_lowering.decode_lowered(config, mesh, rules, weights_dtype)
+  compiled = lowered.compile()
   seconds = time.perf_counter() - start
   text = compiled.as_text()
   if dump_dir:  # the optimized HLO, to diff two modes

@@ -1,4 +1,5 @@
-"""Ahead-of-time compilation for TPU topologies (aot.py, hlo_cost.py) on a CPU host.
+"""Ahead-of-time compilation for TPU topologies (compile_report/aot.py, hlo_cost.py)
+on a CPU host.
 
 The compiles need libtpu (pinned in requirements.txt); without it only the bad-input
 tests run.
@@ -20,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 from attnres_jax.compile_report import aot
 from attnres_jax.compile_report import hlo_cost
 from attnres_jax.compile_report import hlo_hbm
+from attnres_jax.compile_report import step_summary
 from attnres_jax.nn import sharding
 from attnres_jax.compile_report import tpu_topology
 from bench import aot as aot_cli
@@ -413,9 +415,9 @@ def test_the_cycles_view_with_kernels_charges_them_at_the_programs_own_rate():
   costs = hlo_cost.analyze(_CYCLES_AND_KERNEL_HLO)
   assert costs['cycles'] == 1000
   assert costs['roofline_pallas'] == 12 * 2**20
-  assert aot.cycles_with_kernels(costs) == pytest.approx(2500, rel=1e-12)
+  assert step_summary.cycles_with_kernels(costs) == pytest.approx(2500, rel=1e-12)
   # Without a kernel the view is the cycles.
-  assert aot.cycles_with_kernels(hlo_cost.analyze(_PREFETCH_HLO)) == 0
+  assert step_summary.cycles_with_kernels(hlo_cost.analyze(_PREFETCH_HLO)) == 0
 
 
 # A weight prefetched into on-chip memory (S(1)) and read there by a fusion, beside a
