@@ -3,9 +3,10 @@ evaluation pass, figures, and comparisons of several runs.
 
 `evaluate_and_analyze` restores a checkpoint, evaluates it over the eval split with
 `evaluate.eval_sums(collect_stats=True)` (loss, bits per byte and the depth
-statistics from the same forward pass), adds the gradient norms (`statistics.py`) and
-writes eval.json, analysis.npz and the figures (`plots.py`). `compare_runs` overlays
-several runs' loss curves and magnitude profiles and tabulates their evaluations.
+statistics from the same forward pass), adds the gradient norms
+(`evaluation/statistics.py`) and writes eval.json, analysis.npz and the figures
+(`evaluation/plots.py`). `compare_runs` overlays several runs' loss curves and
+magnitude profiles and tabulates their evaluations.
 """
 
 from __future__ import annotations

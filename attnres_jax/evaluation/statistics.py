@@ -1,4 +1,5 @@
-"""The paper's analysis statistics of a model, as arrays (`plots.py` draws them).
+"""The paper's analysis statistics of a model, as arrays (`evaluation/plots.py` draws
+them).
 
 * Depth-attention weights (paper Fig. 8): sublayer (rows) by source (columns),
   averaged over held-out tokens, for the pre-attention reads, the pre-MLP reads and
