@@ -31,10 +31,10 @@ import json
 import os
 import time
 
-from attnres_jax.compile_report import aot
 from attnres_jax import config as config_lib
 from attnres_jax import modes
 from attnres_jax import residuals
+from attnres_jax.compile_report import aot
 
 from configs import default as default_config
 

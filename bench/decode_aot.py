@@ -29,12 +29,12 @@ import os
 import time
 
 
+from attnres_jax import config as config_lib
+from attnres_jax import modes as modes_lib
 from attnres_jax.compile_report import aot
 from attnres_jax.compile_report import decode_lowering
-from attnres_jax import config as config_lib
 from attnres_jax.compile_report import hlo_cost
 from attnres_jax.compile_report import hlo_hbm
-from attnres_jax import modes as modes_lib
 from attnres_jax.inference import sampling
 from attnres_jax.nn import sharding
 

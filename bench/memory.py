@@ -36,8 +36,8 @@ from flax import nnx
 
 import attnres_jax as ar
 from attnres_jax import flops
-from attnres_jax.runs import metrics as metrics_lib
 from attnres_jax import modes
+from attnres_jax.runs import metrics as metrics_lib
 from attnres_jax.training import optim
 from attnres_jax.training import step as train
 from configs import default as default_config

@@ -50,16 +50,16 @@ from absl import app, flags
 import jax
 import numpy as np
 
-from attnres_jax.compile_report import aot
-from attnres_jax.runs import checkpointing
 from attnres_jax import config as config_lib
-from attnres_jax.runs import metrics as metrics_lib
 from attnres_jax import modes
-from attnres_jax.training import optim
-from attnres_jax.parallel import pipeline
+from attnres_jax.compile_report import aot
 from attnres_jax.compile_report import pipeline_hlo
-from attnres_jax.parallel import pipeline_plan
 from attnres_jax.nn import sharding
+from attnres_jax.parallel import pipeline
+from attnres_jax.parallel import pipeline_plan
+from attnres_jax.runs import checkpointing
+from attnres_jax.runs import metrics as metrics_lib
+from attnres_jax.training import optim
 from attnres_jax.training import step as train
 
 from configs import default as default_config

@@ -37,9 +37,9 @@ matplotlib.use('Agg')
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 import numpy as np
 
-from attnres_jax.runs import checkpointing
 from attnres_jax import flops
 from attnres_jax import modes
+from attnres_jax.runs import checkpointing
 from attnres_jax.training import step as train
 from configs import default as default_config
 

@@ -36,8 +36,8 @@ matplotlib.use('Agg')
 import matplotlib.pyplot as plt
 import numpy as np
 
-from attnres_jax.runs import checkpointing
 from attnres_jax import flops
+from attnres_jax.runs import checkpointing
 from attnres_jax.runs import metrics as metrics_lib
 from attnres_jax.training import optim
 from attnres_jax.training import step as train

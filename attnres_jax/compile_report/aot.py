@@ -31,9 +31,9 @@ from attnres_jax import config as config_lib
 from attnres_jax import residuals
 from attnres_jax.compile_report import decode_lowering
 from attnres_jax.compile_report import step_summary
+from attnres_jax.compile_report.tpu_topology import AotError
 from attnres_jax.compile_report.tpu_topology import GIB
 from attnres_jax.compile_report.tpu_topology import TOPOLOGY_FORM
-from attnres_jax.compile_report.tpu_topology import AotError
 from attnres_jax.compile_report.tpu_topology import get_topology
 from attnres_jax.nn import sharding
 from attnres_jax.parallel import pipeline

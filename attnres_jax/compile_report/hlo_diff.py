@@ -23,8 +23,8 @@ import re
 from typing import NamedTuple
 
 from attnres_jax.compile_report import hlo_cost
-from attnres_jax.compile_report import hlo_kernel_cost
 from attnres_jax.compile_report import hlo_hbm
+from attnres_jax.compile_report import hlo_kernel_cost
 from attnres_jax.compile_report import hlo_loops
 from attnres_jax.compile_report import hlo_text
 

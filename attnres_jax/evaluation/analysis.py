@@ -21,14 +21,14 @@ from typing import Any
 import numpy as np
 from flax import nnx
 
-from attnres_jax.runs import checkpointing
+from attnres_jax import residuals
 from attnres_jax.data import pipeline as data_lib
 from attnres_jax.evaluation import evaluate as evaluate_lib
-from attnres_jax.runs import metrics as metrics_lib
-from attnres_jax.models import transformer as model_lib
 from attnres_jax.evaluation import plots
-from attnres_jax import residuals
 from attnres_jax.evaluation import statistics
+from attnres_jax.models import transformer as model_lib
+from attnres_jax.runs import checkpointing
+from attnres_jax.runs import metrics as metrics_lib
 from attnres_jax.runs import storage
 
 Batch = Mapping[str, np.ndarray]

@@ -28,9 +28,9 @@ import numpy as np
 from flax import nnx
 
 from attnres_jax import config as config_lib
-from attnres_jax.residuals.attnres import depth
-from attnres_jax.evaluation import evaluate as evaluate_lib
 from attnres_jax import residuals
+from attnres_jax.evaluation import evaluate as evaluate_lib
+from attnres_jax.residuals.attnres import depth
 from attnres_jax.residuals.attnres import residual as attnres
 
 Batch = Mapping[str, np.ndarray]

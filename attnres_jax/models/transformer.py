@@ -16,9 +16,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from attnres_jax import config as config_lib
-from attnres_jax.nn import ops
-from attnres_jax.nn import kv_cache
 from attnres_jax import residuals
+from attnres_jax.nn import kv_cache
+from attnres_jax.nn import ops
 from attnres_jax.nn import sharding
 from attnres_jax.nn import stack as stack_lib
 

@@ -39,10 +39,10 @@ from absl import logging
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from attnres_jax.runs import checksum
 from attnres_jax import config as config_lib
-from attnres_jax.runs import metrics
 from attnres_jax.models import transformer as model_lib
+from attnres_jax.runs import checksum
+from attnres_jax.runs import metrics
 from attnres_jax.runs import quiet
 from attnres_jax.runs import storage
 

@@ -21,11 +21,11 @@ import ml_collections
 import optax
 from flax import nnx
 
-from attnres_jax.runs import checkpointing
 from attnres_jax.evaluation import evaluate as evaluate_lib
-from attnres_jax.runs import metrics as metrics_lib
 from attnres_jax.models import transformer as model_lib
 from attnres_jax.nn import sharding
+from attnres_jax.runs import checkpointing
+from attnres_jax.runs import metrics as metrics_lib
 from attnres_jax.runs import workdir as workdir_lib
 
 EVAL_FINAL_JSON = 'eval_final.json'

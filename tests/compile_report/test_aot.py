@@ -22,8 +22,8 @@ from attnres_jax.compile_report import aot
 from attnres_jax.compile_report import hlo_cost
 from attnres_jax.compile_report import hlo_hbm
 from attnres_jax.compile_report import step_summary
-from attnres_jax.nn import sharding
 from attnres_jax.compile_report import tpu_topology
+from attnres_jax.nn import sharding
 from bench import aot as aot_cli
 from configs import default as default_config
 
