@@ -1,7 +1,7 @@
 """Decode traffic on the TPU compiler: the one-token step of Standard, Full and Block
 AttnRes compiled ahead-of-time for a TPU topology on this host (libtpu), per token.
 
-  JAX_PLATFORMS=cpu python bench/decode_aot.py                      # the grid of docs/inference.md
+  JAX_PLATFORMS=cpu python bench/decode_aot.py        # the grid of docs/inference.md
   JAX_PLATFORMS=cpu python bench/decode_aot.py --batches=8 --contexts=1024 \\
       --weights_dtypes=bfloat16 --out=/tmp/decode_aot.json
 

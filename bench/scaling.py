@@ -99,7 +99,8 @@ def ladder_points(root: str, name: str, widths, seeds) -> dict[int, tuple[float,
 
 
 def paired(points_by_residual: dict) -> dict:
-  """The (rung, seed) pairs finished for every residual; rungs left without any dropped."""
+  """The (rung, seed) pairs finished for every residual; rungs left without any
+  dropped."""
   widths = set.intersection(*(set(p) for p in points_by_residual.values()))
   out = {r: {} for r in points_by_residual}
   for width in sorted(widths):

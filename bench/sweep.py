@@ -162,9 +162,9 @@ def summarize(name: str, seeds: list[int]) -> dict | None:
 
 
 def step_memory(name: str, config) -> int:
-  """Temporary bytes of the run's compiled train step (`train.train_step`: loss,
-  gradients, clipping, the AdamW update of its config) at its batch shape: what
-  autodiff keeps alive. Cached beside the seeds."""
+  """Temporary bytes of the run's compiled train step (`training/step.py`'s
+  `train_step`: loss, gradients, clipping, the AdamW update of its config) at its batch
+  shape: what autodiff keeps alive. Cached beside the seeds."""
   cache = os.path.join(FLAGS.root, name, 'step_memory.json')
   if os.path.exists(cache):
     with open(cache, encoding='utf-8') as f:

@@ -242,8 +242,9 @@ def test_residual_floor_is_the_documented_minimum(num_layers, fields, units):
 def test_report_divides_extra_bytes_by_the_floor():
   """The train step's report carries the residual's floor (none for the standard
   residual: it is the reference), and the columns are (bytes - the standard step's) /
-  floor, for the bytes accessed and for those that cross HBM. The standard step is the FSDP compile the tests above share; a Block AttnRes
-  step is its figures with the floor of the tiny Block model (one compile fewer)."""
+  floor, for the bytes accessed and for those that cross HBM. The standard step is the
+  FSDP compile the tests above share; a Block AttnRes step is its figures with the
+  floor of the tiny Block model (one compile fewer)."""
   standard = train_report((1, 4, 1))['steps']['train']
   assert standard['residual_floor'] is None
   assert aot.extra_over_floor(standard, standard) is None
