@@ -1,7 +1,7 @@
 """Decode traffic on the TPU compiler: the one-token step of Standard, Full and Block
 AttnRes compiled ahead-of-time for a TPU topology on this host (libtpu), per token.
 
-  JAX_PLATFORMS=cpu python bench/decode_aot.py                      # the grid of docs/inference.md
+  JAX_PLATFORMS=cpu python bench/decode_aot.py        # the grid of docs/inference.md
   JAX_PLATFORMS=cpu python bench/decode_aot.py --batches=8 --contexts=1024 \\
       --weights_dtypes=bfloat16 --out=/tmp/decode_aot.json
 
@@ -29,11 +29,12 @@ import os
 import time
 
 
-from attnres_jax.compile_report import aot
 from attnres_jax import config as config_lib
+from attnres_jax import modes as modes_lib
+from attnres_jax.compile_report import aot
+from attnres_jax.compile_report import decode_lowering
 from attnres_jax.compile_report import hlo_cost
 from attnres_jax.compile_report import hlo_hbm
-from attnres_jax import modes as modes_lib
 from attnres_jax.inference import sampling
 from attnres_jax.nn import sharding
 
@@ -64,7 +65,8 @@ def measure(mode, batch, context, weights_dtype, topo, dump_dir=None):
   start = time.perf_counter()
   mesh = sharding.make_mesh(config.mesh, devices=topo.devices)
   rules = sharding.rules_from_config(config.mesh)
-  compiled = aot.decode_lowered(config, mesh, rules, weights_dtype).compile()
+  lowered = decode_lowering.decode_lowered(config, mesh, rules, weights_dtype)
+  compiled = lowered.compile()
   seconds = time.perf_counter() - start
   text = compiled.as_text()
   if dump_dir:  # the optimized HLO, to diff two modes

@@ -7,8 +7,9 @@
 # HC/mHC comparators and the loop-structure control standard@2. Full runs with its
 # automatic Phase 1 prefixes (a lax.switch per segment) and with the whole buffer
 # (full/bf16/prefixes:1), which decides the automatic default on a GPU
-# (docs/results.md, eighteenth pass). Every part times its modes interleaved against
-# its own standard (bench/memory.py, bench/decode.py).
+# (a GPU pays a host synchronisation per switch; the prefixes skip unwritten slots).
+# Every part times its modes interleaved against its own standard (bench/memory.py,
+# bench/decode.py).
 #
 #   bench/gpu.sh [OUT_DIR]          # default bench/results/gpu; about 7 min on one H200
 #   bench/gpu.sh /tmp/gpu quick     # the same parts at toy sizes (a smoke run, any host)

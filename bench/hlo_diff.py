@@ -1,7 +1,7 @@
 """Two compiled programs side by side in the TPU compiler's own cost (its per-kernel
-cycles, loops counted; attnres_jax/compile_report/hlo_diff.py): the groups of kernels whose cycles
-differ most, and the other program's costliest kernels. Takes the optimized HLO that
-`bench/aot.py --hlo_dir` writes, e.g.
+cycles, loops counted; attnres_jax/compile_report/hlo_diff.py): the groups of kernels
+whose cycles differ most, and the other program's costliest kernels. Takes the
+optimized HLO that `bench/aot.py --hlo_dir` writes, e.g.
 
   JAX_PLATFORMS=cpu python bench/aot.py --sizes=d1024 --mesh=data \\
       --modes=standard,block:4/bf16/pallas --hlo_dir=/tmp/hlo --out=/tmp/aot.json

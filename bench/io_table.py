@@ -28,10 +28,10 @@ import os
 from absl import app, flags
 
 from attnres_jax import config as config_lib
-from attnres_jax.residuals.attnres import depth
 from attnres_jax import flops
 from attnres_jax import modes
 from attnres_jax import residuals
+from attnres_jax.residuals.attnres import depth
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -1,12 +1,11 @@
 """Train-step memory and time of Standard, Full and Block AttnRes across depth.
 
-For every (mode, depth) it compiles the training step of `train.py` (loss, gradients,
-clipping, AdamW update) and reads XLA's `memory_analysis()` of the compiled
-executable: temporary bytes (what autodiff keeps alive: activations, the AttnRes
-buffers), argument and output bytes. It
-then times the modes of one depth interleaved (a step of each in turn, per round; the
-median per mode). Ratios are to the standard model at the same depth, measured in the
-same run.
+For every (mode, depth) it compiles the training step `train.py` runs (loss, gradients,
+clipping, AdamW update: `training/step.py`) and reads XLA's `memory_analysis()` of the
+compiled executable: temporary bytes (what autodiff keeps alive: activations, the
+AttnRes buffers), argument and output bytes. It then times the modes of one depth
+interleaved (a step of each in turn, per round; the median per mode). Ratios are to the
+standard model at the same depth, measured in the same run.
 
   python bench/memory.py                       # the full grid (d=256, T=256, B=8)
   python bench/memory.py --layers=4,8 --steps=2 --out=/tmp/memory_quick.jsonl
@@ -36,8 +35,8 @@ from flax import nnx
 
 import attnres_jax as ar
 from attnres_jax import flops
-from attnres_jax.runs import metrics as metrics_lib
 from attnres_jax import modes
+from attnres_jax.runs import metrics as metrics_lib
 from attnres_jax.training import optim
 from attnres_jax.training import step as train
 from configs import default as default_config
@@ -94,8 +93,8 @@ def model_config(mode: str, num_layers: int):
 
 def compile_step(mode: str, num_layers: int):
   """(compiled step, its arguments, a record of memory and compile time): the real
-  training step (`train.train_step`: loss, gradients, clipping, the AdamW update of
-  configs/default.py's optimizer), jitted with the state donated."""
+  training step (`training/step.py`'s `train_step`: loss, gradients, clipping, the
+  AdamW update of configs/default.py's optimizer), jitted with the state donated."""
   cfg = model_config(mode, num_layers)
   tx, schedule = optim.make_optimizer(default_config.get_config().train)
   state = train.init_train_state(cfg, tx, seed=0)

@@ -14,14 +14,14 @@
    devices; peak per-device memory from XLA's `memory_analysis()` (temporaries +
    arguments + outputs of one device's program), cached vs naive.
 
-3. TPU (`--topology=v5p:2x2x1`, compile-only with libtpu, `attnres_jax/compile_report/aot.py`): per
-   device temp memory and the estimated step time (loops counted with their trip
-   counts) of the train step for standard, Block S=4 and Full AttnRes, FSDP over all
-   chips (no pipeline) against stage x data with M microbatches, each pipeline
-   schedule given ('remat', 'remat_rerun', 'gpipe'), with the bubble fraction; with
-   --tpu_hlo_dir, each row's optimized HLO and its estimate split by loop and kind
-   (`time_by_loop`); with --tpu_top_kernels=N also the schedule loop's N costliest
-   kernels (`top_kernels`).
+3. TPU (`--topology=v5p:2x2x1`, compile-only with libtpu,
+   `attnres_jax/compile_report/aot.py`): per device temp memory and the estimated step
+   time (loops counted with their trip counts) of the train step for standard, Block
+   S=4 and Full AttnRes, FSDP over all chips (no pipeline) against stage x data with M
+   microbatches, each pipeline schedule given ('remat', 'remat_rerun', 'gpipe'), with
+   the bubble fraction; with --tpu_hlo_dir, each row's optimized HLO and its estimate
+   split by loop and kind (`time_by_loop`); with --tpu_top_kernels=N also the schedule
+   loop's N costliest kernels (`top_kernels`).
 
   python bench/pipeline.py                               # parts comm and time
   python bench/pipeline.py --parts=comm --stages=2 --virtual_stages=2 --out=/tmp/pp.jsonl
@@ -50,16 +50,16 @@ from absl import app, flags
 import jax
 import numpy as np
 
-from attnres_jax.compile_report import aot
-from attnres_jax.runs import checkpointing
 from attnres_jax import config as config_lib
-from attnres_jax.runs import metrics as metrics_lib
 from attnres_jax import modes
-from attnres_jax.training import optim
-from attnres_jax.parallel import pipeline
+from attnres_jax.compile_report import aot
 from attnres_jax.compile_report import pipeline_hlo
-from attnres_jax.parallel import pipeline_plan
 from attnres_jax.nn import sharding
+from attnres_jax.parallel import pipeline
+from attnres_jax.parallel import pipeline_plan
+from attnres_jax.runs import checkpointing
+from attnres_jax.runs import metrics as metrics_lib
+from attnres_jax.training import optim
 from attnres_jax.training import step as train
 
 from configs import default as default_config
@@ -386,6 +386,80 @@ def tpu_config(mode: str, chips: int, stages: int, virtual: int, schedule: str):
   return config
 
 
+def tpu_configurations() -> list[tuple[str, int, int, str | None]]:
+  """(label, stages, virtual stages, schedule) of part tpu's rows per mode: FSDP
+  (--tpu_fsdp), then each virtual stage count and schedule of the pipeline."""
+  return [('FSDP', 1, 1, None)] * FLAGS.tpu_fsdp + [
+    (
+      f'P={FLAGS.tpu_stages} V={virtual} M={FLAGS.tpu_microbatches} {schedule}',
+      FLAGS.tpu_stages,
+      int(virtual),
+      schedule,
+    )
+    for virtual in FLAGS.tpu_virtual_stages
+    for schedule in FLAGS.tpu_schedules
+  ]
+
+
+def tpu_row(topology: str, chips: int, mode: str, configuration: tuple) -> dict:
+  """One row of part tpu: the train step compiled for `topology`, or with 'error' the
+  compiler's out-of-memory; with --tpu_hlo_dir its estimate by loop (and kernels)."""
+  label, stages, virtual, schedule = configuration
+  config = tpu_config(mode, chips, stages, virtual, schedule or 'remat')
+  pipe = pipeline_plan.from_mesh_config(config.mesh)
+  row = dict(part='tpu', topology=topology, model=mode, configuration=label)
+  row.update(stages=stages, virtual_stages=virtual, schedule=schedule)
+  row['num_microbatches'] = pipe.num_microbatches if pipe else 1
+  row['bubble'] = pipeline_plan.bubble_fraction(pipe) if pipe else 0.0
+  row.update(d_model=FLAGS.tpu_d_model, num_layers=FLAGS.tpu_layers)
+  row.update(seq_len=FLAGS.tpu_seq_len, batch_size=config.train.batch_size)
+  try:
+    hlo_dir = FLAGS.tpu_hlo_dir and os.path.join(
+      FLAGS.tpu_hlo_dir,
+      f'{topology}_{mode}_{label}'.replace('/', '+').replace(' ', '_'),
+    )
+    report = aot.compile_report(
+      config, topology, steps=('train',), check_hbm=False, hlo_dir=hlo_dir
+    )
+  except ValueError as e:  # the compiler's out-of-memory, said as a row
+    row['error'] = str(e)
+    return row
+  step = report['steps']['train']
+  row.update(
+    temp_bytes=step['memory']['temp_bytes'],
+    total_bytes=step['memory']['total_bytes'],
+    est_step_seconds=step['est_step_seconds'],
+    # The compiler's per-kernel cycles summed with loops counted: a second view that
+    # does not rescale the loops-once estimate (the two ratios to the standard differ
+    # by up to 0.1 at d1024).
+    compiler_cycles_loops_counted=step['compiler_cycles_loops_counted'],
+    compile_seconds=step['compile_seconds'],
+    while_trip_counts=step['while_trip_counts'],
+    unknown_trip_counts=step['unknown_trip_counts'],
+    collectives=step['collectives'],
+    flops=step['flops'],
+    bytes_accessed=step['bytes_accessed'],
+    hbm_bytes=step.get('hbm_bytes'),  # from the report's HBM count, where it has one
+    time_shares=step.get('time_shares'),  # what the estimate is made of
+    load_average=os.getloadavg()[0],  # compile time depends on it, nothing else
+  )
+  if hlo_dir:
+    topo = aot.get_topology(topology)
+    with open(os.path.join(hlo_dir, 'train.hlo.txt'), encoding='utf-8') as f:
+      text = f.read()
+    roofline = (
+      row['est_step_seconds'],
+      topo.device_peak_flops,
+      topo.chip.hbm_bandwidth / topo.devices_per_chip,
+    )
+    row['time_by_loop'] = pipeline_hlo.time_by_loop(text, *roofline)
+    if FLAGS.tpu_top_kernels:
+      row['top_kernels'] = pipeline_hlo.top_kernels(
+        text, *roofline, count=FLAGS.tpu_top_kernels
+      )
+  return row
+
+
 def tpu_rows() -> list[dict]:
   rows = []
   gib = 2**30
@@ -395,72 +469,18 @@ def tpu_rows() -> list[dict]:
   )
   for topology in FLAGS.topology:
     chips = aot.get_topology(topology).num_chips
-    configurations = [('FSDP', 1, 1, None)] * FLAGS.tpu_fsdp + [
-      (
-        f'P={FLAGS.tpu_stages} V={virtual} M={FLAGS.tpu_microbatches} {schedule}',
-        FLAGS.tpu_stages,
-        int(virtual),
-        schedule,
-      )
-      for virtual in FLAGS.tpu_virtual_stages
-      for schedule in FLAGS.tpu_schedules
-    ]
     standard, fsdp_temp = {}, {}  # the standard's row per configuration
     for mode in FLAGS.tpu_modes:
-      for label, stages, virtual, schedule in configurations:
-        config = tpu_config(mode, chips, stages, virtual, schedule or 'remat')
-        pipe = pipeline_plan.from_mesh_config(config.mesh)
-        row = dict(part='tpu', topology=topology, model=mode, configuration=label)
-        row.update(stages=stages, virtual_stages=virtual, schedule=schedule)
-        row['num_microbatches'] = pipe.num_microbatches if pipe else 1
-        row['bubble'] = pipeline_plan.bubble_fraction(pipe) if pipe else 0.0
-        row.update(d_model=FLAGS.tpu_d_model, num_layers=FLAGS.tpu_layers)
-        row.update(seq_len=FLAGS.tpu_seq_len, batch_size=config.train.batch_size)
-        try:
-          hlo_dir = FLAGS.tpu_hlo_dir and os.path.join(
-            FLAGS.tpu_hlo_dir,
-            f'{topology}_{mode}_{label}'.replace('/', '+').replace(' ', '_'),
-          )
-          report = aot.compile_report(
-            config, topology, steps=('train',), check_hbm=False, hlo_dir=hlo_dir
-          )
-        except ValueError as e:  # the compiler's out-of-memory, said as a row
-          row['error'] = str(e)
+      for configuration in tpu_configurations():
+        label, stages = configuration[:2]
+        row = tpu_row(topology, chips, mode, configuration)
+        if 'error' in row:
           rows.append(row)
-          print(f'{topology:<11}{mode:<9}{label:<26} failed: {str(e)[:100]}', flush=True)
-          continue
-        step = report['steps']['train']
-        row.update(
-          temp_bytes=step['memory']['temp_bytes'],
-          total_bytes=step['memory']['total_bytes'],
-          est_step_seconds=step['est_step_seconds'],
-          # The compiler's per-kernel cycles summed with loops counted: a second view
-          # that does not rescale the loops-once estimate (docs/results.md, tenth pass).
-          compiler_cycles_loops_counted=step['compiler_cycles_loops_counted'],
-          compile_seconds=step['compile_seconds'],
-          while_trip_counts=step['while_trip_counts'],
-          unknown_trip_counts=step['unknown_trip_counts'],
-          collectives=step['collectives'],
-          flops=step['flops'],
-          bytes_accessed=step['bytes_accessed'],
-          hbm_bytes=step.get('hbm_bytes'),  # from aot.py's HBM count, where it has one
-          time_shares=step.get('time_shares'),  # what the estimate is made of
-          load_average=os.getloadavg()[0],  # compile time depends on it, nothing else
-        )
-        if hlo_dir:
-          topo = aot.get_topology(topology)
-          with open(os.path.join(hlo_dir, 'train.hlo.txt'), encoding='utf-8') as f:
-            text = f.read()
-          roofline = (
-            row['est_step_seconds'],
-            topo.device_peak_flops,
-            topo.chip.hbm_bandwidth / topo.devices_per_chip,
+          print(
+            f'{topology:<11}{mode:<9}{label:<26} failed: {row["error"][:100]}',
+            flush=True,
           )
-          row['time_by_loop'] = pipeline_hlo.time_by_loop(text, *roofline)
-          if FLAGS.tpu_top_kernels:
-            row['top_kernels'] = pipeline_hlo.top_kernels(
-              text, *roofline, count=FLAGS.tpu_top_kernels
-            )
+          continue
         if stages == 1:
           fsdp_temp[mode] = row['temp_bytes']
         if mode == 'standard':

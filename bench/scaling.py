@@ -37,9 +37,9 @@ matplotlib.use('Agg')
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 import numpy as np
 
-from attnres_jax.runs import checkpointing
 from attnres_jax import flops
 from attnres_jax import modes
+from attnres_jax.runs import checkpointing
 from attnres_jax.training import step as train
 from configs import default as default_config
 
@@ -99,7 +99,8 @@ def ladder_points(root: str, name: str, widths, seeds) -> dict[int, tuple[float,
 
 
 def paired(points_by_residual: dict) -> dict:
-  """The (rung, seed) pairs finished for every residual; rungs left without any dropped."""
+  """The (rung, seed) pairs finished for every residual; rungs left without any
+  dropped."""
   widths = set.intersection(*(set(p) for p in points_by_residual.values()))
   out = {r: {} for r in points_by_residual}
   for width in sorted(widths):
@@ -234,6 +235,18 @@ def spread(values) -> str:
 
 def report(result: dict, out: str, name: str) -> str:
   """Writes <out>/<name>.md, .json and .png; returns the markdown."""
+  table = markdown_table(result)
+  os.makedirs(out, exist_ok=True)
+  with open(os.path.join(out, f'{name}.md'), 'w', encoding='utf-8') as f:
+    f.write(table + '\n')
+  with open(os.path.join(out, f'{name}.json'), 'w', encoding='utf-8') as f:
+    json.dump(result, f, indent=1)
+  plot(result, os.path.join(out, f'{name}.png'))
+  return table
+
+
+def markdown_table(result: dict) -> str:
+  """The held-out bits per byte per rung, then the fits and multipliers, as markdown."""
   reference, pct = result['reference'], result['interval_percent']
   residuals = result['residuals']
   widths = list(residuals[reference]['points'])
@@ -286,13 +299,13 @@ def report(result: dict, out: str, name: str) -> str:
       f'{100 * row["fit_rms_relative_residual"]:.2f}% | **{mid["value"]:.3f}x** '
       f'({mid["interval"][0]:.3f}-{mid["interval"][1]:.3f}) | {at} |'
     )
-  table = '\n'.join(lines)
-  os.makedirs(out, exist_ok=True)
-  with open(os.path.join(out, f'{name}.md'), 'w', encoding='utf-8') as f:
-    f.write(table + '\n')
-  with open(os.path.join(out, f'{name}.json'), 'w', encoding='utf-8') as f:
-    json.dump(result, f, indent=1)
+  return '\n'.join(lines)
 
+
+def plot(result: dict, path: str) -> None:
+  """The fits over the seeds' points and the multipliers with their intervals."""
+  reference, pct = result['reference'], result['interval_percent']
+  residuals = result['residuals']
   fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
   for r, row in residuals.items():
     pts = sorted(
@@ -331,9 +344,8 @@ def report(result: dict, out: str, name: str) -> str:
   axes[1].axhline(1.0, color='k', lw=0.8)
   axes[1].set_ylabel(f'compute multiplier over {reference} ({pct:g}% interval)')
   fig.tight_layout()
-  fig.savefig(os.path.join(out, f'{name}.png'), dpi=120)
+  fig.savefig(path, dpi=120)
   plt.close(fig)
-  return table
 
 
 def main(argv):

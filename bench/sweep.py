@@ -36,8 +36,8 @@ matplotlib.use('Agg')
 import matplotlib.pyplot as plt
 import numpy as np
 
-from attnres_jax.runs import checkpointing
 from attnres_jax import flops
+from attnres_jax.runs import checkpointing
 from attnres_jax.runs import metrics as metrics_lib
 from attnres_jax.training import optim
 from attnres_jax.training import step as train
@@ -162,9 +162,9 @@ def summarize(name: str, seeds: list[int]) -> dict | None:
 
 
 def step_memory(name: str, config) -> int:
-  """Temporary bytes of the run's compiled train step (`train.train_step`: loss,
-  gradients, clipping, the AdamW update of its config) at its batch shape: what
-  autodiff keeps alive. Cached beside the seeds."""
+  """Temporary bytes of the run's compiled train step (`training/step.py`'s
+  `train_step`: loss, gradients, clipping, the AdamW update of its config) at its batch
+  shape: what autodiff keeps alive. Cached beside the seeds."""
   cache = os.path.join(FLAGS.root, name, 'step_memory.json')
   if os.path.exists(cache):
     with open(cache, encoding='utf-8') as f:
@@ -215,8 +215,9 @@ def standard_baseline(name: str) -> str:
   return 'storage_standard' if name.startswith('storage_') else 'standard'
 
 
-def report(names: list[str], seeds: list[int]) -> None:
-  rows = [row for row in (summarize(n, seeds) for n in names) if row is not None]
+def compare_with_standard(rows: list[dict]) -> None:
+  """Adds each row's held-out bits per byte, step time and step memory relative to
+  the standard run of its size (None where that did not run)."""
   by_name = {row['run']: row for row in rows}
   for row in rows:
     baseline = by_name.get(standard_baseline(row['run']))
@@ -231,9 +232,10 @@ def report(names: list[str], seeds: list[int]) -> None:
       if baseline and row['temp_bytes']
       else None
     )
-  os.makedirs(FLAGS.root, exist_ok=True)
-  with open(os.path.join(FLAGS.root, 'results.json'), 'w', encoding='utf-8') as f:
-    json.dump(rows, f, indent=1)
+
+
+def results_table(rows: list[dict]) -> str:
+  """One markdown line per run: held-out bits per byte, compute, time and memory."""
   ratio = lambda x: '' if x is None else f'{x:.2f}'
   lines = [
     '| run | layers x d | held-out bits/byte (mean +- std) | vs standard | seeds | '
@@ -253,11 +255,11 @@ def report(names: list[str], seeds: list[int]) -> None:
       f'{row["step_time_median"]:.3f} | {ratio(row["time_vs_standard"])} | '
       f'{memory} | {ratio(row["memory_vs_standard"])} |'
     )
-  table = '\n'.join(lines)
-  with open(os.path.join(FLAGS.root, 'results.md'), 'w', encoding='utf-8') as f:
-    f.write(table + '\n')
-  print(table)
+  return '\n'.join(lines)
 
+
+def plot_loss_curves(by_name: dict, seeds: list[int], path: str) -> None:
+  """Train loss against training FLOPs, one panel per group of runs."""
   # The ablations and depths panels repeat their reference runs, dashed.
   references = {
     'modes': [],
@@ -290,9 +292,12 @@ def report(names: list[str], seeds: list[int]) -> None:
     if ax.lines:
       ax.legend(fontsize=8)
   fig.tight_layout()
-  fig.savefig(os.path.join(FLAGS.root, 'loss_vs_compute.png'), dpi=120)
+  fig.savefig(path, dpi=120)
   plt.close(fig)
 
+
+def plot_depth(by_name: dict, path: str) -> None:
+  """Held-out bits per byte against depth at about constant compute."""
   fig, ax = plt.subplots(figsize=(5.5, 4))
   shapes = {}  # layers -> 'layers x d'
   for mode, middle, label in (
@@ -317,8 +322,25 @@ def report(names: list[str], seeds: list[int]) -> None:
   if ax.lines:
     ax.legend()
   fig.tight_layout()
-  fig.savefig(os.path.join(FLAGS.root, 'depth.png'), dpi=120)
+  fig.savefig(path, dpi=120)
   plt.close(fig)
+
+
+def report(names: list[str], seeds: list[int]) -> None:
+  """Writes <root>/results.json, results.md (printed), loss_vs_compute.png and
+  depth.png from the runs that finished."""
+  rows = [row for row in (summarize(n, seeds) for n in names) if row is not None]
+  by_name = {row['run']: row for row in rows}
+  compare_with_standard(rows)
+  os.makedirs(FLAGS.root, exist_ok=True)
+  with open(os.path.join(FLAGS.root, 'results.json'), 'w', encoding='utf-8') as f:
+    json.dump(rows, f, indent=1)
+  table = results_table(rows)
+  with open(os.path.join(FLAGS.root, 'results.md'), 'w', encoding='utf-8') as f:
+    f.write(table + '\n')
+  print(table)
+  plot_loss_curves(by_name, seeds, os.path.join(FLAGS.root, 'loss_vs_compute.png'))
+  plot_depth(by_name, os.path.join(FLAGS.root, 'depth.png'))
 
 
 def main(argv):

@@ -1,5 +1,6 @@
-"""Device time by kernel from a `jax.profiler` trace: the summary that bench/profile_step.py
-(a training step) and bench/profile_decode.py (a decoding step) print."""
+"""Device time by kernel from a `jax.profiler` trace: the summary that
+bench/profile_step.py (a training step) and bench/profile_decode.py (a decoding step)
+print."""
 
 from __future__ import annotations
 

@@ -5,14 +5,15 @@ by our roofline with loops counted (`hlo_cost.estimated_seconds`). The optimized
 also carries the compiler's cycle estimate of each kernel (`estimated_cycles` in its
 backend config). Multiplied by each loop's trip count and summed, those cycles
 track the estimate's ratio between two programs (d1024 v5p:2x2x1, Block S=4 against
-the standard step: 1.058x in cycles and in the estimate at the seventh pass, 1.050x
-against 1.036x after the eighth; they part where the compiler's cycles and our
-roofline disagree), so a difference can be attributed kernel by kernel, including
-what the byte roofline does not see: the compiler charges reductions and relayouting
-pads several times their bytes. Kernels are grouped by direction (forward or backward: 'transpose' in the JAX
-op that made them), kind (`hlo_cost.kind_of`) and what they do (the opcode, or for a
-fusion the JAX op that made its root). `bench/hlo_diff.py` prints the table for two
-dumps of `bench/aot.py --hlo_dir`.
+the standard step: 1.058x in both, measured once; 1.050x in cycles against the
+estimate's 1.036x after a change to the depth buffer's indexing: they part where the
+compiler's cycles and our roofline disagree), so a difference can be attributed
+kernel by kernel, including what the byte roofline does not see: the compiler
+charges reductions and relayouting pads several times their bytes. Kernels are
+grouped by direction (forward or backward: 'transpose' in the JAX op that made them),
+kind (`hlo_cost.kind_of`) and what they do (the opcode, or for a fusion the JAX op
+that made its root). `bench/hlo_diff.py` prints the table for two dumps of
+`bench/aot.py --hlo_dir`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import NamedTuple
 
 from attnres_jax.compile_report import hlo_cost
 from attnres_jax.compile_report import hlo_hbm
+from attnres_jax.compile_report import hlo_kernel_cost
 from attnres_jax.compile_report import hlo_loops
 from attnres_jax.compile_report import hlo_text
 
@@ -73,8 +75,10 @@ def module_kernels(computations, entry: str, peak_flops: float, bandwidth: float
   for name, times in counts.items():
     computation = hlo_text.Computation(computations[name])
     for instruction in computation.instructions:
-      flops, _ = hlo_cost.arithmetic(instruction, computation, computations)
-      reads, written = hlo_cost.kernel_bytes(instruction, computation, computations)
+      flops, _ = hlo_kernel_cost.arithmetic(instruction, computation, computations)
+      reads, written = hlo_kernel_cost.kernel_bytes(
+        instruction, computation, computations
+      )
       cycles = re.search(r'"estimated_cycles":"(\d+)"', instruction.attrs)
       op_name = re.search(r'op_name="([^"]*)"', instruction.attrs)
       found.append(

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import collections
 
-from attnres_jax.compile_report import hlo_cost
+from attnres_jax.compile_report import hlo_kernel_cost
 from attnres_jax.compile_report import hlo_loops
 from attnres_jax.compile_report import hlo_text
 
@@ -39,9 +39,9 @@ def _off_chip_share(type_str: str) -> float:
 def kernel_hbm_bytes(
   instruction: hlo_text.Instruction, computation: hlo_text.Computation, computations
 ) -> float:
-  """Bytes of one kernel that cross HBM: `hlo_cost.kernel_bytes` less what lies in
+  """Bytes of one kernel that cross HBM: `hlo_kernel_cost.kernel_bytes` less what lies in
   on-chip memory; an async copy (destination, source, context) counts its off-chip
-  side; a Pallas kernel its CostEstimate's bytes (`hlo_cost.kernel_estimate`) less
+  side; a Pallas kernel its CostEstimate's bytes (`hlo_kernel_cost.kernel_estimate`) less
   the share of its operands and results held on chip."""
   if instruction.opcode == 'copy-start':
     source = computation.type_of(instruction.operands[0])
@@ -50,7 +50,7 @@ def kernel_hbm_bytes(
       0.0 if on_chip(t) else hlo_text.type_bytes(t) for t in (source, destination)
     )
   types = [computation.type_of(o) for o in instruction.operands]
-  estimate = hlo_cost.kernel_estimate(instruction)
+  estimate = hlo_kernel_cost.kernel_estimate(instruction)
   if estimate is not None:
     # A Pallas kernel states its traffic in all, not per operand: the share of it
     # that crosses HBM taken as its operands' and results' off-chip share of bytes.
@@ -61,7 +61,7 @@ def kernel_hbm_bytes(
       instruction.type_str
     )
     return estimate['bytes_accessed'] * (off_chip / total if total else 1.0)
-  reads, written = hlo_cost.kernel_bytes(instruction, computation, computations)
+  reads, written = hlo_kernel_cost.kernel_bytes(instruction, computation, computations)
   off_chip_reads = sum(b for b, t in zip(reads, types) if not on_chip(t))
   return off_chip_reads + written * _off_chip_share(instruction.type_str)
 
@@ -75,7 +75,7 @@ def hbm_costs(text: str, peak_flops: float = 1.0, bandwidth: float = 1.0) -> dic
     computation = hlo_text.Computation(computations[name])
     for instruction in computation.instructions:
       moved = kernel_hbm_bytes(instruction, computation, computations)
-      flops, _ = hlo_cost.arithmetic(instruction, computation, computations)
+      flops, _ = hlo_kernel_cost.arithmetic(instruction, computation, computations)
       totals['hbm_bytes'] += times * moved
       totals['hbm_seconds'] += times * max(flops / peak_flops, moved / bandwidth)
   return dict(totals)

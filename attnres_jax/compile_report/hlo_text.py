@@ -1,6 +1,7 @@
 """Reading optimized HLO text: computations, instructions, shapes and their bytes.
 
-Enough of the HLO text grammar for `hlo_cost.py`: each computation's instructions
+Enough of the HLO text grammar for the cost readers (`compile_report/hlo_cost.py`,
+`hlo_kernel_cost.py`, `hlo_hbm.py`, `hlo_diff.py`): each computation's instructions
 with their result type, opcode, operand names and attributes, and array sizes as the
 TPU lays them out (dimensions padded to the layout's tile).
 """

@@ -3,9 +3,10 @@ evaluation pass, figures, and comparisons of several runs.
 
 `evaluate_and_analyze` restores a checkpoint, evaluates it over the eval split with
 `evaluate.eval_sums(collect_stats=True)` (loss, bits per byte and the depth
-statistics from the same forward pass), adds the gradient norms (`statistics.py`) and
-writes eval.json, analysis.npz and the figures (`plots.py`). `compare_runs` overlays
-several runs' loss curves and magnitude profiles and tabulates their evaluations.
+statistics from the same forward pass), adds the gradient norms
+(`evaluation/statistics.py`) and writes eval.json, analysis.npz and the figures
+(`evaluation/plots.py`). `compare_runs` overlays several runs' loss curves and
+magnitude profiles and tabulates their evaluations.
 """
 
 from __future__ import annotations
@@ -20,14 +21,14 @@ from typing import Any
 import numpy as np
 from flax import nnx
 
-from attnres_jax.runs import checkpointing
+from attnres_jax import residuals
 from attnres_jax.data import pipeline as data_lib
 from attnres_jax.evaluation import evaluate as evaluate_lib
-from attnres_jax.runs import metrics as metrics_lib
-from attnres_jax.models import transformer as model_lib
 from attnres_jax.evaluation import plots
-from attnres_jax import residuals
 from attnres_jax.evaluation import statistics
+from attnres_jax.models import transformer as model_lib
+from attnres_jax.runs import checkpointing
+from attnres_jax.runs import metrics as metrics_lib
 from attnres_jax.runs import storage
 
 Batch = Mapping[str, np.ndarray]

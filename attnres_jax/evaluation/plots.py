@@ -1,4 +1,5 @@
-"""Figures of the analysis (arrays from `statistics.py`) and of run comparisons."""
+"""Figures of the analysis (arrays from `evaluation/statistics.py`) and of run
+comparisons."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from attnres_jax import config as config_lib
 from attnres_jax.evaluation import statistics
 
 matplotlib.use('Agg')
-from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top,wrong-import-position
+from matplotlib import pyplot as plt  # pylint: disable=wrong-import-position
 
 
 def _save(fig, path: str) -> str:

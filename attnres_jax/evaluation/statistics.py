@@ -1,4 +1,5 @@
-"""The paper's analysis statistics of a model, as arrays (`plots.py` draws them).
+"""The paper's analysis statistics of a model, as arrays (`evaluation/plots.py` draws
+them).
 
 * Depth-attention weights (paper Fig. 8): sublayer (rows) by source (columns),
   averaged over held-out tokens, for the pre-attention reads, the pre-MLP reads and
@@ -27,9 +28,9 @@ import numpy as np
 from flax import nnx
 
 from attnres_jax import config as config_lib
-from attnres_jax.residuals.attnres import depth
-from attnres_jax.evaluation import evaluate as evaluate_lib
 from attnres_jax import residuals
+from attnres_jax.evaluation import evaluate as evaluate_lib
+from attnres_jax.residuals.attnres import depth
 from attnres_jax.residuals.attnres import residual as attnres
 
 Batch = Mapping[str, np.ndarray]

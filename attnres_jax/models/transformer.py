@@ -16,9 +16,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from attnres_jax import config as config_lib
-from attnres_jax.nn import ops
-from attnres_jax.nn import kv_cache
 from attnres_jax import residuals
+from attnres_jax.nn import kv_cache
+from attnres_jax.nn import ops
 from attnres_jax.nn import sharding
 from attnres_jax.nn import stack as stack_lib
 
@@ -28,7 +28,7 @@ ATTENTION, MLP = 0, 1  # the two sublayers of a Transformer layer, in order
 
 
 def _param(init, shape, axes, rngs=None, dtype=jnp.float32) -> nnx.Param:
-  """A parameter with logical axis names (mapped to a mesh in `sharding.py`)."""
+  """A parameter with logical axis names (mapped to a mesh in `nn/sharding.py`)."""
   value = init(rngs.params(), shape, dtype) if rngs is not None else init(shape, dtype)
   return nnx.Param(value, out_sharding=axes, eager_sharding=False)
 

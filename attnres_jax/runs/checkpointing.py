@@ -11,9 +11,10 @@ all after s optimizer updates and s batches. A restore recomputes the checksums 
 what it read and treats a mismatch (bytes damaged inside an array file, which the
 decoder does not notice) like any other damaged checkpoint. Orbax writes each step
 into a temporary directory and renames it when complete, so a run killed during a
-save leaves the earlier checkpoints usable; the unfinished temporary directory is ignored and removed
-at the next start. A complete checkpoint whose files were damaged later is moved to
-`<workdir>/corrupt_checkpoints/` by the training loop (`move_aside`), never deleted.
+save leaves the earlier checkpoints usable; the unfinished temporary directory is
+ignored and removed at the next start. A complete checkpoint whose files were damaged
+later is moved to `<workdir>/corrupt_checkpoints/` by the training loop
+(`move_aside`), never deleted.
 
 A save that fails (disk full, I/O error), in the background too, raises
 CheckpointSaveError from the next `poll`, `save` or `finish`, naming the step, the
@@ -38,10 +39,10 @@ from absl import logging
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from attnres_jax.runs import checksum
 from attnres_jax import config as config_lib
-from attnres_jax.runs import metrics
 from attnres_jax.models import transformer as model_lib
+from attnres_jax.runs import checksum
+from attnres_jax.runs import metrics
 from attnres_jax.runs import quiet
 from attnres_jax.runs import storage
 
@@ -151,7 +152,8 @@ class Checkpointer:
     last = self.manager.latest_step()
     return CheckpointSaveError(
       f'Saving the checkpoint of step {step} in {self.directory} failed: '
-      f'{quiet.save_error_cause(error)}. Training stopped at step {now}; the last good checkpoint is '
+      f'{quiet.save_error_cause(error)}. Training stopped at step {now}; '
+      'the last good checkpoint is '
       + (f'step {last}.' if last is not None else 'none (no checkpoint was saved).')
     )
 

@@ -1,5 +1,6 @@
 """The train step: a pure jitted `train_step`, the train state and its sharded layout,
-the eval step, and the memory check of a compiled step (the host loop: `loop.py`).
+the eval step, and the memory check of a compiled step (the host loop:
+`training/loop.py`).
 
 Step s (1-based) is the s-th optimizer update: its metrics are those of the batch it
 trained on (loss of the parameters before the update), and the checkpoint of step s
@@ -20,11 +21,11 @@ import ml_collections
 import optax
 from flax import nnx
 
-from attnres_jax.runs import checkpointing
 from attnres_jax.evaluation import evaluate as evaluate_lib
-from attnres_jax.runs import metrics as metrics_lib
 from attnres_jax.models import transformer as model_lib
 from attnres_jax.nn import sharding
+from attnres_jax.runs import checkpointing
+from attnres_jax.runs import metrics as metrics_lib
 from attnres_jax.runs import workdir as workdir_lib
 
 EVAL_FINAL_JSON = 'eval_final.json'
@@ -181,9 +182,9 @@ def check_memory(
   attention (`jax.nn.dot_product_attention`, XLA implementation) holds the scores of
   one layer, [microbatch, heads, seq_len, seq_len], split at best over all
   `num_devices` (default: all devices). With `compiled` (a step's `.lower(...)
-  .compile()`, e.g. for a TPU topology ahead of time, `aot.py`), the compiler's own
-  figure per device, `compiled_memory_need`. Memory is `memory_bytes`, else the first
-  device's limit, or the host's RAM for CPU devices.
+  .compile()`, e.g. for a TPU topology ahead of time, `compile_report/aot.py`), the
+  compiler's own figure per device, `compiled_memory_need`. Memory is `memory_bytes`,
+  else the first device's limit, or the host's RAM for CPU devices.
   """
   tc, cfg = config.train, config.model
   if memory_bytes is None:

@@ -1,4 +1,5 @@
-"""Ahead-of-time compilation for TPU topologies (aot.py, hlo_cost.py) on a CPU host.
+"""Ahead-of-time compilation for TPU topologies (compile_report/aot.py, hlo_cost.py)
+on a CPU host.
 
 The compiles need libtpu (pinned in requirements.txt); without it only the bad-input
 tests run.
@@ -20,8 +21,9 @@ from jax.sharding import PartitionSpec as P
 from attnres_jax.compile_report import aot
 from attnres_jax.compile_report import hlo_cost
 from attnres_jax.compile_report import hlo_hbm
-from attnres_jax.nn import sharding
+from attnres_jax.compile_report import step_summary
 from attnres_jax.compile_report import tpu_topology
+from attnres_jax.nn import sharding
 from bench import aot as aot_cli
 from configs import default as default_config
 
@@ -240,8 +242,9 @@ def test_residual_floor_is_the_documented_minimum(num_layers, fields, units):
 def test_report_divides_extra_bytes_by_the_floor():
   """The train step's report carries the residual's floor (none for the standard
   residual: it is the reference), and the columns are (bytes - the standard step's) /
-  floor, for the bytes accessed and for those that cross HBM. The standard step is the FSDP compile the tests above share; a Block AttnRes
-  step is its figures with the floor of the tiny Block model (one compile fewer)."""
+  floor, for the bytes accessed and for those that cross HBM. The standard step is the
+  FSDP compile the tests above share; a Block AttnRes step is its figures with the
+  floor of the tiny Block model (one compile fewer)."""
   standard = train_report((1, 4, 1))['steps']['train']
   assert standard['residual_floor'] is None
   assert aot.extra_over_floor(standard, standard) is None
@@ -413,9 +416,9 @@ def test_the_cycles_view_with_kernels_charges_them_at_the_programs_own_rate():
   costs = hlo_cost.analyze(_CYCLES_AND_KERNEL_HLO)
   assert costs['cycles'] == 1000
   assert costs['roofline_pallas'] == 12 * 2**20
-  assert aot.cycles_with_kernels(costs) == pytest.approx(2500, rel=1e-12)
+  assert step_summary.cycles_with_kernels(costs) == pytest.approx(2500, rel=1e-12)
   # Without a kernel the view is the cycles.
-  assert aot.cycles_with_kernels(hlo_cost.analyze(_PREFETCH_HLO)) == 0
+  assert step_summary.cycles_with_kernels(hlo_cost.analyze(_PREFETCH_HLO)) == 0
 
 
 # A weight prefetched into on-chip memory (S(1)) and read there by a fusion, beside a

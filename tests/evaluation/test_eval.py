@@ -17,8 +17,8 @@ from flax import nnx
 
 from attnres_jax.evaluation import analysis
 from attnres_jax.evaluation import evaluate
-from attnres_jax.inference import sampling
 from attnres_jax.evaluation import statistics
+from attnres_jax.inference import sampling
 
 from conftest import assert_greedy_choices, child_env, tiny_model
 

@@ -10,7 +10,7 @@ from absl import flags
 from absl.testing import flagsaver
 from conftest import run_script
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _load(name):

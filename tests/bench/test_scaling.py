@@ -8,10 +8,10 @@ from flax import nnx
 import jax
 import numpy as np
 
-from attnres_jax.runs import checkpointing
 from attnres_jax import flops
-from attnres_jax.training import step as train
 from attnres_jax.models import transformer as model_lib
+from attnres_jax.runs import checkpointing
+from attnres_jax.training import step as train
 from bench import scaling
 from configs import default as default_config
 
