@@ -141,7 +141,7 @@ def test_a_renewal_never_leaves_the_tail_of_a_longer_record(tmp_path):
     lock_lib._write_record(fd, shorter)
     assert path.stat().st_size == size  # rewritten over the old bytes, not shrunk
     assert json.loads(path.read_bytes()) == shorter
-    assert lock_lib._read_holder(fd) == shorter
+    assert lock_lib.read_holder(fd) == shorter
   finally:
     os.close(fd)
 
