@@ -79,7 +79,8 @@ class StopSignal:
     self._mutex = threading.RLock()  # held by a write the early exit must not cut
     self._cleanups: list[Callable[[], None]] = []
     self.early_message: Callable[[str], str] = lambda name: (
-      f'Stopped by {name} before the run started; nothing was written.'
+      f'Stopped by {name} while setting up the run; nothing new to save; run the '
+      'same command to resume.'
     )
     self._wakeup = None  # (read fd, write fd, the wakeup fd before)
 
