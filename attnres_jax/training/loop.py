@@ -171,6 +171,11 @@ class Trainer:
       loss_fn=pipeline.make_loss_fn(pipe),
     )
     self.p_eval_step = train_lib.jit_eval_step(self.layout, graphdef=graphdef)
+    # Compiled now, while a stop signal still ends the process at once (train.py): a
+    # signal during an evaluation then waits for a batch, not for a compilation
+    # (minutes on a TPU). The call at the first evaluation reuses this executable.
+    first_eval_batch = self.layout.to_global(next(iter(self.datasets.eval_batches())))
+    self.p_eval_step.lower(self.state.params, first_eval_batch).compile()
     self.stop = (
       tc.num_steps if self.max_steps is None else min(tc.num_steps, self.max_steps)
     )
