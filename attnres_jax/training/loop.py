@@ -29,6 +29,7 @@ import tensorflow_datasets as tfds
 import tqdm
 
 from attnres_jax.runs import checkpointing
+from attnres_jax.runs import checksum
 from attnres_jax import config as config_lib
 from attnres_jax.data import sources
 from attnres_jax.data import pipeline as data_lib
@@ -139,6 +140,10 @@ class Trainer:
     if restored is None:
       self.start = 0
       self.state = train_lib.create_train_state(config.model, tx, tc.seed, self.layout)
+      # The checksums of the first save, compiled now, while a signal ends the process
+      # at once (a restore compiled them already): a stop then waits for no compiler.
+      checksum.digest(self.state.params)
+      checksum.digest(self.state.opt_state)
     else:
       self.start, params, opt_state = restored
       metrics_lib.say(
