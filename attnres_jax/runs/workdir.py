@@ -286,3 +286,25 @@ def check_disk_space(workdir: str, abstract_state) -> None:
       f'needs about {needed / 2**20:,.1f} MiB (parameters and optimizer state): '
       'the first save will fail and stop the run.'
     )
+
+
+class RunLock:
+  """The lock a training run holds on `workdir` (`lock`: None until taken), and what
+  a stop signal before its first step does with it (`give_up`, called from
+  `preemption.StopSignal`'s watcher thread)."""
+
+  def __init__(self, workdir: str, fresh: bool):
+    self.workdir, self.fresh = workdir, fresh
+    self.lock = None
+
+  def give_up(self) -> None:
+    """Releases the lock; a workdir this run created and left unused is removed. A
+    lock taken but not yet handed back (a signal in between) is released by its
+    record, which names this process."""
+    if self.fresh:
+      remove_if_unused(self.workdir, self.lock)
+    elif self.lock is not None:
+      self.lock.release()
+    else:
+      lease_lib.release_if_mine(self.workdir)
+    self.lock = None

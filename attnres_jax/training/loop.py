@@ -38,7 +38,6 @@ from attnres_jax.runs import metrics as metrics_lib
 from attnres_jax.training import optim
 from attnres_jax.parallel import pipeline
 from attnres_jax.parallel import pipeline_plan
-from attnres_jax.runs import lease as lease_lib
 from attnres_jax.runs import preemption
 from attnres_jax.runs import quiet
 from attnres_jax.nn import sharding
@@ -475,7 +474,7 @@ def train_and_evaluate(
   storage.check_supported(workdir)  # before anything looks for it
   storage.check_reachable(workdir)  # a bucket without network or credentials: seconds
   fresh = not storage.exists(workdir)
-  held = _Held(storage.absolute(workdir), fresh)
+  held = workdir_lib.RunLock(storage.absolute(workdir), fresh)
   given = stop_signal is not None
   if given:
     stop_signal.on_early_exit(held.give_up)
@@ -510,24 +509,3 @@ def train_and_evaluate(
   finally:
     if held.lock is not None:
       held.lock.release()
-
-
-class _Held:
-  """The workdir lock a run holds (None before it is taken), and what an early stop
-  does with it (`give_up`, in `StopSignal`'s watcher thread)."""
-
-  def __init__(self, workdir: str, fresh: bool):
-    self.workdir, self.fresh = workdir, fresh
-    self.lock = None
-
-  def give_up(self) -> None:
-    """Releases the lock; a workdir this run created and left unused is removed. A
-    lock taken but not yet handed back (a signal in between) is released by its
-    record, which names this process."""
-    if self.fresh:
-      workdir_lib.remove_if_unused(self.workdir, self.lock)
-    elif self.lock is not None:
-      self.lock.release()
-    else:
-      lease_lib.release_if_mine(self.workdir)
-    self.lock = None

@@ -436,5 +436,20 @@ def test_disk_full_between_saves_stops_with_one_line(
     'No space left on device' in fatal[0] and 'last good checkpoint is step ' in fatal[0]
   ), fatal[0]
   assert 'Traceback' not in output, output
+  assert 'Closing the metrics' not in output, output  # the one line, not a log too
   print(f'stopped {seconds:.1f} s after the disk filled: {fatal[0]}')
   assert seconds < 60  # seconds, not a hang (generous: 2 shared cores)
+  # A rerun on the still full disk: one line, and no temporary file left behind (the
+  # write probe's atomic write left a 0-byte .write_test.*.tmp.* file per rerun).
+  rerun = subprocess.run(
+    _command(workdir, tfds_dir, checkpoint_every=4),
+    cwd=REPO,
+    env=child_env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert rerun.returncode == 1, rerun.stderr
+  (line,) = [line for line in rerun.stderr.splitlines() if line.strip()]
+  assert line.startswith('FATAL: ') and 'No space left on device' in line, line
+  assert not [name for name in os.listdir(workdir) if '.tmp.' in name]
