@@ -441,6 +441,12 @@ def test_disk_full_between_saves_stops_with_one_line(
   assert seconds < 60  # seconds, not a hang (generous: 2 shared cores)
   # A rerun on the still full disk: one line, and no temporary file left behind (the
   # write probe's atomic write left a 0-byte .write_test.*.tmp.* file per rerun).
+  with open(os.path.join(small_filesystem, 'filler'), 'ab', buffering=0) as f:
+    try:  # what the stopped run's clean-up freed
+      while True:
+        f.write(bytes(1 << 12))
+    except OSError as e:
+      assert e.errno == 28  # ENOSPC
   rerun = subprocess.run(
     _command(workdir, tfds_dir, checkpoint_every=4),
     cwd=REPO,
@@ -450,6 +456,7 @@ def test_disk_full_between_saves_stops_with_one_line(
     timeout=300,
   )
   assert rerun.returncode == 1, rerun.stderr
-  (line,) = [line for line in rerun.stderr.splitlines() if line.strip()]
-  assert line.startswith('FATAL: ') and 'No space left on device' in line, line
+  lines = [line for line in rerun.stderr.splitlines() if line.strip()]
+  assert len(lines) == 1, rerun.stderr
+  assert lines[0].startswith('FATAL: ') and 'No space left on device' in lines[0]
   assert not [name for name in os.listdir(workdir) if '.tmp.' in name]
