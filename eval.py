@@ -13,10 +13,30 @@
 
 Writing into a workdir (the default output) takes its lock, so it waits for no one:
 while a training run holds the workdir, write elsewhere with --output_dir.
+
+Errors are one FATAL line (exit 1; --debug adds the traceback, --help the usage). A
+SIGTERM or SIGINT ends it at once with one line (exit 143 or 130), the lock released.
 """
 
 import os
+import signal
 import sys
+
+# Until the evaluation catches them itself: a signal while Python imports JAX ends
+# the process at once, with one line and no KeyboardInterrupt traceback.
+STOP_LINE = ['Stopped by {name} while starting; nothing was written.']
+
+
+def _stop_at_once(signum, frame):  # pylint: disable=unused-argument
+  name = signal.Signals(signum).name
+  os.write(2, (STOP_LINE[0].format(name=name) + '\n').encode())
+  os._exit(128 + signum)  # pylint: disable=protected-access
+
+
+for _signum in (signal.SIGTERM, signal.SIGINT):
+  signal.signal(_signum, _stop_at_once)
+
+import traceback
 
 from absl import app
 from absl import flags
@@ -26,6 +46,7 @@ from attnres_jax.evaluation import analysis
 from attnres_jax.runs import checkpointing
 from attnres_jax.data import pipeline as data
 from attnres_jax.runs import lease
+from attnres_jax.runs import preemption
 from attnres_jax.inference import sampling
 from attnres_jax.runs import storage
 from attnres_jax.runs import workdir as workdir_lib
@@ -59,6 +80,9 @@ _MAX_NEW_TOKENS = flags.DEFINE_integer('max_new_tokens', 200, 'Tokens to sample.
 _TEMPERATURE = flags.DEFINE_float('temperature', 0.8, 'Sampling temperature; 0: greedy.')
 _TOP_K = flags.DEFINE_integer('top_k', None, 'Sample from the k most likely tokens only.')
 _SEED = flags.DEFINE_integer('seed', 0, 'Sampling seed (fixed seed, fixed output).')
+_DEBUG = flags.DEFINE_bool(
+  'debug', False, 'Print the full traceback of an error, not one line.'
+)
 
 
 def _check_flags() -> None:
@@ -105,14 +129,20 @@ def _remove_empty(path: str, top: str) -> None:
     path = os.path.dirname(path)
 
 
-def _evaluate(workdir: str, step: int):
+def _evaluate(workdir: str, step: int, stop_signal: preemption.StopSignal):
   """(eval.json record, output directory) of checkpoint `step`; the workdir is locked
-  while writing into it, and an output directory this left empty is removed."""
+  while writing into it, and an output directory this left empty is removed (also
+  when a signal ends the process)."""
   out_dir = _OUTPUT_DIR.value or analysis.eval_dir(workdir, step)
   lock = None
   if _inside(out_dir, workdir):
+    held = []  # a signal ends the process: the lock released, even half taken
+    stop_signal.on_early_exit(
+      lambda: held[0].release() if held else lease.release_if_mine(workdir)
+    )
     try:
       lock = lease.acquire(storage.absolute(workdir), 'eval.py')
+      held.append(lock)
     except workdir_lib.WorkdirLockedError as e:
       raise app.UsageError(
         f'{e} To evaluate now, write elsewhere: --output_dir=DIR.'
@@ -129,6 +159,8 @@ def _evaluate(workdir: str, step: int):
   new_top = os.path.abspath(out_dir)  # the outermost directory this will create
   while not existed and not os.path.exists(os.path.dirname(new_top)):
     new_top = os.path.dirname(new_top)
+  if not existed:
+    stop_signal.on_early_exit(lambda: _remove_empty(os.path.abspath(out_dir), new_top))
   try:
     _writable_dir(out_dir)
     return analysis.evaluate_and_analyze(
@@ -151,12 +183,26 @@ def _evaluate(workdir: str, step: int):
 def main(argv):
   if not flags.FLAGS['verbosity'].present:
     logging.set_verbosity(logging.WARNING)  # orbax logs every file at INFO
+  try:
+    with preemption.StopSignal(exit_early=True) as stop_signal:
+      stop_signal.early_message = lambda name: f'Stopped by {name}; nothing was saved.'
+      _main(argv, stop_signal)
+  except (app.UsageError, ValueError, OSError) as e:  # a bad input or I/O: one line
+    if _DEBUG.value:
+      traceback.print_exc()
+    print(f'FATAL: {e}', file=sys.stderr)
+    sys.exit(1)
+
+
+def _main(argv, stop_signal: preemption.StopSignal):
   _check_flags()
   for path in (_WORKDIR.value or '', _OUTPUT_DIR.value or '', *argv[1:]):
     try:
       storage.check_supported(path, 'Directory')
     except ValueError as e:
       raise app.UsageError(str(e)) from None
+  for path in (_WORKDIR.value or '', _OUTPUT_DIR.value or '', *argv[1:]):
+    storage.check_reachable(path, 'Directory')  # gs:// without network: seconds
   if _COMPARE.value:
     workdirs = argv[1:]
     if not workdirs:
@@ -236,11 +282,10 @@ def main(argv):
     raise app.UsageError(f'No checkpoint in {checkpointing.checkpoint_dir(workdir)}.')
   try:
     record, out_dir = checkpointing.newest_that_restores(
-      workdir, steps, lambda step: _evaluate(workdir, step), say=print
+      workdir, steps, lambda step: _evaluate(workdir, step, stop_signal), say=print
     )
-  except (checkpointing.CheckpointRestoreError, FileNotFoundError) as e:
-    print(f'FATAL: {e}', file=sys.stderr)
-    sys.exit(1)
+  except checkpointing.CheckpointRestoreError as e:
+    raise ValueError(str(e)) from e  # one FATAL line, as FileNotFoundError gets
   print(
     f'step {record["step"]}: held-out loss {record["loss"]:.4f} nats/token, '
     f'{record["bits_per_byte"]:.4f} bits/byte, perplexity '

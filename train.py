@@ -14,12 +14,32 @@ the config of the checkpoints it resumes, except for the fields named in
 --allow_config_change (recorded in the workdir's config_history.jsonl).
 
 On SIGTERM or SIGINT (preemption, a scheduler, Ctrl-C) the run finishes the step in
-flight, saves its checkpoint and exits with 128 + the signal number (143 for SIGTERM,
-130 for SIGINT) and one line naming the step; the same command resumes from it.
+flight (or the evaluation batch), saves its checkpoint and exits with 128 + the signal
+number (143 for SIGTERM, 130 for SIGINT) and one line naming the step; the same
+command resumes from it. Before the first step (imports, set-up, the compilation)
+there is nothing new to save: it exits at once, the workdir lock released.
 Errors are one FATAL line (exit 1); --debug shows the traceback.
 """
 
+import os
+import signal
 import sys
+
+# Until the run catches them itself: a signal while Python imports JAX ends the
+# process at once, with one line and no KeyboardInterrupt traceback. After the first
+# signal of a run, the second one lands here too (`preemption.StopSignal`).
+STOP_LINE = ['Stopped by {name} while starting; nothing was written.']
+
+
+def _stop_at_once(signum, frame):  # pylint: disable=unused-argument
+  name = signal.Signals(signum).name
+  os.write(2, (STOP_LINE[0].format(name=name) + '\n').encode())
+  os._exit(128 + signum)  # pylint: disable=protected-access
+
+
+for _signum in (signal.SIGTERM, signal.SIGINT):
+  signal.signal(_signum, _stop_at_once)
+
 import traceback
 
 import jax
@@ -32,6 +52,7 @@ from attnres_jax.compile_report import aot
 from attnres_jax import config as config_lib
 from attnres_jax.runs import preemption
 from attnres_jax.runs import quiet
+from attnres_jax.runs import storage
 from attnres_jax.training import step as train
 from attnres_jax.training import loop as loop_lib
 
@@ -123,12 +144,26 @@ def main(argv):
   if not _DEBUG.value:
     quiet.silence_save_errors()  # a failed save: one line, not pages of orbax's
   try:
-    loop_lib.train_and_evaluate(
-      _CONFIG.value, _WORKDIR.value, allow_config_change=_ALLOW_CONFIG_CHANGE.value
-    )
+    storage.check_reachable(_WORKDIR.value)  # gs:// without network: seconds, one line
+    with preemption.StopSignal(exit_early=True) as stop_signal:
+      STOP_LINE[0] = (
+        'Killed by a second {name}: the save in flight is abandoned; the same '
+        'command resumes from the checkpoint before it.'
+      )
+      loop_lib.train_and_evaluate(
+        _CONFIG.value,
+        _WORKDIR.value,
+        allow_config_change=_ALLOW_CONFIG_CHANGE.value,
+        stop_signal=stop_signal,
+      )
   except preemption.Preempted as e:
+    # Saved, closed and unlocked: end now, without the seconds Python's teardown of
+    # JAX and the data loader's threads takes (out of the grace period).
     print(e, file=sys.stderr)
-    sys.exit(e.exit_code)
+    logging.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(e.exit_code)  # pylint: disable=protected-access
   except (*train.RUN_ERRORS, ValueError, OSError) as e:  # config and I/O errors say all
     if _DEBUG.value:
       traceback.print_exc()

@@ -24,6 +24,7 @@ from flax import nnx
 from attnres_jax import residuals
 from attnres_jax.data import pipeline as data_lib
 from attnres_jax.evaluation import evaluate as evaluate_lib
+from attnres_jax.runs import records
 from attnres_jax.evaluation import plots
 from attnres_jax.evaluation import statistics
 from attnres_jax.models import transformer as model_lib
@@ -202,7 +203,7 @@ def compare_runs(
     row: dict[str, Any] = {'run': name}
     latest = latest_eval_dir(workdir)
     if latest is not None:
-      row.update(json.loads(storage.read_text(os.path.join(latest, EVAL_JSON))))
+      row.update(records.read_json(os.path.join(latest, EVAL_JSON)))
       row['run'] = name
       npz = os.path.join(latest, ANALYSIS_NPZ)
       if storage.exists(npz):

@@ -197,3 +197,28 @@ def lock_workdir(workdir: str, purpose: str) -> lock_lib.WorkdirLock | GcsLease 
   for message in lock.messages if lock is not None else ():
     metrics.say(f'WARNING: {message}')
   return lock
+
+
+def release_if_mine(workdir: str) -> None:
+  """Clears the lock record of `workdir` if it names this process: a lock taken but
+  not yet handed to its caller when a stop signal ends the process (the flock itself
+  dies with the process; the record would be taken for a live holder's)."""
+  path = storage.join(workdir, lock_lib.LOCK_FILE)
+  if storage.is_remote(workdir):
+    if storage.exists(path):
+      held = json.loads(storage.read_text(path) or '{}')
+      if _names_this_process(held):
+        storage.remove(path)
+    return
+  if not os.path.exists(path):
+    return
+  fd = os.open(path, os.O_RDWR)
+  try:
+    if _names_this_process(lock_lib.read_holder(fd)):
+      os.ftruncate(fd, 0)
+  finally:
+    os.close(fd)
+
+
+def _names_this_process(holder) -> bool:
+  return holder.get('pid') == os.getpid() and holder.get('host') == socket.gethostname()

@@ -84,15 +84,15 @@ class WorkdirLock:
       except OSError as e:
         if e.errno not in (errno.EAGAIN, errno.EACCES):
           raise
-        holder = _read_holder(fd)
+        holder = read_holder(fd)
         raise WorkdirLockedError(
           f'Workdir {workdir!r} is in use by {describe(holder)}; refusing to '
           f'write into it. Wait for that process to finish or stop it (lock file '
           f'{self.path}).'
         ) from None
-      previous = _read_holder(fd)
+      previous = read_holder(fd)
       if previous and previous.get('host') != socket.gethostname():
-        why = lease_expired(lambda: _read_holder(fd), previous, previous, self.path)
+        why = lease_expired(lambda: read_holder(fd), previous, previous, self.path)
         if why is None:
           fcntl.flock(fd, fcntl.LOCK_UN)
           raise WorkdirLockedError(
@@ -214,7 +214,7 @@ def lease_expired(
   )
 
 
-def _read_holder(fd: int) -> dict[str, Any]:
+def read_holder(fd: int) -> dict[str, Any]:
   data = os.pread(fd, 4096, 0)
   if not data.strip():
     return {}

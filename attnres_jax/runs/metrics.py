@@ -33,6 +33,7 @@ from tensorboardX import event_file_writer
 from tensorboardX.proto import event_pb2
 from tensorboardX.proto import summary_pb2
 
+from attnres_jax.runs import records as records_lib
 from attnres_jax.runs import storage
 
 JSONL = 'metrics.jsonl'
@@ -144,23 +145,25 @@ class MetricWriter:
         self._jsonl.flush()
       self._flushed = time.monotonic()
 
-  def close(self) -> None:
-    """Flushes and closes; a failure is logged, not raised (a run that fails to write
-    has already stopped with that error)."""
+  def close(self, *, failed: bool = False) -> None:
+    """Flushes and closes; a failure is logged, not raised. `failed`: the run already
+    stopped on an error (a full disk, which then fails this too): logged at INFO only,
+    so that the run's one line stays the only one."""
     if not self.enabled:
       return
+    report = logging.info if failed else logging.error
     if self._staging is not None:
       try:
         self.flush()
       except Exception as e:  # pylint: disable=broad-except
-        logging.error('Uploading the metrics of %s failed: %s', self.jsonl_path, e)
+        report('Uploading the metrics of %s failed: %s', self.jsonl_path, e)
     self.enabled = False
     for closable in (self._tb, self._jsonl):
       try:
         if closable is not None:
           closable.close()
       except OSError as e:
-        logging.error('Closing the metrics of %s failed: %s', self.jsonl_path, e)
+        report('Closing the metrics of %s failed: %s', self.jsonl_path, e)
     if self._staging is not None:
       shutil.rmtree(self._staging, ignore_errors=True)
 
@@ -168,7 +171,7 @@ class MetricWriter:
     return self
 
   def __exit__(self, *exc):
-    self.close()
+    self.close(failed=exc[0] is not None)
 
 
 def write_jsonl(path: str, records) -> None:
@@ -182,24 +185,21 @@ def write_jsonl(path: str, records) -> None:
 
 
 def read_jsonl(workdir: str) -> list[dict]:
-  """All records of `<workdir>/metrics.jsonl` (empty if there is none)."""
-  path = os.path.join(workdir, JSONL)
-  if not storage.exists(path):
-    return []
-  return [
-    json.loads(line) for line in storage.read_text(path).splitlines() if line.strip()
-  ]
+  """All records of `<workdir>/metrics.jsonl` (empty if there is none). A cut-off last
+  line (a write interrupted by a kill or a full disk) is dropped with one warning;
+  damage anywhere else raises `records.RecordError` naming the file and the line."""
+  return records_lib.read_jsonl(os.path.join(workdir, JSONL), say=say)[0]
 
 
 def truncate_jsonl(workdir: str, after_step: int) -> None:
-  """Drops records of steps > `after_step` (all: 0): a resumed run re-logs them."""
-  records = read_jsonl(workdir)
+  """Drops records of steps > `after_step` (all: 0), which a resumed run re-logs, and
+  a cut-off last line."""
+  path = os.path.join(workdir, JSONL)
+  records, cut_off = records_lib.read_jsonl(path, say=say)
   kept = [r for r in records if r['step'] <= after_step]
-  if len(kept) == len(records):
+  if len(kept) == len(records) and not cut_off:
     return
-  storage.write_text(
-    os.path.join(workdir, JSONL), ''.join(json.dumps(r) + '\n' for r in kept)
-  )
+  storage.write_text(path, ''.join(json.dumps(r) + '\n' for r in kept))
 
 
 def read_tensorboard(workdir: str) -> dict[str, list[tuple[int, float]]]:

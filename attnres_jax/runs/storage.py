@@ -16,10 +16,13 @@ writer change the bucket behind gcsfs's back.
 from __future__ import annotations
 
 import contextlib
+import logging as std_logging
 import os
 import re
 import shutil
 import tempfile
+import threading
+import warnings
 
 import fsspec
 from etils import epath
@@ -52,6 +55,101 @@ def check_supported(path: str, what: str = 'Workdir') -> None:
       f'where the lock is a lease object written with generation preconditions). '
       f'Use a local path, gs://BUCKET/DIR, or a mounted bucket.'
     )
+
+
+# How long the check of a gs:// workdir waits for credentials and its bucket's answer:
+# a run without network fails in seconds, not after gcsfs's minute of retries.
+REACH_TIMEOUT_SECONDS = 10.0
+_READ_WRITE_SCOPE = 'https://www.googleapis.com/auth/devstorage.read_write'
+
+
+def check_reachable(
+  path: str, what: str = 'Workdir', *, timeout: float = REACH_TIMEOUT_SECONDS
+) -> None:
+  """For a gs:// `path`: raises OSError, one line naming `path` and the cause (no
+  credentials, no network, no such bucket, no permission), unless credentials are
+  found and its bucket answers a listing within `timeout` seconds. Local paths pass."""
+  if scheme(path) != 'gs':
+    return
+  bucket = path[len('gs://') :].split('/', 1)[0]
+  stage, outcome = ['looking for credentials'], []
+  probe = threading.Thread(
+    target=lambda: outcome.append(_probe_bucket(bucket, timeout, stage)),
+    daemon=True,
+    name='gcs-probe',
+  )
+  probe.start()
+  probe.join(timeout)
+  if outcome and outcome[0] is None:
+    return
+  cause = outcome[0] if outcome else f'no answer within {timeout:g} s {stage[0]}'
+  raise OSError(f'{what} {path!r} cannot be used: {cause}.')
+
+
+def _gcs_endpoint() -> tuple[str, bool]:
+  """(endpoint, is_emulator): STORAGE_EMULATOR_HOST where set, as gcsfs reads it."""
+  host = os.environ.get('STORAGE_EMULATOR_HOST', '')
+  if host in ('', 'default'):
+    return 'https://storage.googleapis.com', False
+  return (host if re.match(r'^https?://', host) else f'http://{host}'), True
+
+
+def _probe_bucket(bucket: str, timeout: float, stage: list[str]) -> str | None:
+  """None if `bucket` answers a one-object listing; else why not. `stage[0]` says what
+  it is doing (for a caller that stops waiting)."""
+  # Imported for gs:// workdirs only (slow imports); google-auth logs and warns at
+  # each failed metadata-server probe: kept out of the run's one line.
+  import google.auth  # pylint: disable=g-import-not-at-top
+  import requests  # pylint: disable=g-import-not-at-top
+  from google.auth import exceptions  # pylint: disable=g-import-not-at-top
+  from google.auth.transport import requests as auth_requests  # pylint: disable=g-import-not-at-top
+
+  endpoint, emulator = _gcs_endpoint()
+  std_logging.getLogger('google.auth').setLevel(std_logging.ERROR)
+  session = requests.Session()
+  if not emulator and fsspec.config.conf.get('gs', {}).get('token') != 'anon':
+    try:
+      with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        credentials, _ = google.auth.default(scopes=[_READ_WRITE_SCOPE])
+    except exceptions.DefaultCredentialsError as e:
+      return (
+        f'no credentials ({_first_line(e)}); on a Cloud VM give it a service '
+        'account, elsewhere run `gcloud auth application-default login`'
+      )
+    except exceptions.GoogleAuthError as e:
+      return f'no credentials ({_first_line(e)})'
+    session = auth_requests.AuthorizedSession(credentials)
+  stage[0] = f'from {endpoint}'
+  url = f'{endpoint}/storage/v1/b/{bucket}/o'
+  try:
+    response = session.get(url, params={'maxResults': 1}, timeout=timeout)
+  except requests.Timeout:
+    return f'no answer from {endpoint} within {timeout:g} s (no network?)'
+  except (requests.ConnectionError, exceptions.TransportError) as e:
+    errno_text = re.search(r'\[Errno -?\d+\] [^\'")]+', str(e))
+    cause = errno_text.group(0) if errno_text else _first_line(e)
+    return f'cannot reach {endpoint} (no network?): {cause}'
+  except exceptions.RefreshError as e:
+    return f'the credentials were refused: {_first_line(e)}'
+  if response.ok:
+    return None
+  causes = {
+    401: 'the credentials were refused',
+    403: f'no permission to list the objects of bucket {bucket!r}',
+    404: f'no such bucket: {bucket!r}',
+  }
+  try:
+    message = response.json()['error']['message']
+  except (ValueError, KeyError, TypeError):
+    message = response.text
+  cause = causes.get(response.status_code, f'{endpoint} answered')
+  return f'{cause} (HTTP {response.status_code}: {_first_line(message)})'
+
+
+def _first_line(error) -> str:
+  lines = str(error).strip().splitlines()
+  return lines[0][:300] if lines else type(error).__name__
 
 
 def absolute(path: str) -> str:
@@ -108,10 +206,7 @@ def write_text(path: str, text: str) -> None:
   if is_remote(path):
     _upload(path, text.encode())
     return
-  tmp = f'{path}.tmp.{os.getpid()}'
-  with open(tmp, 'w', encoding='utf-8') as f:
-    f.write(text)
-  os.replace(tmp, path)
+  _write_local(path, text.encode())
 
 
 def write_bytes(path: str, data: bytes) -> None:
@@ -119,10 +214,21 @@ def write_bytes(path: str, data: bytes) -> None:
   if is_remote(path):
     _upload(path, data)
     return
+  _write_local(path, data)
+
+
+def _write_local(path: str, data: bytes) -> None:
+  """A temporary file beside `path`, renamed over it; removed if the write fails (a
+  full disk leaves no empty temporary files behind)."""
   tmp = f'{path}.tmp.{os.getpid()}'
-  with open(tmp, 'wb') as f:
-    f.write(data)
-  os.replace(tmp, path)
+  try:
+    with open(tmp, 'wb') as f:
+      f.write(data)
+    os.replace(tmp, path)
+  except BaseException:
+    with contextlib.suppress(OSError):
+      os.remove(tmp)
+    raise
 
 
 def _upload(path: str, data: bytes) -> None:

@@ -28,6 +28,7 @@ from attnres_jax import config as config_lib
 from attnres_jax.runs import metrics
 from attnres_jax.runs import lease as lease_lib
 from attnres_jax.runs import lock as lock_lib
+from attnres_jax.runs import records
 from attnres_jax.runs import storage
 
 # The lock's names, re-exported: callers say workdir.WorkdirLock, workdir.LOCK_FILE.
@@ -154,9 +155,7 @@ def record_config_change(
     changes={f: {'old': old, 'new': new} for f, (old, new) in changes.items()},
     previous_config=previous_config,
   )
-  storage.append_text(
-    os.path.join(workdir, CONFIG_HISTORY), json.dumps(record, sort_keys=True) + '\n'
-  )
+  records.append_jsonl(os.path.join(workdir, CONFIG_HISTORY), record, say=metrics.say)
 
 
 # -- a run's workdir, before it trains -------------------------------------------------
@@ -235,7 +234,7 @@ def check_run_config(
   steps = [int(n) for n in storage.listdir(ckpt_dir) if n.isdigit()]
   changes, saved = {}, None
   if steps and storage.exists(config_path):
-    saved = json.loads(storage.read_text(config_path))
+    saved = records.read_json(config_path)
     changes = config_changes(flatten(saved), flat_current, _model_defaults())
     model = sorted(f for f in changes if f.startswith('model.') and not is_harmless(f))
     if model:
@@ -287,3 +286,25 @@ def check_disk_space(workdir: str, abstract_state) -> None:
       f'needs about {needed / 2**20:,.1f} MiB (parameters and optimizer state): '
       'the first save will fail and stop the run.'
     )
+
+
+class RunLock:
+  """The lock a training run holds on `workdir` (`lock`: None until taken), and what
+  a stop signal before its first step does with it (`give_up`, called from
+  `preemption.StopSignal`'s watcher thread)."""
+
+  def __init__(self, workdir: str, fresh: bool):
+    self.workdir, self.fresh = workdir, fresh
+    self.lock = None
+
+  def give_up(self) -> None:
+    """Releases the lock; a workdir this run created and left unused is removed. A
+    lock taken but not yet handed back (a signal in between) is released by its
+    record, which names this process."""
+    if self.fresh:
+      remove_if_unused(self.workdir, self.lock)
+    elif self.lock is not None:
+      self.lock.release()
+    else:
+      lease_lib.release_if_mine(self.workdir)
+    self.lock = None

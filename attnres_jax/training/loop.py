@@ -5,12 +5,17 @@ SIGTERM/SIGINT, then runs a `Trainer`: set up (datasets, mesh, jitted steps, the
 restored from the newest good checkpoint), `run` (the loop, the final evaluation and
 report) and `close`. The loop reads step k's metrics after dispatching step k + 1,
 never saves or evaluates a state whose loss it has not checked, and stops after the
-step at which a signal arrived with a checkpoint of it (`preemption`).
+step at which a signal arrived with a checkpoint of it (`preemption`); a signal during
+an evaluation stops it between batches, and the step is saved and evaluated again
+when the run resumes. Before the first step a command line's `StopSignal(exit_early=
+True)` ends the process at once instead (nothing new to save).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+import collections
+import contextlib
 import json
 import math
 import os
@@ -24,6 +29,7 @@ import tensorflow_datasets as tfds
 import tqdm
 
 from attnres_jax.runs import checkpointing
+from attnres_jax.runs import checksum
 from attnres_jax import config as config_lib
 from attnres_jax.data import sources
 from attnres_jax.data import pipeline as data_lib
@@ -129,9 +135,14 @@ class Trainer:
     restored = checkpointing.restore_newest(
       self.checkpointer, self.layout, self.datasets, restore_data=not data_changed
     )
+    self.stop_signal.early_message = self._early_stop_message
     if restored is None:
       self.start = 0
       self.state = train_lib.create_train_state(config.model, tx, tc.seed, self.layout)
+      # The checksums of the first save, compiled now, while a signal ends the process
+      # at once (a restore compiled them already): a stop then waits for no compiler.
+      checksum.digest(self.state.params)
+      checksum.digest(self.state.opt_state)
     else:
       self.start, params, opt_state = restored
       metrics_lib.say(
@@ -164,10 +175,37 @@ class Trainer:
       loss_fn=pipeline.make_loss_fn(pipe),
     )
     self.p_eval_step = train_lib.jit_eval_step(self.layout, graphdef=graphdef)
+    # Compiled now, while a stop signal still ends the process at once (train.py): a
+    # signal during an evaluation then waits for a batch, not for a compilation
+    # (minutes on a TPU). The call at the first evaluation reuses this executable.
+    first_eval_batch = self.layout.to_global(next(iter(self.datasets.eval_batches())))
+    self.p_eval_step.lower(self.state.params, first_eval_batch).compile()
     self.stop = (
       tc.num_steps if self.max_steps is None else min(tc.num_steps, self.max_steps)
     )
     self.interval = metrics_lib.IntervalStats()
+
+  def _early_stop_message(self, name: str) -> str:
+    """The line of a signal before this segment's first step (nothing new to save)."""
+    last = (
+      f'the latest checkpoint is step {self.start}'
+      if self.start
+      else 'no checkpoint was saved yet'
+    )
+    return (
+      f'Stopped by {name} before step {self.start + 1} (setting up or compiling): '
+      f'nothing new to save, {last} in {self.checkpointer.directory}; run the same '
+      'command to resume.'
+    )
+
+  def _evaluates_at(self, step: int) -> bool:
+    every = self.tc.eval_every
+    return step == self.tc.num_steps or bool(every and step % every == 0)
+
+  def _eval_logged(self, step: int) -> bool:
+    return any(
+      'eval/loss' in r and r['step'] == step for r in metrics_lib.read_jsonl(self.workdir)
+    )
 
   def run(self, run_start: float) -> train_lib.TrainResult:
     """Sets up, trains from `start` to `stop`, evaluates and reports."""
@@ -181,21 +219,27 @@ class Trainer:
       dynamic_ncols=True,
       disable=jax.process_index() != 0,
     )
+    self.stop_signal.on_early_exit(self.bar.close)  # the stop line on a line of its own
     eval_result = None
-    step, pending, preempted = self.start, None, False
+    step, pending, preempted, in_eval = self.start, None, False, False
+    if 0 < self.start < num_steps and self._evaluates_at(self.start):
+      # The evaluation of the checkpoint's step was cut off by a signal (or a kill):
+      # done now, so the run's records equal an uninterrupted run's.
+      if not self._eval_logged(self.start):
+        eval_result = self._evaluate(self.start)
+        preempted = in_eval = eval_result is None
     while step < self.stop and not preempted:
       self.checkpointer.poll(now=step)  # a failed background save stops the run here
       batch = self.layout.to_global(next(self.datasets.train))
       self.state, step_metrics = self.p_train_step(self.state, batch)
+      self.stop_signal.training()  # compiled and dispatched: a signal now saves a step
       step += 1
       if pending is not None:  # step - 1, read after dispatching step
         self._process(*pending)
       pending = (step, step_metrics)
       preempted = self.stop_signal.reached(step)
       save = step == self.stop or step % tc.checkpoint_every == 0 or preempted
-      evaluate_now = not preempted and (
-        step == num_steps or bool(tc.eval_every and step % tc.eval_every == 0)
-      )
+      evaluate_now = not preempted and self._evaluates_at(step)
       if save or evaluate_now:
         self._process(*pending)  # never save or evaluate an unchecked state
         pending = None
@@ -203,24 +247,28 @@ class Trainer:
         self._save(step)
       if evaluate_now:
         eval_result = self._evaluate(step)
+        if eval_result is None:  # a signal stopped it between batches: save the step
+          preempted = in_eval = True
+          if not save:
+            self._save(step)
     if pending is not None:
       self._process(*pending)
     self._metric_writer()  # opened also by a segment that logged nothing (see there)
     self.checkpointer.finish(now=step)  # the last save is complete, or this raises
+    if self.start >= num_steps and self.stop == num_steps and not preempted:
+      # Already trained: evaluate (logged unless it was).
+      eval_result = self._evaluate(num_steps, log=not self._eval_logged(num_steps))
+      preempted = in_eval = eval_result is None
     if preempted:
       name = signal.Signals(self.stop_signal.signum).name
+      when = f'during the evaluation of step {step}' if in_eval else f'after step {step}'
+      redo = ' (the evaluation is done again)' if in_eval else ''
       raise preemption.Preempted(
-        f'Stopped by {name} after step {step}: its checkpoint is saved in '
-        f'{self.checkpointer.directory}; run the same command to resume.',
+        f'Stopped by {name} {when}: its checkpoint is saved in '
+        f'{self.checkpointer.directory}; run the same command to resume{redo}.',
         signum=self.stop_signal.signum,
         step=step,
       )
-    if self.start >= num_steps and self.stop == num_steps:  # already trained: evaluate
-      logged = any(
-        'eval/loss' in r and r['step'] == num_steps
-        for r in metrics_lib.read_jsonl(self.workdir)
-      )
-      eval_result = self._evaluate(num_steps, log=not logged)
     return self._report(step, eval_result, time.perf_counter() - run_start)
 
   def _metric_writer(self) -> metrics_lib.MetricWriter:
@@ -235,7 +283,8 @@ class Trainer:
 
   def _write_metrics(self, step: int, record: dict[str, float]) -> None:
     try:
-      self._metric_writer().write_scalars(step, record)
+      with self.stop_signal.critical():  # an early exit never cuts a record
+        self._metric_writer().write_scalars(step, record)
     except OSError as e:
       raise self._write_error(step, e) from e
     if self.on_metrics is not None and jax.process_index() == 0:
@@ -301,14 +350,30 @@ class Trainer:
     )
     self.interval.pause()
 
-  def _evaluate(self, step: int, log: bool = True) -> dict[str, float]:
-    result = evaluate_lib.evaluate(
-      self.p_eval_step,
-      self.state.params,
-      self.datasets.eval_batches(),
-      to_device=self.layout.to_global,
-      max_batches=self.tc.max_eval_batches,
-    )
+  def _evaluate(self, step: int, log: bool = True) -> dict[str, float] | None:
+    """Evaluates and logs the state of `step`; None if a signal stopped it."""
+    in_flight = collections.deque()
+
+    def eval_step(params, batch):
+      if self.stop_signal.interrupts_evaluation():
+        raise _EvaluationStopped
+      sums = self.p_eval_step(params, batch)
+      in_flight.append(sums)
+      if len(in_flight) > 2:  # two batches ahead: a signal is read between batches
+        jax.block_until_ready(in_flight.popleft())
+      return sums
+
+    try:
+      result = evaluate_lib.evaluate(
+        eval_step,
+        self.state.params,
+        self.datasets.eval_batches(),
+        to_device=self.layout.to_global,
+        max_batches=self.tc.max_eval_batches,
+      )
+    except _EvaluationStopped:
+      self.interval.pause()
+      return None
     if log:
       self._write_metrics(step, {f'eval/{k}': v for k, v in result.items()})
     dc = self.config.data
@@ -350,15 +415,20 @@ class Trainer:
       state=self.state, step=step, train_loss=loss, eval=eval_result if done else None
     )
 
-  def close(self) -> None:
+  def close(self, *, failed: bool = False) -> None:
     """Waits for a save in flight (a save error is logged, not raised: the one that
-    stopped the run is already on its way) and closes the writers."""
+    stopped the run is already on its way) and closes the writers; `failed`: the run
+    stopped on an error, which a writer's own failure to close only repeats."""
     if self.bar is not None:
       self.bar.close()
     if self.checkpointer is not None:
       self.checkpointer.close()
     if self.writer is not None:
-      self.writer.close()
+      self.writer.close(failed=failed)
+
+
+class _EvaluationStopped(Exception):
+  """A stop signal arrived during an evaluation (raised between its batches)."""
 
 
 # -- the host loop --------------------------------------------------------------------
@@ -371,6 +441,7 @@ def train_and_evaluate(
   max_steps: int | None = None,
   on_metrics: Callable[[int, dict[str, float]], None] | None = None,
   allow_config_change: Sequence[str] = (),
+  stop_signal: preemption.StopSignal | None = None,
 ) -> train_lib.TrainResult:
   """Trains (resuming from `workdir` if it holds checkpoints) and evaluates.
 
@@ -381,13 +452,17 @@ def train_and_evaluate(
   0 only: e.g. a live plot in a notebook.
   `allow_config_change` names config fields ('num_steps', 'train.seq_len') that may
   differ from those of the checkpoints being resumed (see `workdir_lib.check_run_config`).
+  `stop_signal`: an entered `preemption.StopSignal` (`train.py`'s, which ends the
+  process on a signal before the first step); default: one entered once the workdir
+  is locked, whose signals are acted on after a step.
 
   The run holds the workdir lock (`workdir.WorkdirLock`) throughout, and writes the run
   record (`config.json`, `config_history.jsonl`) with its first checkpoint. Raises
   NonFiniteLossError naming the step if a loss or gradient norm is not finite (the
   state of that step is not saved), CheckpointSaveError or MetricsWriteError as soon
-  as a write fails, and `preemption.Preempted` after saving the step at which a
-  SIGTERM or SIGINT arrived.
+  as a write fails, OSError naming the workdir if it is a bucket that cannot be
+  reached, and `preemption.Preempted` after saving the step at which a SIGTERM or
+  SIGINT arrived.
   """
   run_start = time.perf_counter()
   config_lib.validate(config, num_devices=jax.device_count())
@@ -397,30 +472,40 @@ def train_and_evaluate(
   sources.check_dataset(config.data)
   train_lib.check_memory(config)
   storage.check_supported(workdir)  # before anything looks for it
+  storage.check_reachable(workdir)  # a bucket without network or credentials: seconds
   fresh = not storage.exists(workdir)
-  workdir = workdir_lib.make_workdir(workdir)
-  lock = None
+  held = workdir_lib.RunLock(storage.absolute(workdir), fresh)
+  given = stop_signal is not None
+  if given:
+    stop_signal.on_early_exit(held.give_up)
   try:
-    lock = workdir_lib.lock_workdir(workdir, 'train')
+    with stop_signal.critical() if given else contextlib.nullcontext():
+      workdir = workdir_lib.make_workdir(workdir)
+    held.lock = workdir_lib.lock_workdir(workdir, 'train')
     record = workdir_lib.check_run_config(workdir, config, allow_config_change)
-    with preemption.StopSignal() as stop_signal:
+    with (
+      contextlib.nullcontext(stop_signal) if given else preemption.StopSignal() as stop
+    ):
       trainer = Trainer(
         config,
         workdir,
         record,
         max_steps=max_steps,
         on_metrics=on_metrics,
-        stop_signal=stop_signal,
+        stop_signal=stop,
       )
       try:
-        return trainer.run(run_start)
-      finally:
-        trainer.close()
+        result = trainer.run(run_start)
+      except BaseException:
+        trainer.close(failed=True)
+        raise
+      trainer.close()
+      return result
   except BaseException:
     if fresh:  # an early failure leaves no half-made run directory
-      workdir_lib.remove_if_unused(workdir, lock)
-      lock = None
+      workdir_lib.remove_if_unused(workdir, held.lock)
+      held.lock = None
     raise
   finally:
-    if lock is not None:
-      lock.release()
+    if held.lock is not None:
+      held.lock.release()

@@ -35,6 +35,7 @@ from gcp_storage_emulator.handlers import objects as emulator_objects
 from attnres_jax.runs import checkpointing
 from attnres_jax.runs import lease as lease_lib
 from attnres_jax.runs import metrics as metrics_lib
+from attnres_jax.runs import storage
 from attnres_jax.training import step as train_lib
 from attnres_jax.training import loop as loop_lib
 from attnres_jax.runs import workdir as workdir_lib
@@ -303,3 +304,20 @@ def test_train_resume_and_eval_py_in_a_gs_workdir(gcs, tfds_dir, tmp_path, capsy
   names = {p.name for p in epath.Path(f'{workdir}/eval/step_8').iterdir()}
   assert {'eval.json', 'analysis.npz', 'magnitudes.png'} <= names
   assert not epath.Path(f'{workdir}/{workdir_lib.LOCK_FILE}').exists()  # released
+
+
+def test_missing_bucket_is_one_line(gcs, no_compilation):
+  """The bucket check (train.py, eval.py and train_and_evaluate run it first): a
+  bucket the emulator does not have is one line naming the workdir and the cause,
+  before anything is built; the emulator's bucket passes."""
+  storage.check_reachable(f'{gcs}/run')
+  with pytest.raises(OSError) as error:
+    loop_lib.train_and_evaluate(
+      default_config.get_config('tiny'), 'gs://no_such_bucket/run'
+    )
+  message = str(error.value)
+  assert message.startswith(
+    "Workdir 'gs://no_such_bucket/run' cannot be used: no such bucket: "
+    "'no_such_bucket' (HTTP 404"
+  ), message
+  assert '\n' not in message

@@ -141,7 +141,7 @@ def test_a_renewal_never_leaves_the_tail_of_a_longer_record(tmp_path):
     lock_lib._write_record(fd, shorter)
     assert path.stat().st_size == size  # rewritten over the old bytes, not shrunk
     assert json.loads(path.read_bytes()) == shorter
-    assert lock_lib._read_holder(fd) == shorter
+    assert lock_lib.read_holder(fd) == shorter
   finally:
     os.close(fd)
 
@@ -436,5 +436,27 @@ def test_disk_full_between_saves_stops_with_one_line(
     'No space left on device' in fatal[0] and 'last good checkpoint is step ' in fatal[0]
   ), fatal[0]
   assert 'Traceback' not in output, output
+  assert 'Closing the metrics' not in output, output  # the one line, not a log too
   print(f'stopped {seconds:.1f} s after the disk filled: {fatal[0]}')
   assert seconds < 60  # seconds, not a hang (generous: 2 shared cores)
+  # A rerun on the still full disk: one line, and no temporary file left behind (the
+  # write probe's atomic write left a 0-byte .write_test.*.tmp.* file per rerun).
+  with open(os.path.join(small_filesystem, 'filler'), 'ab', buffering=0) as f:
+    try:  # what the stopped run's clean-up freed
+      while True:
+        f.write(bytes(1 << 12))
+    except OSError as e:
+      assert e.errno == 28  # ENOSPC
+  rerun = subprocess.run(
+    _command(workdir, tfds_dir, checkpoint_every=4),
+    cwd=REPO,
+    env=child_env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert rerun.returncode == 1, rerun.stderr
+  lines = [line for line in rerun.stderr.splitlines() if line.strip()]
+  assert len(lines) == 1, rerun.stderr
+  assert lines[0].startswith('FATAL: ') and 'No space left on device' in lines[0]
+  assert not [name for name in os.listdir(workdir) if '.tmp.' in name]
