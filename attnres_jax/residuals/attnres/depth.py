@@ -179,9 +179,9 @@ def phase1(
   What is read: for a Python-int `num_valid`, the valid slots alone (a static slice).
   For a traced one, the whole buffer, masked, unless `prefixes` (static, ascending,
   the last the whole buffer) are given: then the shortest prefix that holds the valid
-  slots, picked by `lax.switch` (`depth_vjp.prefix_read`). The masked read costs every slot a
-  pass over D, written or not, and an early segment of a deep Full model has only a
-  few of its 65 slots written.
+  slots, picked by `lax.switch` (`depth_vjp.prefix_read`). The masked read costs every
+  slot a pass over D, written or not, and an early segment of a deep Full model has
+  only a few of its 65 slots written.
   """
   folded_QD = queries_QD.astype(jnp.float32) * gains_QD.astype(jnp.float32)
   num_sources = buffer_KBTD.shape[0]
@@ -272,11 +272,12 @@ def phase2(
   v5p:2x2x1, full/pallas 55.94 -> 55.27 ms, temp unchanged).
 
   At least one source must be valid across both phases (Phase 1 always has the
-  embedding). With several local sources (Full) the VJP is written out (`depth_vjp.merge_bwd`):
-  autodiff of the merge left the TPU compiler float32 [B, T, D] intermediates to write
-  and read back (`bench/aot.py`, d1024 v5p:2x2x1, full/pallas: 111.4 -> 109.8 GB a
-  step). With one (Block) autodiff's fuses as well or better (block:4/pallas 91.03 vs
-  91.09 GB, block:8/pallas 90.89 vs 91.0 GB), so it stays.
+  embedding). With several local sources (Full) the VJP is written out
+  (`depth_vjp.merge_bwd`): autodiff of the merge left the TPU compiler float32
+  [B, T, D] intermediates to write and read back (`bench/aot.py`, d1024 v5p:2x2x1,
+  full/pallas: 111.4 -> 109.8 GB a step). With one (Block) autodiff's fuses as well
+  or better (block:4/pallas 91.03 vs 91.09 GB, block:8/pallas 90.89 vs 91.0 GB), so
+  it stays.
   """
   max_BT, sum_BT, out_BTD = phase1_stats
   folded_D = _folded_query(query_D, gain_D)
