@@ -20,7 +20,7 @@ block_size >= L leaves a single block.
 
 Shape letters, used in array-name suffixes throughout the package:
   B batch, T tokens (length), D model width, V vocabulary,
-  N attention heads, H attention head width (model.py),
+  N attention heads, H attention head width (models/transformer.py),
   K depth sources (slots of the depth buffer: num_blocks + 1),
   Q depth queries read together in Phase 1 (the sublayers of one schedule segment),
   J local slots (the depth slots written inside one schedule segment),

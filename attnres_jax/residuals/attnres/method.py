@@ -21,7 +21,8 @@ reads block sums. A final read (its own query and gain) feeds the final norm and
 head. The queries start at zero, so at initialisation every read is a mean.
 
 Shapes: B batch, T tokens, D width, K sources of one read, Q queries of one block,
-R reads of a model (its L sublayers, then the final read).
+J sources written since its Phase 1, R reads of a model (its L sublayers, then the
+final read).
 """
 
 from __future__ import annotations
