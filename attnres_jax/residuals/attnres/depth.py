@@ -20,12 +20,16 @@ block_size >= L leaves a single block.
 
 Shape letters, used in array-name suffixes throughout the package:
   B batch, T tokens (length), D model width, V vocabulary,
-  N attention heads, H attention head width (model.py),
+  N attention heads, H attention head width (models/transformer.py),
   K depth sources (slots of the depth buffer: num_blocks + 1),
   Q depth queries read together in Phase 1 (the sublayers of one schedule segment),
   J local slots (the depth slots written inside one schedule segment),
   L layers, G layers of one schedule segment.
 Scalar counts are spelled out (block_size, num_blocks), never a bare letter.
+
+The backward rules of the reads whose VJP is written out live in `depth_vjp.py`, the
+paper's ablations of the read in `ablations.py`; `method.py` states the same method
+in a few lines of plain jnp, the reference every read here is tested against.
 """
 
 from __future__ import annotations
@@ -37,6 +41,10 @@ import jax
 import jax.numpy as jnp
 
 from attnres_jax.nn.ops import lead, rms_inverse
+from attnres_jax.residuals.attnres import depth_vjp
+from attnres_jax.residuals.attnres.ablations import (  # the read's variants, re-exported
+  attn_res_read_variant as attn_res_read_variant,
+)
 
 
 def num_blocks(num_sublayers: int, block_size: int) -> int:
@@ -171,9 +179,9 @@ def phase1(
   What is read: for a Python-int `num_valid`, the valid slots alone (a static slice).
   For a traced one, the whole buffer, masked, unless `prefixes` (static, ascending,
   the last the whole buffer) are given: then the shortest prefix that holds the valid
-  slots, picked by `lax.switch` (`_read_prefix`). The masked read costs every slot a
-  pass over D, written or not, and an early segment of a deep Full model has only a
-  few of its 65 slots written.
+  slots, picked by `lax.switch` (`depth_vjp.prefix_read`). The masked read costs every
+  slot a pass over D, written or not, and an early segment of a deep Full model has
+  only a few of its 65 slots written.
   """
   folded_QD = queries_QD.astype(jnp.float32) * gains_QD.astype(jnp.float32)
   num_sources = buffer_KBTD.shape[0]
@@ -237,147 +245,9 @@ def _phase1_stats(buffer_KBTD, folded_QD, inv_rms_KBT, num_valid, *, eps, out_dt
   return stats, (exp_QKBT, dots_QKBT, inv_rms_KBT)
 
 
-def _prefix_index(prefixes, num_valid):
-  """The branch of `_read_prefix`: the shortest prefix holding `num_valid` slots."""
-  return jnp.sum(jnp.asarray(prefixes[:-1]) < num_valid).astype(jnp.int32)
-
-
-def _pad_slots(x, num_slots, axis):
-  """`x` zero-padded along `axis` to `num_slots`."""
-  widths = [(0, 0)] * x.ndim
-  widths[axis] = (0, num_slots - x.shape[axis])
-  return jnp.pad(x, widths)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _read_prefix(
-  buffer_KBTD, folded_QD, inv_rms_KBT, num_valid, prefixes, eps, out_dtype
-):
-  """Phase 1 statistics over the shortest of `prefixes` that holds `num_valid`
-  (forward alone: the branches keep nothing for a backward)."""
-  return _switch_reads(
-    buffer_KBTD, folded_QD, inv_rms_KBT, num_valid, prefixes, eps, out_dtype, False
-  )
-
-
-def _read_prefix_fwd(
-  buffer_KBTD, folded_QD, inv_rms_KBT, num_valid, prefixes, eps, out_dtype
-):
-  stats, per_token = _switch_reads(
-    buffer_KBTD, folded_QD, inv_rms_KBT, num_valid, prefixes, eps, out_dtype, True
-  )
-  return stats, (buffer_KBTD, folded_QD, inv_rms_KBT, num_valid, per_token)
-
-
-def _switch_reads(
-  buffer_KBTD, folded_QD, inv_rms_KBT, num_valid, prefixes, eps, out_dtype, keep
-):
-  """The statistics, and with `keep` the per-token values the backward needs,
-  zero-padded to K (no D axis: small), so that every branch outputs the same shapes."""
-  num_sources = buffer_KBTD.shape[0]
-
-  def branch(length):
-    def read(buffer_KBTD, folded_QD, inv_rms_KBT, num_valid):
-      given = None if inv_rms_KBT is None else inv_rms_KBT[:length]
-      stats, per_token = _phase1_stats(
-        buffer_KBTD[:length],
-        folded_QD,
-        given,
-        num_valid,
-        eps=eps,
-        out_dtype=out_dtype,
-      )
-      if not keep:
-        return stats
-      exp_QKBT, dots_QKBT, inv_rms_used_KBT = per_token
-      return stats, (
-        _pad_slots(exp_QKBT, num_sources, 1),
-        _pad_slots(dots_QKBT, num_sources, 1),
-        _pad_slots(inv_rms_used_KBT, num_sources, 0),
-      )
-
-    return read
-
-  return jax.lax.switch(
-    _prefix_index(prefixes, num_valid),
-    [branch(length) for length in prefixes],
-    buffer_KBTD,
-    folded_QD,
-    inv_rms_KBT,
-    num_valid,
-  )
-
-
-def _read_prefix_bwd(prefixes, eps, out_dtype, saved, d_stats):
-  """With e = exp(logit - max) (zero on masked slots), dot = <v, f>, r the inverse
-  RMS, logit = dot r, and for query q the cotangents ds_q (of its sum) and do_q (of
-  its output; the max is stop-gradient): de_qk = ds_q + <do_q, v_k>, dl_qk = e_qk
-  de_qk, dv_k = sum_q (e_qk do_q + dl_qk r_k f_q) - (r_k^3 / D) dr_k v_k (the last
-  term when r is computed from v), dr_k = sum_q dl_qk dot_qk, df_q = sum_k dl_qk r_k
-  v_k. Reads and writes the chosen prefix alone; the rest of dv is zero. (Summed
-  into a carried cotangent inside the branch instead, as the kernel's VJP does, it
-  measured faster on the TPU compiler's estimate but slower on CPU and with more
-  temp: docs/results.md, eighteenth pass.)"""
-  buffer_KBTD, folded_QD, inv_rms_KBT, num_valid, per_token = saved
-  del eps, out_dtype
-  num_sources, dim = buffer_KBTD.shape[0], buffer_KBTD.shape[-1]
-  d_sums = [d_sum_BT for _, d_sum_BT, _ in d_stats]
-  d_outs = [d_out_BTD.astype(jnp.float32) for _, _, d_out_BTD in d_stats]
-
-  def branch(length):
-    def backward(buffer_KBTD, folded_QD, per_token, d_sums, d_outs):
-      values_KBTD = buffer_KBTD[:length]
-      exp_QKBT, dots_QKBT, inv_rms_used_KBT = (
-        per_token[0][:, :length],
-        per_token[1][:, :length],
-        per_token[2][:length],
-      )
-      d_exp_QKBT = jnp.stack(
-        [
-          d_sums[q][None]
-          + jnp.einsum(
-            'btd,kbtd->kbt', d_outs[q], values_KBTD, preferred_element_type=jnp.float32
-          )
-          for q in range(len(d_outs))
-        ]
-      )
-      d_logits_QKBT = exp_QKBT * d_exp_QKBT
-      d_dots_QKBT = d_logits_QKBT * inv_rms_used_KBT[None]
-      d_inv_rms_KBT = jnp.sum(d_logits_QKBT * dots_QKBT, axis=0)
-      d_values_KBTD = jnp.einsum(
-        'qkbt,qd->kbtd', d_dots_QKBT, folded_QD, preferred_element_type=jnp.float32
-      )
-      for q in range(len(d_outs)):  # elementwise: fused into one pass over the slots
-        d_values_KBTD += exp_QKBT[q][..., None] * d_outs[q][None]
-      if inv_rms_KBT is None:  # r = rsqrt(mean v^2 + eps): dr/dv = -(r^3 / D) v
-        shrink_KBT = inv_rms_used_KBT**3 * d_inv_rms_KBT / dim
-        d_values_KBTD -= shrink_KBT[..., None] * values_KBTD.astype(jnp.float32)
-      d_folded_QD = jnp.einsum(
-        'qkbt,kbtd->qd', d_dots_QKBT, values_KBTD, preferred_element_type=jnp.float32
-      )
-      d_buffer_KBTD = _pad_slots(d_values_KBTD.astype(buffer_KBTD.dtype), num_sources, 0)
-      return d_buffer_KBTD, d_folded_QD, _pad_slots(d_inv_rms_KBT, num_sources, 0)
-
-    return backward
-
-  d_buffer_KBTD, d_folded_QD, d_inv_rms_KBT = jax.lax.switch(
-    _prefix_index(prefixes, num_valid),
-    [branch(length) for length in prefixes],
-    buffer_KBTD,
-    folded_QD,
-    per_token,
-    d_sums,
-    d_outs,
-  )
-  return (
-    d_buffer_KBTD,
-    d_folded_QD,
-    None if inv_rms_KBT is None else d_inv_rms_KBT,
-    None,
-  )
-
-
-_read_prefix.defvjp(_read_prefix_fwd, _read_prefix_bwd)
+# Phase 1 over the shortest static prefix that holds the valid slots, with its VJP
+# written out (`depth_vjp.prefix_read` builds it around the Phase 1 above).
+_read_prefix = depth_vjp.prefix_read(_phase1_stats)
 
 
 def phase2(
@@ -402,11 +272,12 @@ def phase2(
   v5p:2x2x1, full/pallas 55.94 -> 55.27 ms, temp unchanged).
 
   At least one source must be valid across both phases (Phase 1 always has the
-  embedding). With several local sources (Full) the VJP is written out (`_merge_bwd`):
-  autodiff of the merge left the TPU compiler float32 [B, T, D] intermediates to write
-  and read back (`bench/aot.py`, d1024 v5p:2x2x1, full/pallas: 111.4 -> 109.8 GB a
-  step). With one (Block) autodiff's fuses as well or better (block:4/pallas 91.03 vs
-  91.09 GB, block:8/pallas 90.89 vs 91.0 GB), so it stays.
+  embedding). With several local sources (Full) the VJP is written out
+  (`depth_vjp.merge_bwd`): autodiff of the merge left the TPU compiler float32
+  [B, T, D] intermediates to write and read back (`bench/aot.py`, d1024 v5p:2x2x1,
+  full/pallas: 111.4 -> 109.8 GB a step). With one (Block) autodiff's fuses as well
+  or better (block:4/pallas 91.03 vs 91.09 GB, block:8/pallas 90.89 vs 91.0 GB), so
+  it stays.
   """
   max_BT, sum_BT, out_BTD = phase1_stats
   folded_D = _folded_query(query_D, gain_D)
@@ -522,126 +393,4 @@ def _merge_fwd(
   )
 
 
-def _merge_bwd(eps, num_written, saved, d_h_BTD):
-  """h = c o + sum_j alpha_j v_j (c = s / total, alpha_j = w_j / total). With g = dh:
-  <g, h> = c <g, o> + sum_j alpha_j <g, v_j> (reductions over D of g against the
-  inputs; h is not rebuilt), dl_j = alpha_j (<g, v_j> - <g, h>), do = c g,
-  d sum = -c <g, h>, d max = c (<g, o> - sum <g, h>) (through s; the new max is
-  stop-gradient), dv_j = alpha_j g + dl_j r_j f - (r_j^3 / D) dl_j dot_j v_j (the last
-  term when r is computed here; a given r gets dl_j dot_j), df = sum dl_j r_j v_j.
-  Over all J slots (alpha, dot and r zero-padded past the written ones)."""
-  sum_BT, out_BTD, local_JBTD, folded_D, local_inv_rms_JBT = saved[:5]
-  scale_BT, *per_token = saved[5:9]
-  to_all = lambda x: jnp.pad(x, [(0, local_JBTD.shape[0] - num_written), (0, 0), (0, 0)])
-  alpha_JBT, dots_JBT, inv_rms_JBT = map(to_all, per_token)
-  g_BTD = d_h_BTD.astype(jnp.float32)
-  g_out_BT = jnp.sum(g_BTD * out_BTD.astype(jnp.float32), axis=-1)
-  g_local_JBT = jnp.sum(g_BTD[None] * local_JBTD.astype(jnp.float32), axis=-1)
-  g_h_BT = scale_BT * g_out_BT + jnp.sum(alpha_JBT * g_local_JBT, axis=0)
-  d_logits_JBT = alpha_JBT * (g_local_JBT - g_h_BT[None])
-  d_max_BT = scale_BT * (g_out_BT - sum_BT * g_h_BT)
-  d_sum_BT = -scale_BT * g_h_BT
-  d_out_BTD = (g_BTD * scale_BT[..., None]).astype(out_BTD.dtype)
-  d_dots_JBT = d_logits_JBT * inv_rms_JBT
-  d_inv_rms_JBT = d_logits_JBT * dots_JBT
-  coef_JBT = alpha_JBT
-  d_local_JBTD = coef_JBT[..., None] * g_BTD[None] + d_dots_JBT[..., None] * lead(
-    folded_D, 4
-  )
-  if local_inv_rms_JBT is None:  # r = rsqrt(mean v^2 + eps): dr/dv = -(r^3 / D) v
-    dim = local_JBTD.shape[-1]
-    shrink_JBT = inv_rms_JBT**3 * d_inv_rms_JBT / dim
-    d_local_JBTD -= shrink_JBT[..., None] * local_JBTD.astype(jnp.float32)
-    d_given_rms = None
-  else:
-    d_given_rms = d_inv_rms_JBT
-  d_folded_D = jnp.sum(
-    d_dots_JBT[..., None] * local_JBTD.astype(jnp.float32), axis=(0, 1, 2)
-  )
-  return (
-    d_max_BT,
-    d_sum_BT,
-    d_out_BTD,
-    d_local_JBTD.astype(local_JBTD.dtype),
-    None,
-    d_folded_D,
-    d_given_rms,
-  )
-
-
-_merge.defvjp(_merge_fwd, _merge_bwd)
-
-
-# -- the paper's ablations (Section 5) as variants of the same read ------------------
-
-
-def window_mask(num_sources: int, num_valid, window: int) -> jax.Array:
-  """The embedding plus the last `window` valid sources (window 0: all valid ones)."""
-  index_K = jnp.arange(num_sources)
-  mask_K = index_K < num_valid
-  if window:
-    mask_K &= (index_K == 0) | (index_K >= num_valid - window)
-  return mask_K
-
-
-def attn_res_read_variant(
-  sources_KBTD: jax.Array,
-  query: jax.Array,
-  gain_D: jax.Array,
-  *,
-  eps: float,
-  num_valid,
-  normalizer: str = 'softmax',
-  key_norm: bool = True,
-  window: int = 0,
-  num_heads: int = 1,
-  mixing_weights_K: jax.Array | None = None,
-  inv_rms_KBT: jax.Array | None = None,
-) -> tuple[jax.Array, jax.Array]:
-  """The depth read with the paper's ablations; the defaults compute `attn_res_read`.
-
-  Args:
-    query: [D], or [B, T, D] for an input-dependent query.
-    normalizer: 'softmax' over sources, or an independent 'sigmoid' per source.
-    key_norm: False drops the key RMSNorm (logit = query . v).
-    window: > 0 reads only the embedding and the last `window` valid sources.
-    num_heads: > 1 splits the channels into groups, each with its own depth weights
-      (and its own key RMSNorm over its channels).
-    mixing_weights_K: DenseFormer-style learned scalars used directly as the weights
-      (no query, no normalisation: input independent).
-    inv_rms_KBT: the sources' inverse RMS when the caller keeps it (one head only).
-
-  Returns (h_BTD, weights_KBT), the weights averaged over heads.
-  """
-  num_sources, batch, length, dim = sources_KBTD.shape
-  mask_K = window_mask(num_sources, num_valid, window)
-  values_KBTD = sources_KBTD.astype(jnp.float32)
-  if mixing_weights_K is not None:
-    weights_K = jnp.where(mask_K, mixing_weights_K.astype(jnp.float32), 0.0)
-    h_BTD = jnp.sum(weights_K[:, None, None, None] * values_KBTD, axis=0)
-    weights_KBT = jnp.broadcast_to(weights_K[:, None, None], (num_sources, batch, length))
-    return h_BTD.astype(sources_KBTD.dtype), weights_KBT
-  # With one head the channel axis stays whole: a trailing heads axis of size 1 makes
-  # XLA:CPU's reductions several times slower.
-  if num_heads == 1:
-    split = lambda x: x
-    merge = lambda x: x
-  else:
-    split = lambda x: x.reshape(*x.shape[:-1], num_heads, dim // num_heads)
-    merge = lambda x: x.reshape(*x.shape[:-2], dim)
-  values = split(values_KBTD)
-  query = query.astype(jnp.float32)
-  folded = split(query * lead(gain_D.astype(jnp.float32), query.ndim))
-  logits = jnp.sum(values * lead(folded, values.ndim), axis=-1)  # [K, B, T(, heads)]
-  if key_norm:
-    if inv_rms_KBT is None or num_heads > 1:
-      inv_rms_KBT = jax.lax.rsqrt(jnp.mean(jnp.square(values), axis=-1) + eps)
-    logits *= inv_rms_KBT
-  mask = mask_K.reshape((num_sources,) + (1,) * (logits.ndim - 1))
-  if normalizer == 'softmax':
-    weights = jax.nn.softmax(jnp.where(mask, logits, -jnp.inf), axis=0)
-  else:
-    weights = jnp.where(mask, jax.nn.sigmoid(logits), 0.0)
-  h_BTD = merge(jnp.sum(weights[..., None] * values, axis=0))
-  weights_KBT = weights if num_heads == 1 else jnp.mean(weights, axis=-1)
-  return h_BTD.astype(sources_KBTD.dtype), weights_KBT
+_merge.defvjp(_merge_fwd, depth_vjp.merge_bwd)
