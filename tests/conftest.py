@@ -95,9 +95,13 @@ def randomize_depth_params(model, seed: int = 1):
 
 def with_config(model, **changes):
   """The same parameters under a config with `changes` (fields that do not change the
-  parameters: how the model is computed, e.g. scan_layers or depth_kernel)."""
+  parameters: how the model is computed, e.g. scan_layers or depth_kernel); the
+  residual's test-only fields (`with_residual`) kept."""
   changed = model_lib.Transformer(model.cfg.replace(**changes), rngs=nnx.Rngs(0))
   nnx.update(changed, nnx.state(model))
+  same = type(changed.residual) is type(model.residual)
+  if same and dataclasses.is_dataclass(model.residual):  # its test-only fields kept
+    changed.residual = dataclasses.replace(model.residual, cfg=changed.residual.cfg)
   return changed
 
 
@@ -105,7 +109,7 @@ def with_residual(model, **fields):
   """The same model with its residual's fields changed: AttnRes's test-only
   references (`residuals/attnres/residual.py`, e.g. one_shot, autodiff_backward)."""
   changed = with_config(model)
-  changed.residual = dataclasses.replace(changed.residual, **fields)
+  changed.residual = dataclasses.replace(model.residual, **fields)
   return changed
 
 
