@@ -46,7 +46,8 @@ REMOVED_FIELDS = {
   "the paper's read, the one-shot read for the ablations",
   'linear_memory_backward': 'AttnRes always trains through its linear-memory backward '
   '(plain autodiff is a test-only reference)',
-  'backward_layer_barrier': "removed: its measured gain was within the estimate's noise",
+  'backward_layer_barrier': 'removed: it traded step time for temporary memory, off by '
+  'default',
   'depth_read_prefixes': "an internal rule: XLA's Phase 1 reads 4 buffer prefixes for "
   'Full AttnRes, the whole buffer for Block',
   'phase1_backward': 'an internal rule: with the Phase 1 kernel, the backward keeps '
