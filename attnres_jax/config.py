@@ -25,7 +25,6 @@ from attnres_jax.nn import sharding
 
 REMAT_POLICIES = ('none', 'sublayer', 'layer')
 DTYPES = ('float32', 'bfloat16')
-DEPTH_READS = ('one_shot', 'two_phase')
 DEPTH_NORMALIZERS = ('softmax', 'sigmoid')
 DEPTH_MIXINGS = ('attention', 'scalars')
 SCHEDULES = ('cosine', 'wsd', 'constant')
@@ -36,15 +35,24 @@ SECTIONS = ('model', 'data', 'train', 'mesh')
 EXECUTION_FIELDS = (
   'scan_layers',
   'remat',
-  'linear_memory_backward',
-  'backward_layer_barrier',
-  'depth_read',
   'schedule_layers',
   'depth_dtype',
   'depth_kernel',
-  'depth_read_prefixes',
-  'phase1_backward',
 )
+# Execution fields that became automatic rules (docs/design_choices.md): a config that
+# sets one is refused with what replaced it.
+REMOVED_FIELDS = {
+  'depth_read': 'the read follows from the residual: the two-phase block schedule for '
+  "the paper's read, the one-shot read for the ablations",
+  'linear_memory_backward': 'AttnRes always trains through its linear-memory backward '
+  '(plain autodiff is a test-only reference)',
+  'backward_layer_barrier': 'removed: it traded step time for temporary memory, off by '
+  'default',
+  'depth_read_prefixes': "an internal rule: XLA's Phase 1 reads 4 buffer prefixes for "
+  'Full AttnRes, the whole buffer for Block',
+  'phase1_backward': 'an internal rule: with the Phase 1 kernel, the backward keeps '
+  "Phase 1's results where its reads outweigh its outputs three times",
+}
 # The read ablations (paper Section 5); off = the paper's read.
 ABLATION_FIELDS = (
   'depth_query_input',
@@ -78,32 +86,15 @@ class ModelConfig:
   param_dtype: str = 'float32'  # parameters and optimizer state
   scan_layers: bool = True  # False: a Python loop over layers (debugging)
   remat: str = 'none'  # rematerialise 'none' | 'sublayer' | 'layer'
-  depth_read: str = 'two_phase'  # 'two_phase' (block schedule) | 'one_shot' (reference)
   schedule_layers: int = 0  # layers per schedule segment (0: per residual)
-  linear_memory_backward: bool = (
-    True  # two-phase: memory linear in depth; False: autodiff
-  )
-  # The linear-memory backward finishes each layer's gradients before the layer below
-  # starts: less temporary memory, a slower step (docs/results.md, thirteenth pass).
-  backward_layer_barrier: bool = False
   # AttnRes storage of the depth buffer, partial sums and Phase 1 outputs: '' = the
   # compute dtype | 'bfloat16' | 'float32' (softmax statistics and sums: float32)
   depth_dtype: str = ''
-  # AttnRes Phase 1 (the read of the completed slots) and its VJP: 'xla' (jnp) |
-  # 'pallas' (the TPU kernel of depth_pallas.py; interpret mode off the TPU); HC/mHC:
-  # the stream write and mHC's Sinkhorn (hyper_pallas.py, sinkhorn_pallas.py)
-  depth_kernel: str = 'xla'
-  # depth_kernel='xla': Phase 1 reads the shortest of this many static prefixes of the
-  # buffer that holds a segment's completed slots (lax.switch), 1 = the whole buffer
-  # masked, 0 = automatic: 4 for Full AttnRes, 1 for Block (docs/results.md, the
-  # eighteenth pass); the Pallas kernel loads the valid slots alone
-  depth_read_prefixes: int = 0
-  # The linear-memory backward with depth_kernel='pallas': Phase 1's results 'kept'
-  # from the forward pass (one [B, T, D] per sublayer held) | 'recompute'd per
-  # segment | 'auto': kept where a segment's Phase 1 reads more completed slots, on
-  # average, than three times its queries (deep Full AttnRes; docs/results.md,
-  # twenty-first pass)
-  phase1_backward: str = 'auto'
+  # The Pallas kernels (AttnRes Phase 1 and its VJP; HC/mHC: the stream write and
+  # mHC's Sinkhorn): 'auto' = on when the step is compiled for TPU devices and they
+  # fit on chip, else XLA (kernels/pallas_mesh.py, choose_kernel) | 'xla' | 'pallas'
+  # (off the TPU: Pallas interpret mode)
+  depth_kernel: str = 'auto'
   depth_query_input: bool = False  # ablation: query += W RMSNorm(latest source) / sqrt(D)
   depth_normalizer: str = 'softmax'  # ablation: 'softmax' | 'sigmoid'
   depth_key_norm: bool = True  # ablation: False = logits from the raw sources
@@ -128,6 +119,15 @@ class ModelConfig:
     )
     known = {field.name for field in dataclasses.fields(cls)}
     unknown = sorted(set(values) - known)
+    removed = [name for name in unknown if name in REMOVED_FIELDS]
+    if removed:
+      raise ValueError(
+        'Invalid model config: '
+        + '; '.join(
+          f'{name} is no longer a field: {REMOVED_FIELDS[name]}' for name in removed
+        )
+        + '.'
+      )
     if unknown:
       raise ValueError(
         f'Invalid model config: unknown fields {unknown}; the model '
@@ -151,8 +151,9 @@ class ModelConfig:
 
 
 def model_config(**overrides) -> ModelConfig:
-  """The default (tiny) model config with `overrides` applied."""
-  return ModelConfig(**overrides)
+  """The default (tiny) model config with `overrides` applied (an unknown or removed
+  field: a ValueError that says so)."""
+  return ModelConfig.from_config(overrides)
 
 
 def num_sublayers(cfg) -> int:
@@ -183,8 +184,6 @@ def _validate_model(cfg: ModelConfig) -> None:
   for name in ('dtype', 'param_dtype'):
     if getattr(cfg, name) not in DTYPES:
       fail(f'{name} must be one of {DTYPES}, got {getattr(cfg, name)!r}.')
-  if cfg.depth_read not in DEPTH_READS:
-    fail(f'depth_read must be one of {DEPTH_READS}, got {cfg.depth_read!r}.')
   if cfg.depth_normalizer not in DEPTH_NORMALIZERS:
     fail(
       f'depth_normalizer must be one of {DEPTH_NORMALIZERS}, got '
@@ -200,11 +199,6 @@ def _validate_model(cfg: ModelConfig) -> None:
     fail(
       f'depth_heads must be a positive divisor of d_model={cfg.d_model}, got '
       f'{cfg.depth_heads!r}.'
-    )
-  if not _is_int(cfg.depth_read_prefixes) or cfg.depth_read_prefixes < 0:
-    fail(
-      'depth_read_prefixes must be an integer >= 0 (1 = Phase 1 reads the whole '
-      f'buffer, 0 = automatic), got {cfg.depth_read_prefixes!r}.'
     )
   layers = cfg.schedule_layers
   if not _is_int(layers) or layers < 0 or layers > cfg.num_layers:
@@ -357,6 +351,8 @@ def explain_config_overrides(argv: Sequence[str], default: str) -> str | None:
     node, walked = config, []
     for key in name.split('.'):
       if not isinstance(node, ml_collections.ConfigDict) or key not in node:
+        if walked == ['model'] and key in REMOVED_FIELDS:
+          return f'{flag!r}: model.{key} is no longer a field: {REMOVED_FIELDS[key]}.'
         where = '.'.join(walked) or 'the config'
         fields = (
           sorted(node.keys()) if isinstance(node, ml_collections.ConfigDict) else []

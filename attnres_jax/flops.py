@@ -9,7 +9,7 @@ arithmetic):
                7 * d * sum over reads of the number of sources it weighs (key RMS: 2d,
                logit: 2d, weighted sum: 2d, softmax and scaling: ~d) + d per sublayer
                for the Block partial sum; for HC/mHC O(L m^2 d) (see
-               `residuals/hyper_connections.py`); 0 for the standard residual.
+               `residuals/hyper/connections.py`); 0 for the standard residual.
 
 A read of sublayer l weighs depth.num_valid_sources(l, S) sources and the final read
 N + 1, so Full costs O(L^2 d) and Block O(L N d) per token (paper, Section 3).
@@ -22,7 +22,13 @@ models of the study grid (configs/default.py) it is 0.9% (Block, S = 8) to 2.1%
 
 from __future__ import annotations
 
+from attnres_jax import config as config_lib
 from attnres_jax import residuals
+
+
+def _residual(model_cfg):
+  """The residual of a model config (a `ModelConfig` or a config section)."""
+  return residuals.make(config_lib.ModelConfig.from_config(model_cfg))
 
 
 def forward_flops_per_token(model_cfg, seq_len: int) -> dict[str, float]:
@@ -31,7 +37,7 @@ def forward_flops_per_token(model_cfg, seq_len: int) -> dict[str, float]:
   terms = {
     'matmul': 2.0 * matmul_params,
     'attention': 2.0 * layers * seq_len * d,
-    'depth_read': residuals.make(model_cfg).forward_flops(),
+    'depth_read': _residual(model_cfg).forward_flops(),
   }
   terms['total'] = sum(terms.values())
   return terms
@@ -53,5 +59,5 @@ def residual_io_per_sublayer(model_cfg) -> dict[str, float]:
   counts its own (`Residual.io_per_sublayer`): standard 2 read, 1 write; HC/mHC
   2m + 1 + m/L read, m + 1 + 1/L write; AttnRes by its block schedule.
   """
-  read, write = residuals.make(model_cfg).io_per_sublayer()
+  read, write = _residual(model_cfg).io_per_sublayer()
   return {'read': read, 'write': write, 'total': read + write}

@@ -5,21 +5,14 @@
 `block:4` is Block AttnRes with blocks of S = 4 sublayers, `hc:4`/`mhc:4` the
 (manifold-constrained) Hyper-Connections with m = 4 streams (the default), `@G`
 runs the AttnRes block schedule in segments of G layers (`schedule_layers`; for
-`standard`, the scan's body holds G layers: the same computation), and
-AttnRes options follow, each after a '/': `one_shot` or `two_phase` picks the read
-(`depth_read`), `bf16` or `f32` the depth state's storage (`depth_dtype`), e.g.
-`block:4/bf16` or `full/one_shot`; `pallas` computes Phase 1 with the Pallas
-kernel (`depth_kernel`), e.g. `block:4/bf16/pallas`; `barrier` finishes each layer's
-gradients before the next in the backward (`backward_layer_barrier`);
-`keep_phase1` or `recompute_phase1` has the linear-memory backward take Phase 1's
-results from the forward pass or compute them again (`phase1_backward`; default
-automatic, with `pallas`); `prefixes:N`
-has the XLA Phase 1 read the shortest of N static buffer prefixes that holds a
-segment's completed slots (`depth_read_prefixes`), e.g. `full/prefixes:4`; for `hc`/`mhc`
-(its only option) the stream write's and mHC's Sinkhorn kernels, e.g. `mhc/pallas`. A tool
-whose block size follows the depth (bench/decode.py: about 8 blocks at every depth)
-accepts a bare `block` and supplies S. A mode string names model fields only; every other field
-keeps its value.
+`standard`, the scan's body holds G layers: the same computation), and options
+follow, each after a '/': `bf16` or `f32` the AttnRes depth state's storage
+(`depth_dtype`), e.g. `block:4/bf16`; `pallas` or `xla` the kernels
+(`depth_kernel`; by default chosen by the platform: `docs/design_choices.md`), e.g.
+`block:4/bf16/pallas`; for `hc`/`mhc` `pallas` and `xla` only (the stream write's
+and mHC's Sinkhorn kernels), e.g. `mhc/pallas`. A tool whose block size follows the
+depth (bench/decode.py: about 8 blocks at every depth) accepts a bare `block` and
+supplies S. A mode string names model fields only; every other field keeps its value.
 
 Directory and run names cannot hold ':' everywhere, so runs are named by `run_name`
 (`block:4` -> `block_s4`, `mhc:4` -> `mhc`), the names the study's configs use.
@@ -29,25 +22,16 @@ from __future__ import annotations
 
 SYNTAX = (
   'standard | full | block:S | hc[:m] | mhc[:m], then optionally @G (segment layers) '
-  'and AttnRes options /one_shot or /two_phase (the read), /bf16 or /f32 (storage), '
-  '/pallas (the Phase 1 kernel; for hc and mhc the write and Sinkhorn kernels), '
-  '/barrier (the backward layer by layer), /keep_phase1 or /recompute_phase1 (the '
-  "backward's Phase 1 results), /prefixes:N (XLA Phase 1 reads the "
-  'shortest of N buffer prefixes)'
+  'and options /bf16 or /f32 (AttnRes storage), /pallas or /xla (the kernels: '
+  "AttnRes's Phase 1, HC's and mHC's write and Sinkhorn; default: by platform)"
 )
-OPTIONS = {  # AttnRes option -> (model field, value)
-  'one_shot': ('depth_read', 'one_shot'),
-  'two_phase': ('depth_read', 'two_phase'),
+OPTIONS = {  # option -> (model field, value)
   'bf16': ('depth_dtype', 'bfloat16'),
   'f32': ('depth_dtype', 'float32'),
   'pallas': ('depth_kernel', 'pallas'),
-  'barrier': ('backward_layer_barrier', True),
-  'keep_phase1': ('phase1_backward', 'keep'),
-  'recompute_phase1': ('phase1_backward', 'recompute'),
+  'xla': ('depth_kernel', 'xla'),
 }
-COUNTED_OPTIONS = {  # AttnRes option name:N -> the model field that takes N
-  'prefixes': 'depth_read_prefixes',
-}
+KERNEL_OPTIONS = ('pallas', 'xla')  # the options of hc and mhc
 DEFAULT_STREAMS = 4
 
 
@@ -90,16 +74,13 @@ def fields(mode: str, *, block_size: int | None = None) -> dict[str, object]:
       raise _error(mode, '@G (segment layers) applies to standard, full and block only')
     out['schedule_layers'] = _positive_int(mode, segment, 'the segment length G')
   for option in options:
-    if residual not in ('full', 'block') and option != 'pallas':
-      raise _error(mode, '/options apply to full and block only (hc, mhc: /pallas)')
-    name, has_count, count = option.partition(':')
-    if has_count and name in COUNTED_OPTIONS:
-      field, value = COUNTED_OPTIONS[name], _positive_int(mode, count, name)
-    elif option in OPTIONS:
-      field, value = OPTIONS[option]
-    else:
-      options_known = tuple(OPTIONS) + tuple(f'{n}:N' for n in COUNTED_OPTIONS)
-      raise _error(mode, f'options are {options_known}, got {option!r}')
+    if residual not in ('full', 'block') and option not in KERNEL_OPTIONS:
+      raise _error(
+        mode, '/options apply to full and block only (hc, mhc: /pallas or /xla)'
+      )
+    if option not in OPTIONS:
+      raise _error(mode, f'options are {tuple(OPTIONS)}, got {option!r}')
+    field, value = OPTIONS[option]
     if field in out:
       raise _error(mode, f'{field} given twice')
     out[field] = value
@@ -118,8 +99,8 @@ def parse_list(text: str, *, block_size: int | None = None) -> list[str]:
 
 def run_name(mode: str) -> str:
   """A file-system friendly name for a mode: 'block:4' -> 'block_s4', 'hc:4' -> 'hc',
-  'hc:2' -> 'hc_m2', 'full@2' -> 'full_g2', 'full/one_shot/bf16' ->
-  'full_one_shot_bf16'."""
+  'hc:2' -> 'hc_m2', 'full@2' -> 'full_g2', 'full/bf16/pallas' ->
+  'full_bf16_pallas'."""
   f = fields(mode)
   name = str(f['residual'])
   if 'block_size' in f:
@@ -129,5 +110,5 @@ def run_name(mode: str) -> str:
   if 'schedule_layers' in f:
     name += f'_g{f["schedule_layers"]}'
   for option in mode.split('/')[1:]:
-    name += f'_{option.replace(":", "")}'
+    name += f'_{option}'
   return name

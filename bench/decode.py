@@ -22,8 +22,7 @@ background load in it.
 
 A bare `block` uses the paper's setting of about `--num_blocks` (8) blocks at every
 depth: S = round(L / 8) sublayers (L = 2 * layers), so S = 2 at 8 layers and S = 4
-at 16 layers; `block:S` fixes S. `block/one_shot` reads in one shot, the reference
-the two-phase read (the default) is checked against: greedy tokens must agree.
+at 16 layers; `block:S` fixes S.
 
   python bench/decode.py                 # the full grid, about 5-10 min on 2 cores
   python bench/decode.py --quick         # a smoke run (seconds)
@@ -55,7 +54,7 @@ flags.DEFINE_list('sizes', ['256x8', '512x16'], 'Model sizes as d_model x layers
 flags.DEFINE_list('batches', ['1', '8'], 'Batch sizes.')
 flags.DEFINE_list(
   'modes',
-  ['standard', 'full', 'block/one_shot', 'block'],
+  ['standard', 'full', 'block'],
   f'Residual modes ({modes_lib.SYNTAX}); a bare block has about --num_blocks blocks.',
 )
 flags.DEFINE_enum('dtype', 'float32', ['float32', 'bfloat16'], 'Compute and cache dtype.')
@@ -294,7 +293,7 @@ def measure(d_model, num_layers, batch, settings, meta):
     row = dict(
       mode=variant,
       residual=cfg.residual,
-      depth_read=cfg.depth_read if cfg.residual in ('full', 'block') else None,
+      depth_read='two_phase' if cfg.residual in ('full', 'block') else None,
       size=f'{d_model}x{num_layers}',
       d_model=d_model,
       num_layers=num_layers,

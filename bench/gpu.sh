@@ -5,11 +5,8 @@
 # vocabulary 32768, 8 sequences of 1024 tokens, bf16 compute, the depth buffer in
 # bf16) at 8 and 32 layers; cached decoding (batch 8 and 64, a 1024-token prompt); the
 # HC/mHC comparators and the loop-structure control standard@2. Full runs with its
-# automatic Phase 1 prefixes (a lax.switch per segment) and with the whole buffer
-# (full/bf16/prefixes:1), which decides the automatic default on a GPU
-# (a GPU pays a host synchronisation per switch; the prefixes skip unwritten slots).
-# Every part times its modes interleaved against its own standard (bench/memory.py,
-# bench/decode.py).
+# automatic Phase 1 prefixes (a lax.switch per segment). Every part times its modes
+# interleaved against its own standard (bench/memory.py, bench/decode.py).
 #
 #   bench/gpu.sh [OUT_DIR]          # default bench/results/gpu; about 7 min on one H200
 #   bench/gpu.sh /tmp/gpu quick     # the same parts at toy sizes (a smoke run, any host)
@@ -46,13 +43,13 @@ part() {  # part NAME SECONDS COMMAND...: runs COMMAND, its log in OUT_DIR/NAME.
 
 "$python" -c 'import jax; print("jax", jax.__version__, jax.devices())'
 part train_shallow 240 "$python" bench/memory.py "${train[@]}" --layers=$shallow \
-  --modes=standard,block:4/bf16,block:8/bf16,full/bf16,full/bf16/prefixes:1 \
+  --modes=standard,block:4/bf16,block:8/bf16,full/bf16 \
   --out="$out/train_shallow.jsonl"
 part decode 120 "$python" bench/decode.py "${decode[@]}" --repeats=3 --dtype=bfloat16 \
   --modes=standard,full,block:4 --jsonl_out="$out/decode.jsonl" \
   --table_out="$out/decode.md"
 part train_deep 260 "$python" bench/memory.py "${train[@]}" --layers=$deep \
-  --modes=standard,block:4/bf16,block:8/bf16,full/bf16,full/bf16/prefixes:1 \
+  --modes=standard,block:4/bf16,block:8/bf16,full/bf16 \
   --out="$out/train_deep.jsonl"
 part comparators 180 "$python" bench/memory.py "${train[@]}" --layers=$shallow \
   --modes=standard,standard@2,hc,mhc --out="$out/comparators.jsonl"

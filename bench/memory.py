@@ -9,7 +9,6 @@ standard model at the same depth, measured in the same run.
 
   python bench/memory.py                       # the full grid (d=256, T=256, B=8)
   python bench/memory.py --layers=4,8 --steps=2 --out=/tmp/memory_quick.jsonl
-  python bench/memory.py --linear_memory_backward=false   # plain autodiff, for contrast
   python bench/memory.py --modes=standard,full,block:4,hc,mhc --layers=4 --d_model=128
   python bench/memory.py --io        # the residual's memory I/O per sublayer (counted)
   python bench/memory.py --layers=8 --d_model=1024 --num_heads=8 --vocab_size=32768 \
@@ -61,7 +60,6 @@ flags.DEFINE_integer(
   'times one step of every mode in turn.',
 )
 flags.DEFINE_string('remat', 'none', 'Remat policy, the same for every row.')
-flags.DEFINE_bool('linear_memory_backward', True, 'AttnRes custom backward pass.')
 flags.DEFINE_string(
   'out', 'bench/results/memory.jsonl', 'JSON output (one record per row).'
 )
@@ -86,7 +84,6 @@ def model_config(mode: str, num_layers: int):
     vocab_size=FLAGS.vocab_size,
     dtype=FLAGS.dtype,
     remat=FLAGS.remat,
-    linear_memory_backward=FLAGS.linear_memory_backward,
     **modes.fields(mode),
   )
 
@@ -126,8 +123,6 @@ def compile_step(mode: str, num_layers: int):
     seq_len=FLAGS.seq_len,
     batch_size=FLAGS.batch_size,
     remat=FLAGS.remat,
-    linear_memory_backward=FLAGS.linear_memory_backward,
-    depth_read=cfg.depth_read,
     schedule_layers=ar.residuals.make(cfg).segment_layers,
     temp_bytes=memory.temp_size_in_bytes,
     argument_bytes=memory.argument_size_in_bytes,

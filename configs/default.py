@@ -30,7 +30,7 @@ SWEEP_MODES = {  # residual modes (paper Table/Fig. 6), runs named 'block_s2', .
   modes.run_name(mode): modes.fields(mode)
   for mode in ('standard', 'full', 'block:2', 'block:4', 'block:8')
 }
-_ABLATION = dict(residual='full', depth_read='one_shot')  # on Full, as in the paper
+_ABLATION = dict(residual='full')  # on Full, as in the paper (read in one shot)
 SWEEP_ABLATIONS = {  # the read ablations (paper Section 5)
   'abl_input_query': dict(_ABLATION, depth_query_input=True),
   'abl_sigmoid': dict(_ABLATION, depth_normalizer='sigmoid'),
@@ -98,7 +98,7 @@ SWEEP_SCALING = {
 }
 # bfloat16 compute, with the depth state (buffer, partial sums, Phase 1 outputs) in
 # the compute dtype (the default) or in float32 (`/f32`): what bfloat16 depth storage
-# costs in loss (docs/results.md, twentieth pass).
+# costs in loss (docs/results.md, the depth state's storage).
 SWEEP_STORAGE = {
   f'storage_{modes.run_name(mode)}': dict(modes.fields(mode), dtype='bfloat16')
   for mode in ('standard', 'block:4', 'block:4/f32', 'full', 'full/f32')

@@ -22,6 +22,7 @@ if FAST_COMPILE not in os.environ.get('XLA_FLAGS', ''):
   os.environ['XLA_FLAGS'] = f'{os.environ.get("XLA_FLAGS", "")} {FAST_COMPILE}'.strip()
 
 import atexit
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -94,9 +95,21 @@ def randomize_depth_params(model, seed: int = 1):
 
 def with_config(model, **changes):
   """The same parameters under a config with `changes` (fields that do not change the
-  parameters: how the model is computed, e.g. scan_layers or linear_memory_backward)."""
+  parameters: how the model is computed, e.g. scan_layers or depth_kernel); the
+  residual's test-only fields (`with_residual`) kept."""
   changed = model_lib.Transformer(model.cfg.replace(**changes), rngs=nnx.Rngs(0))
   nnx.update(changed, nnx.state(model))
+  same = type(changed.residual) is type(model.residual)
+  if same and dataclasses.is_dataclass(model.residual):  # its test-only fields kept
+    changed.residual = dataclasses.replace(model.residual, cfg=changed.residual.cfg)
+  return changed
+
+
+def with_residual(model, **fields):
+  """The same model with its residual's fields changed: AttnRes's test-only
+  references (`residuals/attnres/residual.py`, e.g. one_shot, autodiff_backward)."""
+  changed = with_config(model)
+  changed.residual = dataclasses.replace(model.residual, **fields)
   return changed
 
 

@@ -93,3 +93,19 @@ def test_optional_fields_can_be_set_from_the_command_line(tmp_path):
   assert flag_values.config.train.eval_every == 50
   assert flag_values.config.train.max_eval_batches == 4
   assert default_config.get_config().train.eval_every is None  # still off by default
+
+
+def test_execution_fields_are_few_and_removed_ones_name_their_replacement():
+  fields = {f.name for f in dataclasses.fields(config_lib.ModelConfig)}
+  assert set(config_lib.EXECUTION_FIELDS) <= fields
+  assert len(config_lib.EXECUTION_FIELDS) <= 5
+  assert not set(config_lib.REMOVED_FIELDS) & fields
+  config = default_config.get_config('tiny')
+  config.model.depth_read = 'one_shot'  # a config file that still sets it
+  with pytest.raises(ValueError, match='depth_read is no longer a field: the read'):
+    config_lib.validate(config)
+  message = config_lib.explain_config_overrides(
+    ['train.py', '--config.model.linear_memory_backward=False'],
+    default=default_config.__file__,
+  )
+  assert 'model.linear_memory_backward is no longer a field: AttnRes' in message

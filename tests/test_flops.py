@@ -1,5 +1,7 @@
 """The compute count of a run (attnres_jax.flops) against hand counts."""
 
+import dataclasses
+
 import attnres_jax as ar
 from attnres_jax import flops
 from attnres_jax import residuals
@@ -20,9 +22,7 @@ def test_depth_read_sources_by_hand():
   assert attnres.depth_read_sources(block) == (1 + 2 + 2 + 2) + (2 + 3) + 3
   assert residual_flops(ar.model_config(residual='standard')) == 0
   # A window of 2 caps each read, the final one too, at the embedding + 2 sources.
-  window = ar.model_config(
-    num_layers=3, residual='full', depth_window=2, depth_read='one_shot'
-  )
+  window = ar.model_config(num_layers=3, residual='full', depth_window=2)
   assert attnres.depth_read_sources(window) == 1 + 2 + 3 + 3 + 3 + 3 + 3
 
 
@@ -86,7 +86,9 @@ def test_residual_io_by_hand():
   writes = (2 + 1 + 1 + 1 + 1) + (2 + 1 + 1 + 1 + 1) + 1
   got = io(residual='block', block_size=2)
   assert got['read'] == reads / 4 and got['write'] == writes / 4
-  # One-shot Full: sublayer l reads its l + 1 slots, then f; the final read 5.
-  one_shot = io(residual='full', depth_read='one_shot')
-  assert one_shot['read'] == (sum(l + 1 + 1 for l in range(4)) + 5) / 4
-  assert one_shot['write'] == (2 * 4 + 1) / 4
+  # One-shot Full (the reference read): sublayer l reads its l + 1 slots, then f;
+  # the final read 5.
+  full = residuals.make(ar.model_config(num_layers=2, residual='full'))
+  read, write = dataclasses.replace(full, one_shot=True).io_per_sublayer()
+  assert read == (sum(l + 1 + 1 for l in range(4)) + 5) / 4
+  assert write == (2 * 4 + 1) / 4

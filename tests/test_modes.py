@@ -19,27 +19,23 @@ from configs import default as default_config
     ('hc', dict(residual='hc', hc_streams=4), 'hc'),
     ('mhc:4', dict(residual='mhc', hc_streams=4), 'mhc'),
     ('hc:2', dict(residual='hc', hc_streams=2), 'hc_m2'),
-    ('full/one_shot', dict(residual='full', depth_read='one_shot'), 'full_one_shot'),
+    ('full/xla', dict(residual='full', depth_kernel='xla'), 'full_xla'),
     (
       'block:4/bf16',
       dict(residual='block', block_size=4, depth_dtype='bfloat16'),
       'block_s4_bf16',
     ),
     (
-      'block:4@2/two_phase',
-      dict(residual='block', block_size=4, schedule_layers=2, depth_read='two_phase'),
-      'block_s4_g2_two_phase',
+      'block:4@2/f32',
+      dict(residual='block', block_size=4, schedule_layers=2, depth_dtype='float32'),
+      'block_s4_g2_f32',
     ),
     (
-      'full/prefixes:4/bf16',
-      dict(residual='full', depth_read_prefixes=4, depth_dtype='bfloat16'),
-      'full_prefixes4_bf16',
+      'full/bf16/pallas',
+      dict(residual='full', depth_dtype='bfloat16', depth_kernel='pallas'),
+      'full_bf16_pallas',
     ),
-    (
-      'full/pallas/keep_phase1',
-      dict(residual='full', depth_kernel='pallas', phase1_backward='keep'),
-      'full_pallas_keep_phase1',
-    ),
+    ('mhc/xla', dict(residual='mhc', hc_streams=4, depth_kernel='xla'), 'mhc_xla'),
   ],
 )
 def test_mode_fields_and_run_names(mode, fields, run_name):
@@ -59,12 +55,11 @@ def test_mode_fields_and_run_names(mode, fields, run_name):
     ('standard:2', 'takes no size'),
     ('hc@2', 'full and block only'),
     ('full@', 'positive integer'),
-    ('hc/one_shot', 'apply to full and block only'),
+    ('hc/bf16', 'apply to full and block only'),
     ('full/fast', "got 'fast'"),
-    ('full/one_shot/two_phase', 'depth_read given twice'),
-    ('full/prefixes', "got 'prefixes'"),
-    ('full/prefixes:0', 'positive integer'),
-    ('full/prefixes:2/prefixes:3', 'depth_read_prefixes given twice'),
+    ('full/pallas/xla', 'depth_kernel given twice'),
+    ('full/one_shot', "got 'one_shot'"),  # the options that became automatic rules
+    ('full/prefixes:4', "got 'prefixes:4'"),
   ],
 )
 def test_bad_modes_are_refused_with_the_syntax(mode, why):
@@ -73,9 +68,14 @@ def test_bad_modes_are_refused_with_the_syntax(mode, why):
   assert modes.SYNTAX in str(error.value)
 
 
+def test_the_options_are_storage_and_kernel_only():
+  """How the rest is computed follows automatic rules (docs/design_choices.md)."""
+  assert set(modes.OPTIONS) == {'bf16', 'f32', 'pallas', 'xla'}
+
+
 def test_a_bare_block_takes_the_size_the_tool_supplies():
-  assert modes.fields('block/one_shot', block_size=2) == dict(
-    residual='block', block_size=2, depth_read='one_shot'
+  assert modes.fields('block/bf16', block_size=2) == dict(
+    residual='block', block_size=2, depth_dtype='bfloat16'
   )
   assert modes.fields('block:4', block_size=2)['block_size'] == 4  # given wins
   assert modes.parse_list('standard,block', block_size=3) == ['standard', 'block']

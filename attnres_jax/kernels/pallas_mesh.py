@@ -1,5 +1,6 @@
-"""How the Pallas kernels (depth_pallas.py, residuals/hyper_pallas.py,
-residuals/sinkhorn_pallas.py) run under the model's mesh: per device, in
+"""Whether the Pallas kernels run (`choose_kernel`: `model.depth_kernel='auto'` decided
+by the devices the step is compiled for), and how they run under the model's mesh
+(depth_pallas.py, hyper_pallas.py, sinkhorn_pallas.py): per device, in
 `jax.shard_map`, on arrays laid out like the depth buffer [K, B, T, D] (logical axes
 `sharding.DEPTH_BUFFER`; HC's streams share them) and split over batch and length
 only. Each kernel works on whole slots (or streams) and the whole width. Also a
@@ -7,11 +8,64 @@ slot's memory layout pinned per device (`width_minor`, any split)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
+from absl import logging
 from jax.experimental import layout
 from jax.sharding import PartitionSpec as P
 
 from attnres_jax.nn import sharding
+
+
+KERNEL_SETTINGS = ('auto', 'xla', 'pallas')  # model.depth_kernel
+_SAID: set[str] = set()  # the fallbacks already logged
+
+
+def compiles_for_tpu() -> bool:
+  """Whether the program being traced is compiled for TPU devices: those of the mesh
+  it is traced under (`sharding.logical_rules`, which the train, eval and decode steps
+  enter inside their jitted functions: a compile-only run for a TPU topology on a CPU
+  host gets True), else those of JAX's default backend (eager code, a plain jit)."""
+  active = sharding._ACTIVE.get()
+  if active is not None:
+    return active[0].devices.flat[0].platform == 'tpu'
+  return jax.default_backend() == 'tpu'
+
+
+def _split_refusal() -> str | None:
+  """Why the active mesh's rules keep the kernels out (they split a [K, B, T, D]
+  array over K or the width), None if they do not."""
+  active = _multi_device_mesh()
+  if active is None:
+    return None
+  mesh, rules = active
+  for name in (sharding.DEPTH_BUFFER[0], sharding.DEPTH_BUFFER[-1]):
+    if any(mesh.shape[a] > 1 for a in sharding.mesh_axes(name, rules)):
+      return f'the sharding rules split the {name!r} axis, which the kernels keep whole'
+  return None
+
+
+def choose_kernel(setting: str, refusal: Callable[[], str | None] | None = None) -> str:
+  """'xla' or 'pallas' for a `model.depth_kernel` setting, at trace time. 'xla' and
+  'pallas' are themselves; 'auto' is 'pallas' where the program is compiled for TPU
+  devices (`compiles_for_tpu`) and the kernels can run it, else 'xla'. `refusal()`
+  says why a kernel cannot run the model (e.g. it does not fit on chip), None if it
+  can; that, or a mesh whose rules split the depth or width axis, falls back to XLA,
+  said once in the log."""
+  if setting != 'auto':
+    return setting
+  if not compiles_for_tpu():
+    return 'xla'
+  reason = (refusal() if refusal is not None else None) or _split_refusal()
+  if reason is None:
+    return 'pallas'
+  if reason not in _SAID:
+    _SAID.add(reason)
+    logging.warning(
+      "depth_kernel='auto': the XLA path, not the Pallas kernels: %s.", reason
+    )
+  return 'xla'
 
 
 def _multi_device_mesh():
@@ -38,7 +92,7 @@ def batch_length_split(shape, what: str, first_axis: str):
       f"depth_kernel='pallas' needs {what} split over batch and length only; the "
       f'sharding rules split it as {P(k, b, t, d)} ({first_axis}, batch, '
       f"length, width) on mesh {dict(mesh.shape)}: map 'depth' and 'hidden' to no "
-      f"mesh axis or use depth_kernel='xla'."
+      f"mesh axis or use depth_kernel='xla' (or 'auto')."
     )
   return mesh, b, t
 

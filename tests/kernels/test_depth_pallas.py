@@ -31,6 +31,7 @@ from conftest import child_result
 from conftest import tiny_model
 from conftest import tiny_model_config
 from conftest import with_config
+from conftest import with_residual
 
 EPS = 1e-6
 BATCH, LENGTH = 2, 8
@@ -244,7 +245,7 @@ def loss_and_grads(model, **changes):
   'residual, block_size, changes',
   [
     ('block', 2, {}),
-    ('block', 3, dict(linear_memory_backward=False)),  # plain autodiff of the kernel
+    ('block', 3, dict(autodiff_backward=True)),  # plain autodiff of the kernel
     ('full', 1, {}),
     ('block', 4, dict(dtype='bfloat16', depth_dtype='bfloat16')),
     # Full's fused backward (cotangent_into) with bfloat16 Phase 1 outputs: the
@@ -253,7 +254,10 @@ def loss_and_grads(model, **changes):
   ],
 )
 def test_tiny_model_loss_and_gradients_equal_xla(residual, block_size, changes):
+  changes = dict(changes)
+  plain = changes.pop('autodiff_backward', False)  # a test-only residual field
   model = tiny_model(residual, block_size, random_depth=True, **changes)
+  model = with_residual(model, autodiff_backward=plain)
   xla_loss, xla_grads = loss_and_grads(model)
   pallas_loss, pallas_grads = loss_and_grads(model, depth_kernel='pallas')
   bf16 = changes.get('dtype') == 'bfloat16'
@@ -272,8 +276,8 @@ def test_tiny_model_loss_and_gradients_equal_xla(residual, block_size, changes):
 
 
 def test_pallas_kernel_needs_the_two_phase_read():
-  with pytest.raises(ValueError, match="depth_kernel='pallas'.*two_phase"):
-    tiny_model_config(depth_kernel='pallas', depth_read='one_shot')
+  with pytest.raises(ValueError, match="depth_kernel='pallas'.*two-phase"):
+    tiny_model_config(depth_kernel='pallas', residual='full', depth_window=2)
   with pytest.raises(ValueError, match='depth_kernel must be one of'):
     tiny_model_config(depth_kernel='triton')
 

@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 
 from attnres_jax import config as config_lib
+from attnres_jax import residuals
 from attnres_jax.parallel import pipeline
 from attnres_jax.compile_report import pipeline_hlo
 from attnres_jax.parallel import pipeline_plan
@@ -80,9 +81,9 @@ CASES = {
       dict(stage=2, shape=(2, 1, 1), virtual_stages=2, num_microbatches=4),
     ),
     # The same with plain autodiff of each chunk instead of the linear-memory backward
-    # (`attnres_backward`, resumed from the received carry).
+    # (`residuals/attnres/backward.py`, resumed from the received carry).
     'block2_p2v2_autodiff': (
-      dict(residual='block', block_size=2, linear_memory_backward=False),
+      dict(residual='block_autodiff', block_size=2),
       dict(stage=2, shape=(2, 1, 1), virtual_stages=2, num_microbatches=4),
     ),
     # The schedule that reruns the chunk before its backward (not keeping the
@@ -109,11 +110,15 @@ CASES = {
     ),
   },
 }
-# Model options that change how the gradients are computed, not what they are: a case
-# with one is compared with the one-device step without it (the same numbers up to
-# float32 rounding, test_memory.py's test_linear_memory_backward_equals_plain_autodiff),
-# whose compile its group shares.
-REFERENCE_IGNORES = ('linear_memory_backward',)
+# Block AttnRes through plain autodiff (AttnResResidual's test-only field), a residual
+# mode of its own so that the config carries it into the child's train step. It
+# changes how the gradients are computed, not what they are: its case is compared with
+# the one-device Block step (the same numbers up to float32 rounding, test_memory.py's
+# test_linear_memory_backward_equals_plain_autodiff), whose compile its group shares.
+residuals.register(
+  'block_autodiff', lambda cfg: residuals.AttnResResidual(cfg, autodiff_backward=True)
+)
+REFERENCE_OF = {'block_autodiff': 'block'}
 
 
 # -- the child: runs with 8 devices ---------------------------------------------------
@@ -254,7 +259,8 @@ def run_checks(group: str) -> dict:
   references = {}
   for name, (model_overrides, mesh_overrides) in CASES[group].items():
     model_config = config_lib.model_config(**MODEL, **model_overrides)
-    plain = {k: v for k, v in model_overrides.items() if k not in REFERENCE_IGNORES}
+    plain = dict(model_overrides)
+    plain['residual'] = REFERENCE_OF.get(plain['residual'], plain['residual'])
     key = json.dumps(plain, sort_keys=True)
     if key not in references:
       references[key] = train_on(

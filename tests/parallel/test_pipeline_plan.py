@@ -273,9 +273,7 @@ def test_invalid_pipelines_fail_before_compiling():
   with pytest.raises(ValueError, match='data-parallel'):
     pipeline_plan.validate(pipeline_plan.PipelineConfig(2, 1, 4), model, 8, data_shards=4)
   # A residual refuses what it cannot pipeline (`Residual.pipeline_refusal`).
-  ablation = config_lib.model_config(
-    num_layers=4, residual='full', depth_window=2, depth_read='one_shot'
-  )
+  ablation = config_lib.model_config(num_layers=4, residual='full', depth_window=2)
   with pytest.raises(ValueError, match='ablations are not pipelined'):
     pipeline_plan.validate(pipeline_plan.PipelineConfig(2, 1, 2), ablation, 8)
   for residual in ('hc', 'mhc'):  # run (the children above), so accepted

@@ -21,8 +21,8 @@ from attnres_jax.kernels import depth_pallas
 from attnres_jax.parallel import pipeline
 from attnres_jax import residuals
 from attnres_jax.nn import sharding
-from attnres_jax.residuals.attnres import schedule as attnres_schedule
-from conftest import child_result, tiny_model, tiny_model_config, with_config
+from attnres_jax.residuals.attnres import choices
+from conftest import child_result, tiny_model, tiny_model_config, with_residual
 
 EPS = 1e-6
 ALIASED = re.compile(r'input_output_aliases=\(\(\d+, 0\),\)')  # the carry in place
@@ -217,7 +217,6 @@ def test_layer_scan_charges_phase1_the_mean_of_its_valid_slots():
     num_layers=4,
     schedule_layers=1,
     depth_kernel='pallas',
-    linear_memory_backward=True,
   )
   residual = model.residual
   graphdef, state = nnx.split(model)
@@ -295,8 +294,9 @@ def test_phase1_vjp_sums_into_the_carry_on_a_mesh():
 # -- inside the linear-memory backward -------------------------------------------------
 
 
-def gradients(model, tokens, **changes):
-  model = with_config(model, **changes)
+def gradients(model, tokens, **residual_fields):
+  """`residual_fields`: AttnResResidual's test-only references."""
+  model = with_residual(model, **residual_fields)
   graphdef, state = nnx.split(model)
   loss = lambda s: jnp.mean(nnx.merge(graphdef, s)(tokens) ** 2)
   return jax.jit(jax.grad(loss))(state)
@@ -336,17 +336,14 @@ def test_phase1_with_kept_results_returns_them_and_the_kernels_vjp():
 def test_auto_keeps_phase1_where_its_reads_outweigh_its_outputs(
   residual, block_size, num_layers, keeps
 ):
-  """`phase1_backward='auto'`: Phase 1's results kept for the backward pass where a
-  segment's Phase 1, computed again, would read more than three times as many slots
-  as it writes outputs; 'keep' and 'recompute' decide alone."""
+  """Phase 1's results kept for the backward pass where a segment's Phase 1, computed
+  again, would read more than three times as many slots as it writes outputs."""
   cfg = tiny_model_config(residual=residual, block_size=block_size, num_layers=num_layers)
   attnres = residuals.make(config_lib.ModelConfig.from_config(cfg))
   segments = num_layers // attnres.segment_layers
   mean_first = sum(attnres.first_local_slot(s) for s in range(segments)) / segments
   queries = 2 * attnres.segment_layers
-  assert attnres_schedule.keeps_phase1('auto', mean_first, queries) == keeps
-  assert attnres_schedule.keeps_phase1('keep', mean_first, queries)
-  assert not attnres_schedule.keeps_phase1('recompute', mean_first, queries)
+  assert choices.keeps_phase1(mean_first, queries) == keeps
 
 
 def kernel_launches(jaxpr) -> int:
@@ -387,25 +384,24 @@ def test_linear_memory_backward_with_the_kernels_equals_autodiff(
     num_heads=1,
     depth_kernel='pallas',
     schedule_layers=schedule_layers,
-    phase1_backward=phase1_backward,
   )
+  # 'auto': the rule (`choices.keeps_phase1`); 'keep': the test-only override.
+  keep = {'auto': None, 'keep': True}[phase1_backward]
   tokens = jax.random.randint(jax.random.key(2), (2, 128), 0, 256)
-  plain = gradients(model, tokens, linear_memory_backward=False)
-  linear = gradients(model, tokens, linear_memory_backward=True)
+  plain = gradients(model, tokens, autodiff_backward=True)
+  linear = gradients(model, tokens, keep_phase1=keep)
 
-  def jaxpr_of(**changes):
-    graphdef, state = nnx.split(
-      with_config(model, linear_memory_backward=True, **changes)
-    )
+  def jaxpr_of(keep_phase1):
+    graphdef, state = nnx.split(with_residual(model, keep_phase1=keep_phase1))
     loss = lambda s: jnp.mean(nnx.merge(graphdef, s)(tokens) ** 2)
     return jax.make_jaxpr(jax.grad(loss))(state).jaxpr
 
-  jaxpr = jaxpr_of()
+  jaxpr = jaxpr_of(keep)
   assert re.search(r'input_output_aliases=\(\(\d+, 0\),\)', str(jaxpr))  # fused sum
   if phase1_backward == 'keep':  # the backward pass launches no forward kernel: one
     # fewer in the scan's body and in a shorter last segment (`segment_kinds` of
     # them), each one per platform (jax.lax.platform_dependent: TPU, interpret mode)
-    recomputed = jaxpr_of(phase1_backward='recompute')
+    recomputed = jaxpr_of(False)
     removed = kernel_launches(recomputed) - kernel_launches(jaxpr)
     assert removed == segment_kinds * 2
   # As test_memory.assert_grads_close (5e-5 there): the two backward passes sum the

@@ -294,7 +294,7 @@ def test_stream_statistics():
   [
     (dict(residual='hc', hc_streams=0), 'hc_streams'),
     (dict(residual='mhc', sinkhorn_iters=0), 'sinkhorn_iters'),
-    (dict(residual='hc', depth_window=2, depth_read='one_shot'), 'AttnRes'),
+    (dict(residual='hc', depth_window=2), 'AttnRes'),
   ],
 )
 def test_config_errors_are_readable(overrides, message):

@@ -10,16 +10,25 @@ from flax import nnx
 
 
 from attnres_jax.nn import stack
-from attnres_jax.residuals.attnres import backward as attnres_backward
-from conftest import tiny_model, with_config
+from attnres_jax.residuals.attnres import choices
+from attnres_jax.residuals.attnres.float_residuals import keeping_float_residuals
+from conftest import tiny_model, with_config, with_residual
+
+# The test-only reference of AttnResResidual: plain autodiff of the two-phase
+# schedule instead of the linear-memory backward.
+PLAIN = dict(autodiff_backward=True)
 
 
 def random_model(residual, block_size, **overrides):
   return tiny_model(residual, block_size, random_depth=True, **overrides)
 
 
-def gradients(model, **cfg_changes):
+def gradients(model, residual_fields=None, **cfg_changes):
+  """`cfg_changes` to the config, `residual_fields` to the residual (its test-only
+  references)."""
   model = with_config(model, **cfg_changes)
+  if residual_fields:
+    model = with_residual(model, **residual_fields)
   x = jax.random.randint(jax.random.key(2), (2, 12), 0, 256)
   graphdef, state = nnx.split(model)
 
@@ -47,9 +56,7 @@ def plain_gradients(residual, block_size, schedule_layers):
   per model for the remat variants below that compare with it; its Phase 1 reads the
   whole buffer, masked (no written-out VJP anywhere)."""
   model = random_model(residual, block_size, schedule_layers=schedule_layers)
-  return gradients(
-    model, linear_memory_backward=False, remat='none', depth_read_prefixes=1
-  )
+  return gradients(model, dict(PLAIN, prefix_count=1), remat='none')
 
 
 @pytest.mark.parametrize(
@@ -74,43 +81,22 @@ def test_linear_memory_backward_equals_plain_autodiff(
 ):
   model = random_model(residual, block_size, schedule_layers=schedule_layers)
   plain = plain_gradients(residual, block_size, schedule_layers)
-  linear = gradients(model, linear_memory_backward=True, remat=remat)
+  linear = gradients(model, remat=remat)
   assert_grads_close(linear, plain)
-
-
-@pytest.mark.parametrize('residual,block_size', [('block', 3), ('full', 1)])
-def test_backward_layer_barrier_orders_the_backward_and_changes_no_gradient(
-  residual, block_size
-):
-  """`backward_layer_barrier` puts a barrier after each layer of the linear-memory
-  backward (one more per layer in the jaxpr) and gives plain autodiff's gradients."""
-  model = random_model(residual, block_size)
-  barriers = {}
-  for on in (False, True):
-    changed = with_config(model, linear_memory_backward=True, backward_layer_barrier=on)
-    graphdef, state = nnx.split(changed)
-    x = jnp.zeros((2, 12), jnp.int32)
-    loss = lambda s: jnp.mean(nnx.merge(graphdef, s)(x) ** 2)
-    barriers[on] = str(jax.make_jaxpr(jax.grad(loss))(state)).count(
-      'optimization_barrier'
-    )
-  # The segment scans' bodies hold one more barrier per layer.
-  assert barriers[True] > barriers[False], barriers
-  barrier = gradients(model, linear_memory_backward=True, backward_layer_barrier=True)
-  assert_grads_close(barrier, plain_gradients(residual, block_size, 0))
 
 
 @pytest.mark.parametrize('linear_memory_backward', [True, False])
 @pytest.mark.parametrize('residual,block_size', [('full', 1), ('block', 2)])
 def test_phase1_prefixes_change_no_gradient(residual, block_size, linear_memory_backward):
-  """`depth_read_prefixes`: Phase 1 of each segment reads a prefix of the buffer (a
-  `lax.switch` branch per prefix, every one taken by some segment here) with its VJP
-  written out, and gives plain autodiff's gradients of the whole masked read."""
+  """Phase 1 of each segment reads a prefix of the buffer (`choices.phase1_prefixes`,
+  3 of them here: a `lax.switch` branch per prefix, every one taken by some segment)
+  with its VJP written out, and gives plain autodiff's gradients of the whole masked
+  read."""
   model = random_model(residual, block_size)
-  prefixes = with_config(model, depth_read_prefixes=3).residual.phase1_prefixes()
+  prefixes = choices.phase1_prefixes(with_residual(model, prefix_count=3).residual)
   assert prefixes is not None and len(prefixes) == 3, prefixes
   read = gradients(
-    model, depth_read_prefixes=3, linear_memory_backward=linear_memory_backward
+    model, dict(prefix_count=3, autodiff_backward=not linear_memory_backward)
   )
   assert_grads_close(read, plain_gradients(residual, block_size, 0))
 
@@ -118,10 +104,10 @@ def test_phase1_prefixes_change_no_gradient(residual, block_size, linear_memory_
 def test_pipeline_chunks_read_the_whole_buffer():
   """A pipeline's stages are vmapped and their segment starts differ: a switch on
   that batched index would run every branch, so a chunk keeps the masked read."""
-  model = random_model('full', 1, depth_read_prefixes=3)
-  assert model.residual.phase1_prefixes() is not None
+  model = with_residual(random_model('full', 1), prefix_count=3)
+  assert choices.phase1_prefixes(model.residual) is not None
   chunk, _ = model.residual.pipeline_chunk(1)
-  assert chunk.phase1_prefixes() is None
+  assert choices.phase1_prefixes(chunk) is None
 
 
 def test_sublayer_vjp_keeps_no_boolean_residuals():
@@ -143,7 +129,7 @@ def test_sublayer_vjp_keeps_no_boolean_residuals():
     return collections.Counter((x.shape, str(x.dtype)) for x in jax.tree.leaves(vjp_fn))
 
   plain = residuals(attention)
-  kept = residuals(attnres_backward.keeping_float_residuals(attention))
+  kept = residuals(keeping_float_residuals(attention))
   dropped = plain - kept
   assert not kept - plain  # nothing saved that plain autodiff does not save
   assert any(dtype == 'bool' for _, dtype in dropped)  # the mask (plain keeps it)
@@ -166,9 +152,7 @@ def test_backward_keeps_no_float32_activation_and_no_sublayer_input(
   # input, not the float32 upcast and normed values (before: six float32 [L, B, T, D]
   # stacks in every mode). AttnRes's linear-memory backward keeps no sublayer input
   # at all: it recomputes the read anyway and reruns the norm from it.
-  model = tiny_model(residual, block_size, dtype='bfloat16')
-  if residual != 'standard':
-    model = with_config(model, linear_memory_backward=True)
+  model = tiny_model(residual, block_size, dtype='bfloat16')  # AttnRes: linear memory
   tokens = jax.random.randint(jax.random.key(2), (2, 12), 0, 256)
   graphdef, state = nnx.split(model)
   loss = lambda s: jnp.mean(nnx.merge(graphdef, s)(tokens).astype(jnp.float32) ** 2)
@@ -195,9 +179,9 @@ def assert_within_twice_the_rounding(linear, plain, exact):
 
 def test_bfloat16_linear_memory_backward_is_close_to_plain():
   model = random_model('block', 2, dtype='bfloat16')
-  plain = gradients(model, linear_memory_backward=False)
-  linear = gradients(model, linear_memory_backward=True)
-  exact = gradients(model, linear_memory_backward=False, dtype='float32')
+  plain = gradients(model, PLAIN)
+  linear = gradients(model)
+  exact = gradients(model, PLAIN, dtype='float32')
   # bfloat16 activations (8 mantissa bits): both passes round intermediate
   # cotangents differently. Each lies within bf16's own rounding error of the
   # float32 gradient, so the two lie within twice that of each other (the triangle
@@ -212,9 +196,9 @@ def test_bfloat16_depth_storage_backward_is_close_to_plain(residual, block_size)
   outputs stored in bf16 through the linear-memory backward, against plain autodiff of
   the same storage."""
   model = random_model(residual, block_size, depth_dtype='bfloat16')
-  plain = gradients(model, linear_memory_backward=False)
-  linear = gradients(model, linear_memory_backward=True)
-  exact = gradients(model, linear_memory_backward=False, depth_dtype='float32')
+  plain = gradients(model, PLAIN)
+  linear = gradients(model)
+  exact = gradients(model, PLAIN, depth_dtype='float32')
   # The same triangle as above: both passes round the stored values and the buffer's
   # cotangents (bf16, 2^-9 relative per rounding) at different points, each within
   # bf16 storage's own error of float32 storage.
@@ -223,13 +207,9 @@ def test_bfloat16_depth_storage_backward_is_close_to_plain(residual, block_size)
 
 def compiled_temp_bytes(residual, block_size, num_layers, linear):
   # A fixed schedule segment (2 layers), so that only the depth changes.
-  model = tiny_model(
-    residual,
-    block_size,
-    num_layers=num_layers,
-    linear_memory_backward=linear,
-    schedule_layers=2,
-  )
+  model = tiny_model(residual, block_size, num_layers=num_layers, schedule_layers=2)
+  if not linear:
+    model = with_residual(model, **PLAIN)
   graphdef, state = nnx.split(model)
   x = jnp.zeros((4, 64), jnp.int32)
   grad_fn = jax.jit(jax.grad(lambda s: jnp.mean(nnx.merge(graphdef, s)(x))))
@@ -240,7 +220,7 @@ def test_full_attnres_memory_grows_linearly_in_depth():
   """Quadrupling the depth at most quadruples the extra memory over the standard model
   with the custom backward pass, while plain autodiff grows quadratically."""
   standard = {
-    layers: compiled_temp_bytes('standard', 1, layers, False) for layers in (8, 32)
+    layers: compiled_temp_bytes('standard', 1, layers, True) for layers in (8, 32)
   }
   extra = {
     (linear, layers): compiled_temp_bytes('full', 1, layers, linear) - standard[layers]

@@ -1,5 +1,6 @@
 """Two-phase Block AttnRes (paper, Algorithm 1) equals the one-shot read."""
 
+import dataclasses
 import functools
 
 import jax
@@ -9,6 +10,7 @@ import pytest
 from flax import nnx
 
 import attnres_jax as ar
+from attnres_jax.residuals.attnres import choices
 from attnres_jax.residuals.attnres import depth
 
 from conftest import TINY_MODEL as TINY, tiny_model_config
@@ -219,11 +221,10 @@ def test_phase1_over_buffer_prefixes_equals_the_masked_read(rms_given):
 )
 def test_phase1_prefixes_split_the_segment_starts(residual, count, prefixes):
   """32 layers: the segment starts in groups of equal count, each read up to its
-  longest start, the last group up to the whole buffer."""
-  cfg = tiny_model_config(
-    num_layers=32, residual=residual, block_size=4, depth_read_prefixes=count
-  )
-  assert ar.residuals.make(cfg).phase1_prefixes() == prefixes
+  longest start, the last group up to the whole buffer (`count` 0: the rule's)."""
+  cfg = tiny_model_config(num_layers=32, residual=residual, block_size=4)
+  attnres = dataclasses.replace(ar.residuals.make(cfg), prefix_count=count)
+  assert choices.phase1_prefixes(attnres) == prefixes
 
 
 def autodiff_merge(stats, local_JBTD, valid_J, query_D, gain_D, eps, inv_rms_JBT):
@@ -314,15 +315,12 @@ def test_phase1_read_is_phase2_without_a_valid_local_source(num_local):
 
 
 def model(block_size=2, depth_read='two_phase', spread=True, **overrides):
-  cfg = tiny_model_config(
-    **{
-      'residual': 'block',
-      'block_size': block_size,
-      'depth_read': depth_read,
-      **overrides,
-    }
-  )
+  """`depth_read`: 'two_phase' (the library's read) or 'one_shot' (the test-only
+  reference read, `AttnResResidual.one_shot`)."""
+  cfg = tiny_model_config(**{'residual': 'block', 'block_size': block_size, **overrides})
   m = ar.Transformer(cfg, rngs=nnx.Rngs(0))
+  if depth_read == 'one_shot':
+    m.residual = dataclasses.replace(m.residual, one_shot=True)
   keys = jax.random.split(jax.random.key(1), 3)
   reads = m.layers.residual
   reads.query[...] = jax.random.normal(keys[0], reads.query.shape)

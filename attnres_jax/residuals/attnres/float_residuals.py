@@ -1,5 +1,5 @@
-"""What the linear-memory AttnRes backward (`attnres_backward.py`) keeps of a sublayer:
-its VJP's float residuals, the rest recomputed."""
+"""What the linear-memory AttnRes backward (`backward.py`) keeps of a sublayer: its
+VJP's float residuals, the rest recomputed."""
 
 from __future__ import annotations
 

@@ -8,8 +8,9 @@ the inner carry (`SegmentCarry`) and are written into the buffer when it ends.
 Two-phase reads run Phase 1 for the segment's Q = 2 G queries against the completed
 slots at its start, then merge the local slots per sublayer (Phase 2). One-shot reads
 (the reference, the ablations, the analysis statistics) read the buffer with the local
-slots in place. The linear-memory backward pass is `attnres_backward.py`; the
-schedule's sizes, config checks and costs are `attnres_schedule.py`.
+slots in place. The linear-memory backward pass is `backward.py`; the schedule's
+sizes, config checks and costs are `schedule.py`; the automatic choices of how it is
+computed (the Phase 1 kernel, the prefixes its XLA version reads) are `choices.py`.
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ import jax
 import jax.numpy as jnp
 
 from attnres_jax.residuals.attnres import depth
-from attnres_jax.kernels import depth_pallas
 from attnres_jax.nn import sharding
 from attnres_jax.residuals.attnres import backward as attnres_backward
+from attnres_jax.residuals.attnres import choices
+from attnres_jax.residuals.attnres import phases
 from attnres_jax.residuals.attnres import reads as attnres_reads
 from attnres_jax.residuals.attnres import schedule as attnres_schedule
 from attnres_jax.residuals import base
@@ -32,10 +34,6 @@ from attnres_jax.residuals import base
 block_size_of = attnres_schedule.block_size_of
 depth_read_sources = attnres_schedule.depth_read_sources
 whole_block_layers = attnres_schedule.whole_block_layers
-
-
-# Phase 1 prefixes of Full AttnRes when `depth_read_prefixes` is 0 (automatic).
-AUTOMATIC_PREFIXES = 4
 
 
 class DepthCarry(NamedTuple):
@@ -60,12 +58,19 @@ class SegmentCarry(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class AttnResResidual(base.Residual):
-  """Full and Block AttnRes (`cfg.residual` 'full' / 'block'); `one_shot`: every read
-  one softmax over the buffer (the reference and the analysis)."""
+  """Full and Block AttnRes (`cfg.residual` 'full' / 'block'). The paper's read runs
+  the two-phase block schedule, the ablations the one-shot read. The other fields
+  are no config fields: set by the library (the statistics, the pipeline) or, as
+  test references, by tests (`dataclasses.replace(model.residual, ...)`): part of
+  the model's GraphDef, so a jit traces each variant apart."""
 
   cfg: Any
-  one_shot: bool = False
+  one_shot: bool = False  # every read one softmax over the buffer (the reference)
   layers_per_segment: int = 0  # 0: the configured or default segment length
+  # Test-only: plain autodiff of the two-phase schedule, not the linear-memory backward.
+  autodiff_backward: bool = False
+  prefix_count: int = 0  # XLA Phase 1's buffer prefixes; 0: `choices.phase1_prefixes`
+  keep_phase1: bool | None = None  # Test-only; None: `choices.keeps_phase1`
 
   no_decay = frozenset({'query', 'gain', 'mix'})  # decay would pull reads to uniform
   figures = ('depth_weights', 'depth_entropy')
@@ -117,7 +122,14 @@ class AttnResResidual(base.Residual):
 
   @property
   def two_phase(self) -> bool:
-    return not self.one_shot and self.cfg.depth_read == 'two_phase'
+    """The two-phase block schedule: the paper's read (the ablations read in one
+    shot), unless `one_shot`."""
+    return not self.one_shot and not self.cfg.ablations
+
+  @property
+  def kernel(self) -> str:
+    """'pallas' or 'xla': how Phase 1 is computed (`choices.phase1_kernel`)."""
+    return choices.phase1_kernel(self)
 
   @property
   def writes_in_place(self) -> bool:
@@ -133,7 +145,7 @@ class AttnResResidual(base.Residual):
 
   @property
   def custom_stack(self):
-    if not (self.two_phase and self.cfg.linear_memory_backward and self.cfg.scan_layers):
+    if not (self.two_phase and not self.autodiff_backward and self.cfg.scan_layers):
       return None
     run = attnres_backward.make_stack(self)
     return lambda *args: DepthCarry(*run(*args))
@@ -173,53 +185,6 @@ class AttnResResidual(base.Residual):
       buffer_KBTD, inv_rms_KBT.at[0].set(depth.rms_inverse(x_BTD, self.cfg.attn_res_eps))
     )
 
-  def segment_queries(self, params, num_layers):
-    """The segment's queries and gains, [Q, D] in sublayer order, whole on every
-    device (tiny: otherwise a sharded model dimension makes Phase 1 all-reduce its
-    [Q, K, B, T] logits instead)."""
-    d = self.cfg.d_model
-    whole = lambda x: sharding.constrain(x[...].reshape(2 * num_layers, d), (None, None))
-    return whole(params.query), whole(params.gain)
-
-  def merge(
-    self,
-    phase1_stats,
-    local_JBTD,
-    query_D,
-    gain_D,
-    layer_in_segment,
-    which,
-    first,
-    embedding_BTD,
-    local_inv_rms_JBT=None,
-    num_local=None,
-  ):
-    """Phase 2 of one sublayer: its Phase 1 statistics merged with the local slots it
-    reads (`local_JBTD`: the segment's J slots, or where `num_local` gives J, the ones
-    it reads alone, None if none). The model's first sublayer reads the embedding
-    alone, whatever its query: it takes it as is, so that its query's gradient is
-    exactly zero (through the online softmax it would be two float32 terms that cancel
-    only to a few ulps)."""
-    _, num_valid = self.local_index(layer_in_segment, which)
-    if num_valid:
-      valid_J = jnp.arange(local_JBTD.shape[0]) < num_valid
-      h_BTD = depth.phase2(
-        phase1_stats,
-        local_JBTD,
-        valid_J,
-        query_D,
-        gain_D,
-        eps=self.cfg.attn_res_eps,
-        local_inv_rms_JBT=local_inv_rms_JBT,
-        num_written=num_valid,
-        num_local=num_local,
-      )
-    else:  # a segment's first sublayer: no local slot to merge
-      h_BTD = depth.phase1_read(phase1_stats, embedding_BTD.dtype)
-    if layer_in_segment == 0 and which == 0:
-      h_BTD = jnp.where(first == 1, embedding_BTD, h_BTD)
-    return self.to_compute(h_BTD)
-
   def begin_segment(self, carry, params, segment):
     num_layers = params.query.shape[0]
     num_local = self.local_slots(num_layers)
@@ -227,7 +192,7 @@ class AttnResResidual(base.Residual):
     first = self.first_local_slot(segment)
     if self.writes_in_place:
       inner = SegmentCarry(buffer_KBTD, inv_rms_KBT, first, None, None)
-      return inner, self.phase1(buffer_KBTD, params, first, inv_rms_KBT)
+      return inner, phases.phase1(self, buffer_KBTD, params, first, inv_rms_KBT)
     local_JBTD = jnp.zeros((num_local,) + buffer_KBTD.shape[1:], buffer_KBTD.dtype)
     local_inv_rms_JBT = jnp.zeros((num_local,) + inv_rms_KBT.shape[1:], jnp.float32)
     inner = SegmentCarry(
@@ -239,56 +204,7 @@ class AttnResResidual(base.Residual):
     )
     if not self.two_phase:
       return inner, None
-    return inner, self.phase1(buffer_KBTD, params, first, inv_rms_KBT)
-
-  def phase1(self, buffer_KBTD, params, first, inv_rms_KBT=None, kept=None):
-    """Phase 1 of a segment (its layers' stacked `params`) against the slots before
-    `first`: a list over its G layers of (attention, MLP) pairs of `depth.phase1`'s
-    per-query statistics, kept apart (no [G, 2, ...] stacks to write and read).
-    `kept` (the Phase 1 kernel only): that list as an earlier call on the same
-    operands returned it, returned again without rerunning the forward kernel."""
-    num_layers = params.query.shape[0]
-    queries_QD, gains_QD = self.segment_queries(params, num_layers)
-    if self.cfg.depth_kernel == 'pallas':
-      flat = None if kept is None else [stats for layer in kept for stats in layer]
-      read, prefixes = depth_pallas.phase1, {'kept': flat}
-    else:
-      read, prefixes = depth.phase1, {'prefixes': self.phase1_prefixes()}
-    stats = read(
-      buffer_KBTD,
-      queries_QD,
-      gains_QD,
-      eps=self.cfg.attn_res_eps,
-      num_valid=first,
-      inv_rms_KBT=inv_rms_KBT,
-      out_dtype=self.phase1_dtype,
-      **prefixes,
-    )
-    return [stats[2 * j : 2 * j + 2] for j in range(num_layers)]
-
-  def phase1_prefixes(self) -> tuple[int, ...] | None:
-    """The buffer prefixes the XLA Phase 1 picks from for a traced segment start
-    (`model.depth_read_prefixes` of them; None: the whole buffer, masked). A segment
-    starting at slot `first` reads `first` slots. The segment starts are split in
-    order into groups of equal count, each read with the longest start of its group;
-    the last group reads the whole buffer, which holds any start.
-
-    Automatic (0): 4 for Full, whose buffer grows with every sublayer (65 slots at 32
-    layers), the whole buffer for Block, whose buffer is short (2 L / S + 1 slots).
-    On the TPU compiler's estimate (bench/aot.py d1024 v5p:2x2x1, bf16, 32 layers)
-    4 prefixes take Full from 2.29x to 2.23x the standard step and Block S=4 from
-    1.38x to 1.41x; on CPU (16 layers) Full from 1.59x to 1.24x (docs/results.md,
-    eighteenth pass)."""
-    count = self.cfg.depth_read_prefixes or (
-      AUTOMATIC_PREFIXES if self.block_size == 1 else 1
-    )
-    num_segments = -(-self.cfg.num_layers // self.segment_layers)
-    starts = [self.first_local_slot(s) for s in range(num_segments)]
-    if count <= 1 or len(starts) <= 1:
-      return None
-    count = min(count, len(starts))
-    group_ends = [len(starts) * (g + 1) // count for g in range(count - 1)]
-    return tuple(starts[end - 1] for end in group_ends) + (self.num_slots,)
+    return inner, phases.phase1(self, buffer_KBTD, params, first, inv_rms_KBT)
 
   def read(self, inner: SegmentCarry, params, per_layer, layer_in_segment, which):
     _, num_local_valid = self.local_index(layer_in_segment, which)
@@ -302,7 +218,8 @@ class AttnResResidual(base.Residual):
           else None
           for x in (inner.buffer_KBTD, inner.inv_rms_KBT)
         )
-      h_BTD = self.merge(
+      h_BTD = phases.merge(
+        self,
         per_layer[which],
         local_JBTD,
         query_D,
@@ -373,22 +290,8 @@ class AttnResResidual(base.Residual):
     h_BTD, weights_KBT = attnres_reads.read_row(
       self.cfg, carry.buffer_KBTD, None, params, (), carry.inv_rms_KBT
     )
-    if self.two_phase and self.cfg.depth_kernel == 'pallas' and not self.cfg.ablations:
-      # The read itself through the Phase 1 kernel (one query, every slot): one pass
-      # over the buffer, and a backward that writes the buffer's cotangent in the
-      # layout the backward pass carries it (XLA's read swept the buffer twice and
-      # its cotangent was relayouted: bench/aot.py d1024 v5p:2x2x1 data,
-      # full/bf16/pallas 50.68 -> 49.93 ms). The weights, for statistics only, stay
-      # XLA's (dropped by the compiler where unused).
-      ((_, sum_BT, out_BTD),) = depth_pallas.phase1(
-        carry.buffer_KBTD,
-        params.query[...][None],
-        params.gain[...][None],
-        eps=self.cfg.attn_res_eps,
-        num_valid=self.num_slots,
-        width_minor_cotangent=True,
-      )
-      h_BTD = depth.phase1_read((None, sum_BT, out_BTD), carry.buffer_KBTD.dtype)
+    if self.kernel == 'pallas':  # the weights (statistics only) stay XLA's, unused
+      h_BTD = phases.final_read_with_kernel(self, carry.buffer_KBTD, params)
     return self.to_compute(h_BTD), weights_KBT
 
   # -- analysis ---------------------------------------------------------------------
@@ -437,8 +340,7 @@ class AttnResResidual(base.Residual):
       size = max(d for d in range(unit, size + 1, unit) if layers_per_chunk % d == 0)
     # One read of the whole buffer per segment: the pipeline vmaps its stages, whose
     # segment starts differ, and a `lax.switch` on a batched index runs every branch.
-    whole_reads = dataclasses.replace(self.cfg, depth_read_prefixes=1)
-    chunk = dataclasses.replace(self, layers_per_segment=size, cfg=whole_reads)
+    chunk = dataclasses.replace(self, layers_per_segment=size, prefix_count=1)
     return chunk, layers_per_chunk // size
 
 

@@ -12,8 +12,8 @@ from attnres_jax.kernels import depth_pallas_kernels
 from attnres_jax.residuals import base
 
 READ_FLOPS_PER_SOURCE_AND_CHANNEL = 7  # key RMS 2d, logit 2d, weighted sum 2d, rest ~d
-DEPTH_KERNELS = ('xla', 'pallas')  # Phase 1: jnp, or the Pallas kernel (depth_pallas)
-PHASE1_BACKWARDS = ('auto', 'keep', 'recompute')  # model.phase1_backward
+# Phase 1: chosen by the platform (kernels/pallas_mesh.py), jnp, or the Pallas kernel
+DEPTH_KERNELS = ('auto', 'xla', 'pallas')
 
 
 def block_size_of(cfg) -> int:
@@ -25,7 +25,7 @@ def depth_state_dtype_of(cfg):
   """The dtype of the depth buffer, the partial sums and Phase 1's outputs (the
   online-softmax statistics stay float32): `depth_dtype`, else the compute dtype.
   bfloat16 outputs under bfloat16 compute train to the same loss as float32 ones
-  (docs/results.md, twentieth pass)."""
+  (docs/results.md, the depth state's storage)."""
   return jnp.dtype(cfg.depth_dtype or cfg.dtype)
 
 
@@ -54,23 +54,6 @@ def default_segment_layers(num_layers: int, block_size: int) -> int:
   return min(whole_block_layers(block_size), num_layers)
 
 
-def keeps_phase1(setting: str, mean_first: float, num_queries: int) -> bool:
-  """Whether the linear-memory backward takes each segment's Phase 1 results from
-  the forward pass (`phase1_backward`) rather than running the forward kernel again.
-  Computed again, a segment's Phase 1 reads its `first` completed slots and writes
-  its `num_queries` outputs; kept, the forward pass copies the outputs into the
-  stack it keeps for the backward pass and holds one [B, T, D] per sublayer until
-  then. 'auto' keeps them where the average read is more than three times the
-  outputs. Measured on v5p:2x2x1 (docs/results.md, twenty-first pass): Full at 32
-  layers (31 slots, 4 queries) -1.6% step and 7.2 GB a step less, and at 16 layers
-  of width 2048 (15 slots) -0.5%, peak memory +2-3 points (target 1.20x); Block S=4
-  at 32 layers (8.5 slots) -0.6%, but its peak and temp then pass its 1.05x target
-  on FSDP (1.020x -> 1.051x); at 8 layers the step did not move."""
-  if setting == 'auto':
-    return mean_first > 3 * num_queries
-  return setting == 'keep'
-
-
 def whole_block_layers(block_size: int) -> int:
   """The fewest layers that cover whole blocks of `block_size` sublayers."""
   return block_size // 2 if block_size % 2 == 0 else block_size
@@ -84,11 +67,6 @@ def validate(cfg) -> None:
       f'integer >= 1, got {cfg.block_size!r} (1 = Full AttnRes; >= 2 * '
       'num_layers = one block).'
     )
-  if cfg.ablations and cfg.depth_read == 'two_phase':
-    base.invalid(
-      f'depth_read="two_phase" computes the paper\'s softmax read only; the '
-      f'ablations {cfg.ablations} use the one-shot read: set depth_read="one_shot".'
-    )
   if cfg.depth_dtype not in ('', 'bfloat16', 'float32'):
     base.invalid(
       f"depth_dtype must be '' (the compute dtype), 'bfloat16' or 'float32', got "
@@ -98,19 +76,10 @@ def validate(cfg) -> None:
     base.invalid(
       f'depth_kernel must be one of {DEPTH_KERNELS}, got {cfg.depth_kernel!r}.'
     )
-  if cfg.phase1_backward not in PHASE1_BACKWARDS:
+  if cfg.depth_kernel == 'pallas' and cfg.ablations:
     base.invalid(
-      f'phase1_backward must be one of {PHASE1_BACKWARDS}, got {cfg.phase1_backward!r}.'
-    )
-  if cfg.phase1_backward == 'keep' and cfg.depth_kernel != 'pallas':
-    base.invalid(
-      "phase1_backward='keep' keeps the Phase 1 kernel's results for the backward "
-      "pass; set depth_kernel='pallas', or phase1_backward='auto'."
-    )
-  if cfg.depth_kernel == 'pallas' and cfg.depth_read != 'two_phase':
-    base.invalid(
-      "depth_kernel='pallas' computes Phase 1 of the two-phase read; set "
-      "depth_read='two_phase' or depth_kernel='xla'."
+      "depth_kernel='pallas' computes Phase 1 of the two-phase read; the ablations "
+      f"{cfg.ablations} read in one shot: set depth_kernel='auto' or 'xla'."
     )
   layers = cfg.schedule_layers
   if (
@@ -125,27 +94,33 @@ def validate(cfg) -> None:
       f'{whole_block_layers(cfg.block_size)} layers, num_layers, or 0.'
     )
   if cfg.depth_kernel == 'pallas':
-    _check_kernel_fits_vmem(cfg)
+    refusal = kernel_refusal(cfg)
+    if refusal:
+      base.invalid(
+        f"depth_kernel='pallas' {refusal}: use depth_kernel='xla' or shorter schedule "
+        'segments (schedule_layers).'
+      )
 
 
-def _check_kernel_fits_vmem(cfg) -> None:
-  """The Phase 1 kernel holds one depth slot of a tile of tokens in on-chip memory at
-  a time, with the Q outputs of its segment (their float32 accumulators, or their
-  cotangents): at its narrowest tile that must fit, or the TPU compiler fails late.
-  The need grows with the segment's queries and the width, not with the slots."""
+def kernel_refusal(cfg) -> str | None:
+  """Why the Phase 1 kernel cannot run `cfg` (None: it can). It holds one depth slot
+  of a tile of tokens in on-chip memory at a time, with the Q outputs of its segment
+  (their float32 accumulators, or their cotangents): at its narrowest tile that must
+  fit, or the TPU compiler fails late. The need grows with the segment's queries and
+  the width, not with the slots."""
   size = block_size_of(cfg)
   layers = cfg.schedule_layers or default_segment_layers(cfg.num_layers, size)
   queries = 2 * min(layers, cfg.num_layers)
   itemsize = depth_state_dtype_of(cfg).itemsize  # the slots' and the outputs'
   need = depth_pallas_kernels.least_vmem_bytes(queries, cfg.d_model, itemsize, itemsize)
-  if need > depth_pallas_kernels.VMEM_BYTES:
-    base.invalid(
-      f"depth_kernel='pallas' needs {need / 2**20:.1f} MiB of on-chip memory for "
-      f'the {queries} queries of a schedule segment at width {cfg.d_model} at its '
-      f'narrowest tile of {depth_pallas_kernels.LANES} tokens, more than the '
-      f"{depth_pallas_kernels.VMEM_BYTES // 2**20} MiB it may assume (v5p's VMEM): use "
-      "depth_kernel='xla' or shorter schedule segments (schedule_layers)."
-    )
+  if need <= depth_pallas_kernels.VMEM_BYTES:
+    return None
+  return (
+    f'needs {need / 2**20:.1f} MiB of on-chip memory for the {queries} queries of a '
+    f'schedule segment at width {cfg.d_model} at its narrowest tile of '
+    f'{depth_pallas_kernels.LANES} tokens, more than the '
+    f"{depth_pallas_kernels.VMEM_BYTES // 2**20} MiB it may assume (v5p's VMEM)"
+  )
 
 
 def forward_flops(cfg) -> float:

@@ -39,6 +39,7 @@ from attnres_jax.residuals.attnres import depth
 from attnres_jax.nn import sharding
 from attnres_jax.residuals import base
 from attnres_jax.kernels import hyper_pallas
+from attnres_jax.kernels import pallas_mesh
 from attnres_jax.residuals.hyper import streams as hyper_streams
 from attnres_jax.kernels import sinkhorn_pallas
 
@@ -208,9 +209,9 @@ class HyperConnectionResidual(base.Residual):
       base.invalid(f'hc_dynamic must be True or False, got {cfg.hc_dynamic!r}.')
     if self.manifold and (not base.is_int(cfg.sinkhorn_iters) or cfg.sinkhorn_iters < 1):
       base.invalid(f'sinkhorn_iters must be an integer >= 1, got {cfg.sinkhorn_iters!r}.')
-    if cfg.depth_kernel not in WRITE_KERNELS:
+    if cfg.depth_kernel not in pallas_mesh.KERNEL_SETTINGS:
       base.invalid(
-        f'depth_kernel must be one of {tuple(WRITE_KERNELS)} (for HC/mHC: how the '
+        f'depth_kernel must be one of {pallas_mesh.KERNEL_SETTINGS} (for HC/mHC: how the '
         f'stream write and the projections are computed), got {cfg.depth_kernel!r}.'
       )
     if cfg.ablations:
@@ -240,10 +241,14 @@ class HyperConnectionResidual(base.Residual):
     return module(self.cfg, (2,), ('sublayers',))
 
   @property
+  def kernel(self) -> str:  # 'xla' | 'pallas', 'auto' decided at trace time
+    return pallas_mesh.choose_kernel(self.cfg.depth_kernel)
+
+  @property
   def defers_write(self) -> bool:
     """Whether each write waits for the next sublayer's read (`PendingWrite`):
     dynamic HC or mHC with the Pallas kernels."""
-    return self.cfg.hc_dynamic and self.cfg.depth_kernel == 'pallas'
+    return self.cfg.hc_dynamic and self.kernel == 'pallas'
 
   def init(self, x_BTD):
     streams_MBTD = jnp.broadcast_to(x_BTD, (self.num_streams,) + x_BTD.shape)
@@ -264,7 +269,7 @@ class HyperConnectionResidual(base.Residual):
     """The streams, with a pending write done (the write kernel alone)."""
     if not isinstance(streams, PendingWrite):
       return streams
-    new_MBTD = WRITE_KERNELS[self.cfg.depth_kernel](
+    new_MBTD = WRITE_KERNELS[self.kernel](
       streams.mix_MMBT, streams.write_MBT, streams.streams_MBTD, streams.out_BTD
     )
     return sharding.constrain(new_MBTD, STREAMS)
@@ -299,7 +304,7 @@ class HyperConnectionResidual(base.Residual):
     pending = streams if isinstance(streams, PendingWrite) else None
     streams_MBTD = _stream_array(streams)
     m, batch = self.num_streams, streams_MBTD.shape[1:3]
-    if self.cfg.depth_kernel != 'pallas' or batch[1] % hyper_pallas.LANES:
+    if self.kernel != 'pallas' or batch[1] % hyper_pallas.LANES:
       passed_MBTD = self.written(pending) if pending else None
       normed = hyper_streams.normed_projection(
         phi,
@@ -386,7 +391,7 @@ class HyperConnectionResidual(base.Residual):
       post_MBT = post_MBT + _row(params.post_scale, which) * post_KBT
       res_MMBT = res_MMBT + _row(params.res_scale, which) * res_KBT.reshape(m, m, *batch)
     # Recomputed in the backward pass: only the logits are kept, not 20 iterations.
-    if self.cfg.depth_kernel == 'pallas':  # the iterations in VMEM (sinkhorn_pallas)
+    if self.kernel == 'pallas':  # the iterations in VMEM (sinkhorn_pallas)
       h_res_MMBT = sinkhorn_pallas.sinkhorn(res_MMBT, self.cfg.sinkhorn_iters)
     else:
       h_res_MMBT = jax.checkpoint(sinkhorn, static_argnums=(1, 2))(
@@ -421,7 +426,7 @@ class HyperConnectionResidual(base.Residual):
         coeffs.write_MBT,
       )
     else:
-      new = WRITE_KERNELS[self.cfg.depth_kernel](
+      new = WRITE_KERNELS[self.kernel](
         coeffs.mix_MMBT, coeffs.write_MBT, streams_MBTD, out_BTD
       )
       new = sharding.constrain(new, STREAMS)
