@@ -22,7 +22,7 @@ import attnres_jax as ar
 from attnres_jax.compile_report import aot
 from attnres_jax import modes
 from attnres_jax.nn import sharding
-from attnres_jax.residuals.hyper import connections as hcl
+from attnres_jax.residuals.hyper import coefficients
 from attnres_jax.kernels import hyper_pallas as hp
 from attnres_jax.residuals.hyper import streams as hs
 from attnres_jax.kernels import sinkhorn_pallas as sp
@@ -97,7 +97,7 @@ def test_kernel_equals_the_xla_write(dtype, m, tile_bytes, monkeypatch):
 
 def gated_read_inputs(m, dtype, per_stream=True, seed=0):
   """The projection (HC: [D, m + 2]; mHC: [m, D, m^2 + 2m]), the read's gate [2, R]
-  (s and base_i at the read columns, zero elsewhere: `hyper_pallas._Columns`),
+  (s and base_i at the read columns, zero elsewhere: `hyper_gated_read_kernels.Columns`),
   streams [m, 2, 256, 128] of RMS 3."""
   keys = jax.random.split(jax.random.key(seed), 3)
   if per_stream:
@@ -268,7 +268,10 @@ def sharded_errors():
       jax.jit(jax.value_and_grad(lambda x, f=f: jnp.sum(under_rules(f, x) * logits)))(
         logits
       )
-      for f in (lambda x: sp.sinkhorn(x, 20), lambda x: hcl.sinkhorn(x, 20, (0, 1)))
+      for f in (
+        lambda x: sp.sinkhorn(x, 20),
+        lambda x: coefficients.sinkhorn(x, 20, (0, 1)),
+      )
     ]
     for per_stream, variant in ((True, 'hc'), (False, 'mhc')):
       read_args = gated_read_inputs(4, jnp.float32, per_stream)
@@ -336,7 +339,7 @@ def test_sinkhorn_kernel_equals_the_xla_sinkhorn(scale, max_tile, monkeypatch):
     return jax.jit(lambda x: (fn(x), jax.grad(loss)(x)))(logits)
 
   out, grad = value_and_grad(lambda x: sp.sinkhorn(x, 20))
-  ref_out, ref_grad = value_and_grad(lambda x: hcl.sinkhorn(x, 20, (0, 1)))
+  ref_out, ref_grad = value_and_grad(lambda x: coefficients.sinkhorn(x, 20, (0, 1)))
   np.testing.assert_allclose(out, ref_out, atol=1e-6)
   np.testing.assert_allclose(out.sum(1), 1.0, atol=1e-6)  # rows, as the reference
   assert bool(jnp.all(jnp.isfinite(grad)))
