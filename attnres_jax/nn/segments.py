@@ -62,8 +62,8 @@ def ungroup_layers(grouped):
 
 
 def join_layers(segmented):
-  """Per-layer outputs of `stack.run_layers` (the whole segments as a tuple of `size` trees
-  [num_segments, ...], one per position; the shorter last segment as a tuple of
+  """Per-layer outputs of `stack.run_layers` (the whole segments as a tuple of `size`
+  trees [num_segments, ...], one per position; the shorter last segment as a tuple of
   single-layer trees) stacked over all layers [L, ...]."""
   full, tail = segmented
   if full is not None:

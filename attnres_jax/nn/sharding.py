@@ -1,8 +1,8 @@
 """Logical axis names -> device mesh axes, in one place.
 
 Parameters carry logical axis names in their `out_sharding` metadata
-(`models/transformer.py`; the stacked layers add a leading 'layers'); key activations are constrained with
-`constrain(x, names)`. The rules in `config.mesh.rules` map every logical name to the
+(`models/transformer.py`; the stacked layers add a leading 'layers'); key activations
+are constrained with `constrain(x, names)`. The rules in `config.mesh.rules` map every logical name to the
 tuple of mesh axes it is split over (empty: not split). The mesh has three axes:
 
   data    pure data parallelism: the batch is split, everything else replicated
@@ -13,8 +13,8 @@ tuple of mesh axes it is split over (empty: not split). The mesh has three axes:
           vocabulary are split, activations along them too
 
 plus a fourth, outermost axis `stage` (size `mesh.stage`, 1 by default) for pipeline
-parallelism (`parallel/pipeline.py`): the stacked layers ('layers') are split over it, and the
-pipeline's per-stage activations ('stages').
+parallelism (`parallel/pipeline.py`): the stacked layers ('layers') are split over
+it, and the pipeline's per-stage activations ('stages').
 
 Activations use their own name for the model width, 'hidden', separate from the
 parameters' 'embed': under FSDP the batch already uses the fsdp axis, so the hidden
@@ -78,8 +78,8 @@ def default_mesh_config(**overrides) -> ml_collections.ConfigDict:
   """The `mesh` config section: shape (one -1 = the remaining devices), axis names and
   the logical-axis rules. Default: all devices data parallel; e.g.
   --config.mesh.shape='(2,2,2)' for data x FSDP x tensor parallelism, and
-  --config.mesh.stage=2 to pipeline the layers over 2 stages (`parallel/pipeline.py`; the shape
-  then covers the devices of one stage)."""
+  --config.mesh.stage=2 to pipeline the layers over 2 stages (`parallel/pipeline.py`;
+  the shape then covers the devices of one stage)."""
   cfg = ml_collections.ConfigDict(
     dict(
       shape=(-1, 1, 1),

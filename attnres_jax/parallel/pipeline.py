@@ -101,7 +101,7 @@ def _chunk_residual(model, pipe: PipelineConfig, layers_per_chunk: int):
   residual, segments_per_chunk = model.residual.pipeline_chunk(layers_per_chunk)
   # The residual's own backward pass (AttnRes's linear-memory one) runs a chunk when
   # the chunk runs the residual's own schedule, re-segmented; not another one (a
-  # block spanning chunk boundaries: `attnres.BufferReads`).
+  # block spanning chunk boundaries: `residuals/attnres/residual.BufferReads`).
   custom_stack = None
   if type(residual) is type(model.residual):
     if pipe.schedule == 'remat' and model.cfg.remat == 'none':
@@ -337,8 +337,8 @@ def pipeline_hidden(model, x_MBTD, positions_BT, pipe: PipelineConfig):
 
 
 def split_microbatches(tree, num_microbatches: int):
-  """[B, ...] -> [M, B / M, ...], microbatch m = rows m, m + M, ... (as train.py's
-  gradient accumulation splits)."""
+  """[B, ...] -> [M, B / M, ...], microbatch m = rows m, m + M, ... (as
+  `training/step.py`'s gradient accumulation splits)."""
   return jax.tree.map(
     lambda x: x.reshape(
       x.shape[0] // num_microbatches, num_microbatches, *x.shape[1:]

@@ -1,5 +1,5 @@
 """The Pallas stream write of HC/mHC (attnres_jax/kernels/hyper_pallas.py) equals the
-XLA one (hyper_streams.write), forward and every cotangent, and the models built
+XLA one (residuals/hyper/streams.write), forward and every cotangent, and the models built
 with it (`depth_kernel='pallas'`) equal those built without.
 
 On the CPU the kernels run in Pallas interpret mode: the same kernel code and the

@@ -284,7 +284,7 @@ def test_invalid_pipelines_fail_before_compiling():
       config_lib.model_config(num_layers=4, residual=residual),
       8,
     )
-  # The run config's one validation pass (train.py's) includes the pipeline and the
+  # The run config's one validation (`config.validate`) includes the pipeline and the
   # batch split over the data-parallel devices.
   config = default_config.get_config('tiny')  # 2 layers, batch 8
   config.mesh.update(stage=2, num_microbatches=3)
