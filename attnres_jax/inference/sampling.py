@@ -202,6 +202,50 @@ def generate(
   `return_logits`, also the float32 logits each token was chosen from,
   [max_new_tokens, V] (or [B, max_new_tokens, V], or a list of [N_b, V]).
   """
+  prompt_BT, start_B, single, ragged = _prompt_batch(prompt_tokens)
+  _check_options(temperature, top_k, max_new_tokens, prefill_chunk, weights_dtype)
+  batch, prompt_len = prompt_BT.shape
+
+  vocab = model.cfg.vocab_size
+  options = (jnp.float32(temperature), jnp.int32(min(top_k or vocab, vocab)))
+  key = jax.random.PRNGKey(seed)
+  served = serving_state(model, weights_dtype)
+  # The last new token is never fed back, so the cache needs one slot less. Its length
+  # is rounded up (unused slots are masked) so that nearby lengths share a compilation.
+  needed = prompt_len + max_new_tokens - 1
+  cache = model.init_cache(batch, -(-needed // CACHE_ROUNDING) * CACHE_ROUNDING)
+  start = jnp.asarray(start_B)
+  logits_BV, cache = _prefill(served, prompt_BT, cache, start, prefill_chunk)
+  token_B = _first_token(logits_BV, key, jnp.int32(prompt_len), *options)
+  tokens, logits = _continue(
+    served,
+    token_B,
+    logits_BV,
+    cache,
+    start,
+    key,
+    options,
+    range(prompt_len, prompt_len + max_new_tokens - 1),
+    stop_tokens=stop_tokens,
+    return_logits=return_logits,
+  )
+  tokens_BN = np.asarray(jnp.stack(tokens, axis=1))
+  logits_BNV = np.asarray(jnp.stack(logits, 1)) if return_logits else None
+  if tokens_BN.shape[1] < max_new_tokens:  # every row stopped: repeat the stop tokens
+    rest = max_new_tokens - tokens_BN.shape[1]
+    tokens_BN = np.concatenate([tokens_BN, np.repeat(tokens_BN[:, -1:], rest, 1)], 1)
+    if return_logits:
+      logits_BNV = np.concatenate([logits_BNV, np.repeat(logits_BNV[:, -1:], rest, 1)], 1)
+  if ragged:
+    return _ragged_results(tokens_BN, logits_BNV, stop_tokens)
+  if not return_logits:
+    return _unbatch(tokens_BN, single)
+  return _unbatch(tokens_BN, single), _unbatch(logits_BNV, single)
+
+
+def _prompt_batch(prompt_tokens):
+  """(the prompts as one [B, T] batch, each row's first slot [B], whether one 1-D
+  prompt was given, whether a list of prompts (ragged) was)."""
   ragged = isinstance(prompt_tokens, (list, tuple)) and any(
     np.ndim(p) >= 1 for p in prompt_tokens
   )
@@ -209,16 +253,19 @@ def generate(
     if any(np.ndim(p) != 1 for p in prompt_tokens):
       raise ValueError('A list of prompts must hold 1-D token sequences.')
     prompt_BT, start_B = left_pad(prompt_tokens)
-    single = False
-  else:
-    prompt = np.asarray(prompt_tokens, np.int32)
-    single = prompt.ndim == 1
-    prompt_BT = prompt[None] if single else prompt
-    if prompt_BT.ndim != 2 or prompt_BT.shape[1] < 1:
-      raise ValueError(
-        f'prompt_tokens must be [T] or [B, T] with T >= 1, got shape {prompt.shape}.'
-      )
-    start_B = np.zeros((prompt_BT.shape[0],), np.int32)
+    return prompt_BT, start_B, False, True
+  prompt = np.asarray(prompt_tokens, np.int32)
+  single = prompt.ndim == 1
+  prompt_BT = prompt[None] if single else prompt
+  if prompt_BT.ndim != 2 or prompt_BT.shape[1] < 1:
+    raise ValueError(
+      f'prompt_tokens must be [T] or [B, T] with T >= 1, got shape {prompt.shape}.'
+    )
+  return prompt_BT, np.zeros((prompt_BT.shape[0],), np.int32), single, False
+
+
+def _check_options(temperature, top_k, max_new_tokens, prefill_chunk, weights_dtype):
+  """ValueError for a setting `generate` cannot use, before any compilation."""
   if temperature < 0:
     raise ValueError(f'temperature must be >= 0, got {temperature}.')
   if top_k is not None and top_k < 1:
@@ -227,18 +274,14 @@ def generate(
     raise ValueError(f'max_new_tokens must be >= 1, got {max_new_tokens}.')
   if prefill_chunk is not None and prefill_chunk < 1:
     raise ValueError(f'prefill_chunk must be >= 1 or None, got {prefill_chunk}.')
-  _serving_dtype(weights_dtype)  # a bad dtype fails here, before any compilation
-  batch, prompt_len = prompt_BT.shape
+  _serving_dtype(weights_dtype)  # a bad dtype fails here
 
-  vocab = model.cfg.vocab_size
-  options = (jnp.float32(temperature), jnp.int32(min(top_k or vocab, vocab)))
-  key = jax.random.PRNGKey(seed)
-  graphdef, state, layers = serving_state(model, weights_dtype)
-  # The last new token is never fed back, so the cache needs one slot less. Its length
-  # is rounded up (unused slots are masked) so that nearby lengths share a compilation.
-  needed = prompt_len + max_new_tokens - 1
-  cache = model.init_cache(batch, -(-needed // CACHE_ROUNDING) * CACHE_ROUNDING)
-  start = jnp.asarray(start_B)
+
+def _prefill(served, prompt_BT, cache, start_B, prefill_chunk):
+  """The prompt fed `prefill_chunk` tokens at a time (default all at once): (the
+  logits after its last token [B, V], the cache). `served`: `serving_state`'s."""
+  graphdef, state, layers = served
+  prompt_len = prompt_BT.shape[1]
   chunk = prefill_chunk or prompt_len
   for index in range(0, prompt_len, chunk):
     logits_BV, cache = _prefill_chunk(
@@ -248,15 +291,34 @@ def generate(
       jnp.asarray(prompt_BT[:, index : index + chunk]),
       cache,
       jnp.int32(index),
-      start,
+      start_B,
     )
-  token_B = _first_token(logits_BV, key, jnp.int32(prompt_len), *options)
+  return logits_BV, cache
+
+
+def _continue(
+  served,
+  token_B,
+  logits_BV,
+  cache,
+  start_B,
+  key,
+  options,
+  indices,
+  *,
+  stop_tokens,
+  return_logits,
+):
+  """(the chosen tokens [B] per step, from `token_B` on; the logits [B, V] each was
+  chosen from, when `return_logits`, else the first only): one `_step` per cache slot
+  of `indices`, stopping early once every row produced one of `stop_tokens`."""
+  graphdef, state, layers = served
   stop_S = jnp.asarray(np.asarray(stop_tokens, np.int32).reshape(-1))
   done_B = jnp.any(token_B[:, None] == stop_S[None, :], axis=-1)
   tokens, logits = [token_B], [logits_BV]
-  for index in range(prompt_len, prompt_len + max_new_tokens - 1):
+  for index in indices:
     # Asking whether every row is done waits for the step: only every 8 steps.
-    if len(stop_tokens) and (index - prompt_len) % 8 == 0 and bool(done_B.all()):
+    if len(stop_tokens) and (index - indices.start) % 8 == 0 and bool(done_B.all()):
       break
     token_B, logits_BV, cache, done_B = _step(
       graphdef,
@@ -265,7 +327,7 @@ def generate(
       token_B,
       cache,
       jnp.int32(index),
-      start,
+      start_B,
       key,
       *options,
       stop_S,
@@ -274,22 +336,17 @@ def generate(
     tokens.append(token_B)
     if return_logits:
       logits.append(logits_BV)
-  tokens_BN = np.asarray(jnp.stack(tokens, axis=1))
-  logits_BNV = np.asarray(jnp.stack(logits, 1)) if return_logits else None
-  if tokens_BN.shape[1] < max_new_tokens:  # every row stopped: repeat the stop tokens
-    rest = max_new_tokens - tokens_BN.shape[1]
-    tokens_BN = np.concatenate([tokens_BN, np.repeat(tokens_BN[:, -1:], rest, 1)], 1)
-    if return_logits:
-      logits_BNV = np.concatenate([logits_BNV, np.repeat(logits_BNV[:, -1:], rest, 1)], 1)
-  if ragged:
-    lengths = [_length_to_stop(row, stop_tokens) for row in tokens_BN]
-    tokens_out = [row[:n] for row, n in zip(tokens_BN, lengths)]
-    if not return_logits:
-      return tokens_out
-    return tokens_out, [row[:n] for row, n in zip(logits_BNV, lengths)]
-  if not return_logits:
-    return _unbatch(tokens_BN, single)
-  return _unbatch(tokens_BN, single), _unbatch(logits_BNV, single)
+  return tokens, logits
+
+
+def _ragged_results(tokens_BN, logits_BNV, stop_tokens):
+  """A list of prompts' results: each row cut after its stop token (and its logits
+  when given)."""
+  lengths = [_length_to_stop(row, stop_tokens) for row in tokens_BN]
+  tokens_out = [row[:n] for row, n in zip(tokens_BN, lengths)]
+  if logits_BNV is None:
+    return tokens_out
+  return tokens_out, [row[:n] for row, n in zip(logits_BNV, lengths)]
 
 
 def _length_to_stop(tokens_N, stop_tokens) -> int:

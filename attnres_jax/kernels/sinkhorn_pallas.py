@@ -1,6 +1,7 @@
 """mHC's Sinkhorn-Knopp as a Pallas TPU kernel and its VJP (`model.depth_kernel=
-'pallas'` with residual 'mhc'): the same function as `hyper_connections.sinkhorn`
-over the leading axes of [m, m, B, T] logits (rows i, columns j).
+'pallas'` with residual 'mhc'): the same function as
+`residuals/hyper/coefficients.sinkhorn` over the leading axes of [m, m, B, T] logits
+(rows i, columns j).
 
 In XLA each of the 20 iterations is its own fusions over the [m, m, B, T] maps,
 forward, in the recomputation and in the backward, reading and writing them from
@@ -9,7 +10,7 @@ VMEM for all iterations:
 
   forward:   per iteration, in float32 and the log domain, L <- L - lse_i(L) (the
              columns), then L <- L - lse_j(L) (the rows); then M = exp(L) normalised
-             over j once more (`hyper_connections.sinkhorn`);
+             over j once more (`coefficients.sinkhorn`);
   backward:  the forward recomputed, each half-step's output Y kept in VMEM scratch,
              then back through the steps: dM -> dL = (dM - sum_j dM M) M, and for
              each half-step Y = X - lse(X): dX = dY - exp(Y) sum(dY) over the same
@@ -30,7 +31,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from attnres_jax.kernels import hyper_pallas
+from attnres_jax.kernels import hyper_tiles
 
 F32 = jnp.float32
 _SQ = pl.squeezed
@@ -159,7 +160,7 @@ def _backward_device(logits_BMMT, dout_BMMT, *, iters):
 def _maps(fn, shape, count):
   """`fn` per device on `count` [B, m, m, T] maps, split like the streams."""
   stream_shape = (shape[1], shape[0], shape[3], 1)
-  return hyper_pallas.per_device(fn, stream_shape, ('maps',) * count, 'maps')
+  return hyper_tiles.per_device(fn, stream_shape, ('maps',) * count, 'maps')
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
@@ -182,7 +183,7 @@ _sinkhorn.defvjp(_sinkhorn_fwd, _sinkhorn_bwd)
 
 
 def sinkhorn(logits_MMBT, iters: int):
-  """`hyper_connections.sinkhorn(logits, iters, axes=(0, 1))` by the kernels: [m, m,
-  B, T] float32, rows i, columns j."""
+  """`residuals/hyper/coefficients.sinkhorn(logits, iters, axes=(0, 1))` by the
+  kernels: [m, m, B, T] float32, rows i, columns j."""
   logits_BMMT = jnp.moveaxis(logits_MMBT.astype(F32), 2, 0)
   return jnp.moveaxis(_sinkhorn(logits_BMMT, int(iters)), 0, 2)

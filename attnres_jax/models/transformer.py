@@ -217,11 +217,9 @@ class Transformer(nnx.Module):
       embed_init, (cfg.vocab_size, d), ('vocab', 'embed'), rngs, pdt
     )
 
-    @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: 'layers'})
-    def make_layers(layer_rngs):
-      return TransformerLayer(cfg, residual, rngs=layer_rngs)
-
-    self.layers = make_layers(rngs.split(cfg.num_layers))
+    self.layers = stack_lib.make_layers(
+      TransformerLayer, cfg.num_layers, rngs, cfg, residual
+    )
     self.final_residual = residual.final_params()
     self.final_norm = RMSNorm(d, eps=cfg.norm_eps, param_dtype=pdt)
     if not cfg.tie_embeddings:

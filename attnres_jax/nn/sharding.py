@@ -1,8 +1,8 @@
 """Logical axis names -> device mesh axes, in one place.
 
-Parameters carry logical axis names in their `out_sharding` metadata (`model.py`; the
-stacked layers add a leading 'layers'); key activations are constrained with
-`constrain(x, names)`. The rules in `config.mesh.rules` map every logical name to the
+Parameters carry logical axis names in their `out_sharding` metadata
+(`models/transformer.py`; the stacked layers add a leading 'layers'); key activations
+are constrained with `constrain(x, names)`. The rules in `config.mesh.rules` map every logical name to the
 tuple of mesh axes it is split over (empty: not split). The mesh has three axes:
 
   data    pure data parallelism: the batch is split, everything else replicated
@@ -13,8 +13,8 @@ tuple of mesh axes it is split over (empty: not split). The mesh has three axes:
           vocabulary are split, activations along them too
 
 plus a fourth, outermost axis `stage` (size `mesh.stage`, 1 by default) for pipeline
-parallelism (`pipeline.py`): the stacked layers ('layers') are split over it, and the
-pipeline's per-stage activations ('stages').
+parallelism (`parallel/pipeline.py`): the stacked layers ('layers') are split over
+it, and the pipeline's per-stage activations ('stages').
 
 Activations use their own name for the model width, 'hidden', separate from the
 parameters' 'embed': under FSDP the batch already uses the fsdp axis, so the hidden
@@ -78,8 +78,8 @@ def default_mesh_config(**overrides) -> ml_collections.ConfigDict:
   """The `mesh` config section: shape (one -1 = the remaining devices), axis names and
   the logical-axis rules. Default: all devices data parallel; e.g.
   --config.mesh.shape='(2,2,2)' for data x FSDP x tensor parallelism, and
-  --config.mesh.stage=2 to pipeline the layers over 2 stages (`pipeline.py`; the shape
-  then covers the devices of one stage)."""
+  --config.mesh.stage=2 to pipeline the layers over 2 stages (`parallel/pipeline.py`;
+  the shape then covers the devices of one stage)."""
   cfg = ml_collections.ConfigDict(
     dict(
       shape=(-1, 1, 1),
@@ -117,47 +117,43 @@ def rules_from_config(
   return {name: _as_axes(value) for name, value in dict(rules).items()}
 
 
+def _invalid(message: str):
+  raise ValueError(f'Invalid mesh config: {message}')
+
+
 def validate_mesh_config(mesh_config: ml_collections.ConfigDict) -> None:
   """Raises ValueError for a malformed mesh section (before any device is touched)."""
   shape, names = tuple(mesh_config.shape), tuple(mesh_config.axis_names)
   if len(shape) != len(names) or list(shape).count(-1) > 1:
-    raise ValueError(
-      f'Invalid mesh config: shape {shape} and axis_names {names} must '
-      'have equal lengths, with at most one -1.'
+    _invalid(
+      f'shape {shape} and axis_names {names} must have equal lengths, with at most '
+      'one -1.'
     )
   if 'data' not in names:
-    raise ValueError(f"Invalid mesh config: axis_names {names} has no 'data' axis.")
+    _invalid(f"axis_names {names} has no 'data' axis.")
   if STAGE_AXIS in names:
-    raise ValueError(
-      f'Invalid mesh config: axis_names {names} must not name '
-      f'{STAGE_AXIS!r}: it is added by mesh.stage.'
+    _invalid(
+      f'axis_names {names} must not name {STAGE_AXIS!r}: it is added by mesh.stage.'
     )
   for name in ('stage', 'virtual_stages', 'num_microbatches'):
     value = mesh_config.get(name, 1)
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-      raise ValueError(
-        f'Invalid mesh config: {name} must be a positive integer, got {value!r}.'
-      )
+      _invalid(f'{name} must be a positive integer, got {value!r}.')
   transfer = mesh_config.get('pipeline_transfer', 'cached')
   if transfer not in PIPELINE_TRANSFERS:
-    raise ValueError(
-      f'Invalid mesh config: pipeline_transfer must be one of '
-      f'{PIPELINE_TRANSFERS}, got {transfer!r}.'
-    )
+    _invalid(f'pipeline_transfer must be one of {PIPELINE_TRANSFERS}, got {transfer!r}.')
   if mesh_config.get('stage', 1) == 1 and (mesh_config.get('virtual_stages', 1) > 1):
-    raise ValueError(
-      'Invalid mesh config: virtual_stages > 1 needs a pipeline (mesh.stage > 1).'
-    )
+    _invalid('virtual_stages > 1 needs a pipeline (mesh.stage > 1).')
   names = names + (STAGE_AXIS,)
   for name, axes in rules_from_config(mesh_config).items():
     unknown = [a for a in axes if a not in names]
     if unknown:
-      raise ValueError(
-        f'Invalid mesh config: rule {name!r} -> {axes!r} names mesh '
-        f'axes {unknown} that are not in axis_names {names}.'
+      _invalid(
+        f'rule {name!r} -> {axes!r} names mesh axes {unknown} that are not in '
+        f'axis_names {names}.'
       )
     if len(set(axes)) != len(axes):
-      raise ValueError(f'Invalid mesh config: rule {name!r} -> {axes!r} repeats an axis.')
+      _invalid(f'rule {name!r} -> {axes!r} repeats an axis.')
 
 
 def make_mesh(
@@ -173,12 +169,8 @@ def make_mesh(
   shape = mesh_shape(mesh_config, count)
   names, sizes = tuple(shape), list(shape.values())
   axis_types = (jax.sharding.AxisType.Auto,) * len(names)
-  slices = len(
-    {
-      getattr(d, 'slice_index', 0)
-      for d in (jax.devices() if devices is None else devices)
-    }
-  )
+  listed = jax.devices() if devices is None else devices
+  slices = len({getattr(d, 'slice_index', 0) for d in listed})
   if slices > 1:  # multi-slice: the data axis spans the slices (DCN), the rest ICI
     data = names.index('data')
     if sizes[data] % slices:
@@ -304,7 +296,7 @@ _ACTIVE: contextvars.ContextVar[tuple[Mesh, Rules] | None] = contextvars.Context
 def logical_rules(mesh: Mesh, rules: Rules) -> Iterator[None]:
   """Within this context `constrain` maps logical names with `rules` onto `mesh`.
 
-  Enter it inside the jitted function (see `train.py`), so that every trace of it
+  Enter it inside the jitted function (see `training/step.py`), so that every trace of it
   sees the rules whatever the caller's context.
   """
   token = _ACTIVE.set((mesh, dict(rules)))
@@ -335,12 +327,8 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-  """Where the train state and the batches live on a device mesh.
-
-  `state` is a TrainState of NamedShardings: each parameter split as its logical axis
-  names say under `rules`, its optimizer moments likewise, scalars replicated.
-  `abstract_state` holds the matching `jax.ShapeDtypeStruct`s (restore targets).
-  """
+  """Where the train state and the batches live on a device mesh
+  (`train_state_layout`)."""
 
   mesh: jax.sharding.Mesh
   rules: dict[str, Any]

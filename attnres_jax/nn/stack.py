@@ -1,5 +1,26 @@
 """Running the stacked Transformer layers through a residual (`residuals/base.py`).
 
+The layer contract: a layer is an `nnx.Module` whose type has these methods
+(`LAYER_METHODS`; `make_layers` checks them before it builds anything):
+
+  sublayer(which, h_BTD, positions_BT, cache=None, cache_index=None, start_B=None)
+      f(h), the raw output of sublayer `which` (0 attention, 1 MLP: `SUBLAYERS`) on
+      its input h [B, T, D]; with a KV cache (decoding) the attention sublayer returns
+      (output, new cache);
+  sublayer_norm(which, h_BTD) and sublayer_body(which, normed_BTD, positions_BT, ...)
+      `sublayer` split at its PreNorm: the linear-memory backward
+      (`residuals/attnres/backward.py`) reruns the two halves apart;
+
+and an attribute `residual`: the residual's parameters of the layer
+(`Residual.layer_params()`, None for the standard residual). The residual alone
+decides how h is read from its depth state and how f(h) is written back.
+
+`make_layers` builds `num_layers` layers at once with `nnx.vmap` over
+`rngs.split(num_layers)`: every parameter gains a leading axis named 'layers' (split
+over the pipeline's `stage` mesh axis by the sharding rules). The stack applies them
+by `jax.lax.scan` over `nnx.split` state, merging one layer's state inside the body
+(`sublayer_function`), never returning parameters from it.
+
 The layers run in schedule segments of `residual.segment_layers` layers: a scan over
 segments whose body runs the segment's few layers unrolled (a last, shorter segment
 runs after the scan when the segment length does not divide the depth). The standard
@@ -21,8 +42,44 @@ import jax.numpy as jnp
 from flax import nnx
 
 from attnres_jax.nn import ops
+from attnres_jax.nn.segments import group_segments
+from attnres_jax.nn.segments import index_segment_layers
+from attnres_jax.nn.segments import join_layers
+from attnres_jax.nn.segments import segment_layers_of
 
 SUBLAYERS = (0, 1)  # attention, MLP
+# What the stack calls on a layer (the module docstring's contract).
+LAYER_METHODS = ('sublayer', 'sublayer_norm', 'sublayer_body')
+
+
+def check_layer(layer_type) -> None:
+  """Raises TypeError naming the first method of `LAYER_METHODS` that `layer_type`
+  lacks: before any layer is built or traced."""
+  for name in LAYER_METHODS:
+    if not callable(getattr(layer_type, name, None)):
+      raise TypeError(
+        f'{layer_type.__name__} cannot run in the layer stack: it has no method '
+        f'{name!r} (a layer needs {", ".join(LAYER_METHODS)}: nn/stack.py).'
+      )
+
+
+def make_layers(layer_type, num_layers: int, rngs: nnx.Rngs, *args, **kwargs):
+  """`num_layers` layers `layer_type(*args, rngs=..., **kwargs)` stacked by
+  `nnx.vmap` on a leading 'layers' axis, each from its own split of `rngs`; the
+  contract (`check_layer`, and the `residual` attribute) checked first."""
+  check_layer(layer_type)
+
+  @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: 'layers'})
+  def make(layer_rngs):
+    return layer_type(*args, rngs=layer_rngs, **kwargs)
+
+  layers = make(rngs.split(num_layers))
+  if not hasattr(layers, 'residual'):
+    raise TypeError(
+      f'{layer_type.__name__} cannot run in the layer stack: it has no attribute '
+      "'residual' (the residual's parameters of the layer, or None: nn/stack.py)."
+    )
+  return layers
 
 
 def sublayer_function(graphdef, which: int, remat: bool):
@@ -91,69 +148,6 @@ def _sublayer_stats(residual, applied, token_weights_BT):
 SublayerHook = Callable[..., tuple[jax.Array, Any]]
 
 
-def group_segments(tree, num_layers: int, size: int):
-  """Per-layer stacked arrays [L, ...] in the schedule's layout: (the whole segments,
-  each array [num_segments, size, ...], or None; the last, shorter segment as a tuple
-  of single-layer trees, or None).
-
-  The whole segments are a reshape of the leading layers, free when they are all of
-  them: the scan over segments slices one segment's [size, ...] block (contiguous)
-  and each layer takes its row of it, where a tree per position in the segment
-  (`x[:, j]`, a strided slice) is a copy of every layer's parameters.
-  """
-  num_full, rest = divmod(num_layers, size)
-  full = tail = None
-  if num_full:
-    full = jax.tree.map(
-      lambda x: x[: num_full * size].reshape(num_full, size, *x.shape[1:]), tree
-    )
-  if rest:
-    tail = tuple(
-      jax.tree.map(lambda x: x[num_full * size + j], tree) for j in range(rest)
-    )
-  return full, tail
-
-
-def segment_layers_of(grouped, size: int):
-  """One segment's layers from its slice of `group_segments`' arrays [size, ...]."""
-  return tuple(jax.tree.map(lambda x: x[j], grouped) for j in range(size))
-
-
-def index_segment_layers(tree, segment, size: int):
-  """Segment `segment`'s layers (may be traced) of per-layer stacked arrays [L, ...],
-  each indexed in the whole stack: `segment_layers_of` without the segment's slice."""
-  return tuple(
-    jax.tree.map(
-      lambda x: jax.lax.dynamic_index_in_dim(x, segment * size + j, 0, False), tree
-    )
-    for j in range(size)
-  )
-
-
-def ungroup_layers(grouped):
-  """The inverse of `group_segments` for trees: one stack over all layers [L, ...]
-  (a reshape when there is no shorter last segment)."""
-  full, tail = grouped
-  parts = []
-  if full is not None:
-    parts.append(jax.tree.map(lambda y: y.reshape(-1, *y.shape[2:]), full))
-  if tail is not None:
-    parts.append(jax.tree.map(lambda *y: jnp.stack(y), *tail))
-  return (
-    parts[0] if len(parts) == 1 else jax.tree.map(lambda *y: jnp.concatenate(y), *parts)
-  )
-
-
-def join_layers(segmented):
-  """Per-layer outputs of `run_layers` (the whole segments as a tuple of `size` trees
-  [num_segments, ...], one per position; the shorter last segment as a tuple of
-  single-layer trees) stacked over all layers [L, ...]."""
-  full, tail = segmented
-  if full is not None:
-    full = jax.tree.map(lambda *y: jnp.stack(y, axis=1), *full)
-  return ungroup_layers((full, tail))
-
-
 def stacked_residual_params(graphdef, layer_states):
   """The residual parameters of several layers as one module of stacked arrays."""
   modules = [nnx.merge(graphdef, state).residual for state in layer_states]
@@ -191,6 +185,84 @@ class Resumed:
     return self.base.end_segment(carry, inner, segment + self.segment_offset)
 
 
+def _plain_sublayers(graphdef, positions_BT, remat: bool) -> SublayerHook:
+  """The default `apply_sublayer`: each sublayer's raw output, nothing saved."""
+  functions = [sublayer_function(graphdef, which, remat) for which in SUBLAYERS]
+
+  def apply_sublayer(which, layer_in_segment, state_k, h_BTD, *, inner, extra, per_layer):
+    del layer_in_segment, inner, extra, per_layer
+    return functions[which](state_k, h_BTD, positions_BT), None
+
+  return apply_sublayer
+
+
+@dataclasses.dataclass(frozen=True)
+class _SegmentRunner:
+  """What `run_layers` runs per layer and per segment. `stats_weights_BT`: the
+  token weights of the statistics, None when none are collected."""
+
+  residual: Any
+  graphdef: Any
+  apply_sublayer: SublayerHook
+  remat_layer: bool
+  stats_weights_BT: Any
+
+  def layer(self, inner, state_k, per_layer, extra, *, j):
+    """Layer `j` of the segment: its two sublayers through the residual; returns
+    (inner carry, (what each sublayer saved, its statistics or None))."""
+    residual, collect_stats = self.residual, self.stats_weights_BT is not None
+    params = nnx.merge(self.graphdef, state_k).residual
+    saved, stats = [], []
+    for which in SUBLAYERS:
+      branch = functools.partial(
+        self.apply_sublayer,
+        which,
+        j,
+        state_k,
+        inner=inner,
+        extra=extra,
+        per_layer=per_layer,
+      )
+      inner, applied = residual.sublayer(inner, params, per_layer, j, which, branch)
+      saved.append(applied.saved)
+      if collect_stats:
+        stats.append(_sublayer_stats(residual, applied, self.stats_weights_BT))
+    stats = jax.tree.map(lambda *s: jnp.stack(s), *stats) if collect_stats else None
+    return inner, (tuple(saved), stats)
+
+  def segment(self, carry, xs):
+    """The layers of one segment, unrolled: a segment is at most a few layers.
+    `xs`: (their states, the segment's index, their extra inputs)."""
+    layer_states, segment, extras = xs
+    params = stacked_residual_params(self.graphdef, layer_states)
+    inner, per_layer = self.residual.begin_segment(carry, params, segment)
+    ys = []
+    for j, (state_j, extra_j) in enumerate(zip(layer_states, extras)):
+      step = functools.partial(self.layer, j=j)
+      if self.remat_layer:
+        step = jax.checkpoint(step)
+      per_layer_j = layer_entry(per_layer, j)
+      inner, ys_j = step(inner, state_j, per_layer_j, extra_j)
+      ys.append(ys_j)
+    return self.residual.end_segment(carry, inner, segment), tuple(ys)
+
+  def grouped_segment(self, carry, xs, *, layer_state, size: int):
+    """`segment` on one segment's slices [size, ...] of `group_segments`' arrays;
+    with no slice of the states, its layers indexed in `layer_state` instead."""
+    grouped_states, segment, grouped_extras = xs
+    extras_j = (
+      (None,) * size
+      if grouped_extras is None
+      else segment_layers_of(grouped_extras, size)
+    )
+    layers = (
+      index_segment_layers(layer_state, segment, size)
+      if grouped_states is None
+      else segment_layers_of(grouped_states, size)
+    )
+    return self.segment(carry, (layers, segment, extras_j))
+
+
 def run_layers(
   residual,
   graphdef,
@@ -220,53 +292,16 @@ def run_layers(
   add a cotangent of the whole stack per segment.
   """
   if apply_sublayer is None:
-    functions = [
-      sublayer_function(graphdef, which, cfg.remat == 'sublayer') for which in SUBLAYERS
-    ]
-
-    def apply_sublayer(
-      which, layer_in_segment, state_k, h_BTD, *, inner, extra, per_layer
-    ):
-      del layer_in_segment, inner, extra, per_layer
-      return functions[which](state_k, h_BTD, positions_BT), None
-
-  def layer_step(inner, state_k, per_layer, extra, *, j):
-    params = nnx.merge(graphdef, state_k).residual
-    saved, stats = [], []
-    for which in SUBLAYERS:
-      branch = functools.partial(
-        apply_sublayer,
-        which,
-        j,
-        state_k,
-        inner=inner,
-        extra=extra,
-        per_layer=per_layer,
-      )
-      inner, applied = residual.sublayer(inner, params, per_layer, j, which, branch)
-      saved.append(applied.saved)
-      if collect_stats:
-        stats.append(_sublayer_stats(residual, applied, stats_weights_BT))
-    stats = jax.tree.map(lambda *s: jnp.stack(s), *stats) if collect_stats else None
-    return inner, (tuple(saved), stats)
-
-  def run_segment(carry, xs):
-    """The layers of one segment, unrolled: a segment is at most a few layers."""
-    layer_states, segment, extras = xs
-    params = stacked_residual_params(graphdef, layer_states)
-    inner, per_layer = residual.begin_segment(carry, params, segment)
-    ys = []
-    for j, (state_j, extra_j) in enumerate(zip(layer_states, extras)):
-      step = functools.partial(layer_step, j=j)
-      if cfg.remat == 'layer':
-        step = jax.checkpoint(step)
-      per_layer_j = layer_entry(per_layer, j)
-      inner, ys_j = step(inner, state_j, per_layer_j, extra_j)
-      ys.append(ys_j)
-    return residual.end_segment(carry, inner, segment), tuple(ys)
-
+    apply_sublayer = _plain_sublayers(graphdef, positions_BT, cfg.remat == 'sublayer')
   if collect_stats and stats_weights_BT is None:
     stats_weights_BT = jnp.ones(x_BTD.shape[:2], jnp.float32)
+  runner = _SegmentRunner(
+    residual,
+    graphdef,
+    apply_sublayer,
+    remat_layer=cfg.remat == 'layer',
+    stats_weights_BT=stats_weights_BT if collect_stats else None,
+  )
   size = residual.segment_layers
   num_full = cfg.num_layers // size
   states, extras = (
@@ -275,31 +310,15 @@ def run_layers(
   carry = residual.init(x_BTD)
   full_ys = tail_ys = None
   if states[0] is not None:
-
-    def run_grouped(carry, xs):
-      """`run_segment` on one segment's slices [size, ...] of the grouped arrays."""
-      grouped_states, segment, grouped_extras = xs
-      extras_j = (
-        (None,) * size
-        if grouped_extras is None
-        else segment_layers_of(grouped_extras, size)
-      )
-      layers = (
-        index_segment_layers(layer_state, segment, size)
-        if grouped_states is None
-        else segment_layers_of(grouped_states, size)
-      )
-      return run_segment(carry, (layers, segment, extras_j))
-
     carry, full_ys = scan_or_loop(
-      run_grouped,
+      functools.partial(runner.grouped_segment, layer_state=layer_state, size=size),
       carry,
       (None if index_layers else states[0], jnp.arange(num_full), extras[0]),
       unroll=not cfg.scan_layers,
     )
   if states[1] is not None:
     extras_tail = extras[1] if extras[1] is not None else (None,) * len(states[1])
-    carry, tail_ys = run_segment(carry, (states[1], num_full, extras_tail))
+    carry, tail_ys = runner.segment(carry, (states[1], num_full, extras_tail))
   return carry, (full_ys, tail_ys)
 
 

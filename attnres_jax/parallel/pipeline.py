@@ -37,7 +37,11 @@ gradients up to float rounding).
 The layers keep their stored layout [num_layers, ...] (split over `stage` by the
 'layers' rule), so checkpoints move freely between pipelined and plain meshes.
 
-Shape suffixes as in `depth.py`, plus M: microbatches (`x_MBTD` is [M, B / M, T, D]).
+What crosses the boundaries and where it waits (inbox, delay line, cache):
+`pipeline_transfer.py`; the schedule's static plan: `pipeline_plan.py`.
+
+Shape suffixes as in `residuals/attnres/depth.py`, plus M: microbatches (`x_MBTD` is
+[M, B / M, T, D]).
 """
 
 from __future__ import annotations
@@ -45,17 +49,17 @@ from __future__ import annotations
 import dataclasses
 import functools
 import types
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from attnres_jax.parallel import pipeline_plan
+from attnres_jax.parallel import pipeline_transfer
 from attnres_jax.parallel import pipeline_vjp
 from attnres_jax.nn import sharding
 from attnres_jax.parallel.pipeline_plan import PipelineConfig
-from attnres_jax.parallel.pipeline_plan import TransferPlan
 from attnres_jax.nn import stack as stack_lib
 
 
@@ -91,118 +95,178 @@ def run_chunk(
   return carry
 
 
-# -- the transfers ----------------------------------------------------------------------
-
-
-def _select(condition, on_true, on_false):
-  return jax.tree.map(lambda a, b: jnp.where(condition, a, b), on_true, on_false)
-
-
-class NaiveTransfer:
-  """The whole carry crosses every stage boundary."""
-
-  def send(self, carry, chunk):
-    del chunk
-    return carry
-
-  def receive(self, message, base, chunk):
-    del base, chunk
-    return message
-
-
-class CachedTransfer:
-  """A window of the AttnRes buffer crosses, merged into the receiver's cache."""
-
-  def __init__(self, plan: TransferPlan, num_stages: int):
-    self.plan = plan
-    self.starts = jnp.asarray(plan.starts, jnp.int32)
-    # From its second visit on a stage takes the slots below the window from its
-    # cache, the rest from the window or empty: it caches only those slots.
-    self.cache_slots = max(plan.starts[num_stages - 1 : -1], default=0)
-
-  def to_cache(self, carry):
-    return jax.tree.map(lambda x: x[: self.cache_slots], carry)
-
-  def from_cache(self, cached, zero_carry):
-    return jax.tree.map(lambda z, c: z.at[: self.cache_slots].set(c), zero_carry, cached)
-
-  def send(self, carry, chunk):
-    # A static chunk's start is static (nothing traced for a custom VJP to close over).
-    start = self.plan.starts[chunk] if isinstance(chunk, int) else self.starts[chunk]
-    return jax.tree.map(
-      lambda x: jax.lax.dynamic_slice_in_dim(x, start, self.plan.width, 0), carry
-    )
-
-  def receive(self, message, base, chunk):
-    """`chunk`: the sender's chunk; `base`: the receiver's cached carry."""
-    start = self.starts[chunk]
-    return jax.tree.map(
-      lambda b, w: jax.lax.dynamic_update_slice_in_dim(b, w, start, 0), base, message
-    )
-
-
-def _constrain_stages(tree, axes, leading: int = 0):
-  """Splits the leading axis of every leaf (a stacked carry, message or output with
-  `leading` more axes before the carry's own `axes`) over `stage`; the rest as the
-  carry's logical names say (the batch over the data axes, ...)."""
-  if tree is None:
-    return None
-  is_axes = lambda x: isinstance(x, tuple) and all(isinstance(a, str) for a in x)
-  return jax.tree.map(
-    lambda names, x: sharding.constrain(x, ('stages',) + (None,) * leading + names),
-    axes,
-    tree,
-    is_leaf=is_axes,
-  )
-
-
-def pipeline_hidden(model, x_MBTD, positions_BT, pipe: PipelineConfig):
-  """The input of the final norm, [M, B/M, T, D], for the embedded microbatches
-  `x_MBTD`, the layers run through the pipeline."""
-  cfg = model.cfg
-  num_stages, num_virtual = pipe.stages, pipe.virtual_stages
-  num_micro, num_chunks = pipe.num_microbatches, pipe.num_chunks
-  layers_per_chunk = cfg.num_layers // num_chunks
+def _chunk_residual(model, pipe: PipelineConfig, layers_per_chunk: int):
+  """(the residual that runs one chunk, its segments per chunk, the residual's own
+  backward pass that runs the chunk or None)."""
   residual, segments_per_chunk = model.residual.pipeline_chunk(layers_per_chunk)
   # The residual's own backward pass (AttnRes's linear-memory one) runs a chunk when
   # the chunk runs the residual's own schedule, re-segmented; not another one (a
-  # block spanning chunk boundaries: `attnres.BufferReads`).
+  # block spanning chunk boundaries: `residuals/attnres/residual.BufferReads`).
   custom_stack = None
   if type(residual) is type(model.residual):
-    if pipe.schedule == 'remat' and cfg.remat == 'none':
-      # The schedule keeps the chunk's backward residuals (`own_backward` below): with
+    if pipe.schedule == 'remat' and model.cfg.remat == 'none':
+      # The schedule keeps the chunk's backward residuals (`own_backward`): with
       # remat='layer' those are the output buffer and the partial sums the sublayers
       # read, not every sublayer's activations; its backward reruns each sublayer.
       residual = dataclasses.replace(
         residual, cfg=dataclasses.replace(residual.cfg, remat='layer')
       )
     custom_stack = residual.custom_stack
-  cached = residual.cached_transfer and pipe.transfer == 'cached'
-  transfer = (
-    CachedTransfer(pipeline_plan.transfer_plan(cfg, pipe), num_stages)
-    if cached
-    else NaiveTransfer()
+  return residual, segments_per_chunk, custom_stack
+
+
+def _final_read_fn(residual, final_params, own_backward: bool):
+  """carry -> the input of the final norm; with the residual's own backward, through
+  `pipeline_vjp.final_read`, which keeps its weights (AttnRes, no ablations:
+  `pipeline_refusal`)."""
+  if not own_backward:
+    return lambda carry: residual.final(carry, final_params)[0]
+  return lambda carry: residual.to_compute(
+    pipeline_vjp.final_read(
+      carry.buffer_KBTD,
+      carry.inv_rms_KBT,
+      final_params.query[...],
+      final_params.gain[...],
+    )
   )
-  # With V = 1 a stage sees each microbatch once; with nothing below the window, the
-  # cache would hold no slot.
-  keeps_cache = cached and num_virtual > 1 and transfer.cache_slots > 0
-  graphdef, layer_state = nnx.split(model.layers)
+
+
+def _stage_states(layer_state, pipe: PipelineConfig, layers_per_chunk: int):
+  """[L, ...] -> [P, V, layers_per_chunk, ...]: chunk c = v P + p on stage p. Each
+  stage's chunks where the stage is; the other axes as the parameters' names say."""
+  is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)
+  return jax.tree.map(
+    lambda x, spec: sharding.constrain(
+      x.reshape(
+        pipe.virtual_stages, pipe.stages, layers_per_chunk, *x.shape[1:]
+      ).swapaxes(0, 1),
+      ('stages', None, None) + tuple(spec)[1:],
+    ),
+    layer_state,
+    nnx.get_partition_spec(layer_state),
+    is_leaf=is_spec,
+  )
+
+
+@dataclasses.dataclass(frozen=True)
+class _StageRun:
+  """What every stage's iteration uses, the same for the whole schedule."""
+
+  pipe: PipelineConfig
+  model_config: Any
+  residual: Any
+  graphdef: Any
+  custom_stack: Any  # the residual's own backward pass, or None
+  chunk_run: Any  # with `own_backward`: the chunk's run through it, else None
+  transfer: Any
+  keeps_cache: bool
+  select: Callable
+  embedded: Callable  # (x_MBTD, microbatch) -> the first chunk's message
+  final_read: Callable
+  zero_carry: Any
+  x_MBTD: jax.Array
+  positions_BT: jax.Array
+  layers_per_chunk: int
+  segments_per_chunk: int
+
+
+def _received(run: _StageRun, stage, micro, chunk, first, inbox, wrap, cache, t):
+  """(the carry stage `stage` runs its chunk from, the delay line, the cache)."""
+  transfer, select, delay = (
+    run.transfer,
+    run.select,
+    pipeline_transfer.delay_length(run.pipe),
+  )
+  message = inbox
+  if delay:  # stage 0 reads what arrived M - P iterations ago, stores what arrives
+    entry = t % delay
+    delayed, wrap = pipeline_vjp.swap_entry(wrap, entry, inbox)
+    message = select(stage == 0, delayed, inbox)
+  # The first chunk starts from the embedding: its message is the initial carry's
+  # window (one select of W slots, not of the whole carry). The window lands at
+  # slot 0 on a base that is zero there and above (nothing cached yet).
+  message = select(first, run.embedded(run.x_MBTD, micro), message)
+  base = run.zero_carry
+  if run.keeps_cache:
+    base = transfer.from_cache(jax.tree.map(lambda c: c[micro], cache), run.zero_carry)
+  carry = transfer.receive(message, base, jnp.maximum(chunk - 1, 0))
+  return carry, wrap, cache
+
+
+def _run_stage_chunk(run: _StageRun, virtual_states, virtual, chunk, carry):
+  """The carry after the stage's chunk `chunk` (its virtual stage `virtual`)."""
+  segment_offset = chunk * run.segments_per_chunk
+  if run.chunk_run is not None:
+    return run.chunk_run(virtual_states, virtual, carry, run.positions_BT, segment_offset)
+  return run_chunk(
+    run.residual,
+    run.graphdef,
+    jax.tree.map(lambda x: x[virtual], virtual_states),
+    carry,
+    segment_offset,
+    run.positions_BT,
+    model_config=run.model_config,
+    layers_per_chunk=run.layers_per_chunk,
+    custom_stack=run.custom_stack,
+  )
+
+
+def _stage_step(run: _StageRun, stage, virtual_states, inbox, wrap, cache, t):
+  """One iteration of one stage: receive, run its chunk, emit."""
+  num_stages, num_micro = run.pipe.stages, run.pipe.num_microbatches
+  num_virtual = run.pipe.virtual_stages
+  k = t - stage
+  valid = (k >= 0) & (k < num_micro * num_virtual)
+  k = jnp.clip(k, 0, num_micro * num_virtual - 1)
+  micro, virtual = k % num_micro, k // num_micro
+  chunk = virtual * num_stages + stage
+  first = (stage == 0) & (virtual == 0)
+  carry, wrap, cache = _received(run, stage, micro, chunk, first, inbox, wrap, cache, t)
+  if run.keeps_cache:  # what this stage had of the microbatch, for its next visit
+    cache = pipeline_vjp.set_entry_where(
+      cache, micro, valid, run.transfer.to_cache(carry)
+    )
+  carry = _run_stage_chunk(run, virtual_states, virtual, chunk, carry)
+  h_BTD = run.final_read(carry)  # used from the last chunk only
+  return run.transfer.send(carry, chunk), h_BTD, wrap, cache
+
+
+def _iteration(state, t, *, stages_step, stage_state, carry_axes, num_stages: int):
+  """One iteration of every stage; the scan's (carry, per-iteration output)."""
+  sent, h_PBTD, wrap, cache = stages_step(
+    jnp.arange(num_stages),
+    stage_state,
+    state['inbox'],
+    state['wrap'],
+    state['cache'],
+    t,
+  )
+  # Stage p's message goes to stage p + 1 (and stage P - 1's to stage 0).
+  inbox = jax.tree.map(lambda x: jnp.roll(x, 1, axis=0), sent)
+  state = pipeline_transfer.constrain_state(
+    dict(inbox=inbox, wrap=wrap, cache=cache), carry_axes
+  )
+  # Outputs leave as the scan's per-iteration results, not in its carry: a carry
+  # is what the backward pass keeps once per iteration.
+  return state, pipeline_transfer.constrain_stages(h_PBTD, sharding.HIDDEN)
+
+
+def _stage_run(model, x_MBTD, positions_BT, pipe: PipelineConfig):
+  """(the `_StageRun` of the schedule, whether the chunks run the residual's own
+  backward pass without rerunning the iteration)."""
+  cfg = model.cfg
+  layers_per_chunk = cfg.num_layers // pipe.num_chunks
+  residual, segments_per_chunk, custom_stack = _chunk_residual(
+    model, pipe, layers_per_chunk
+  )
+  transfer, keeps_cache = pipeline_transfer.make_transfer(residual, cfg, pipe)
+  graphdef, _ = nnx.split(model.layers)
   # 'remat' with the residual's own backward pass: the iteration is not rerun (no
   # `jax.checkpoint` around it); the chunk's VJP keeps what its backward needs, the
   # final read keeps its weights (`pipeline_vjp.final_read`), and the transfer code
   # keeps only indices and predicates.
   own_backward = custom_stack is not None and pipe.schedule == 'remat'
-  final_params = model.final_residual
-  final_read = lambda carry: residual.final(carry, final_params)[0]
-  if own_backward:  # AttnRes (no ablations: `pipeline_refusal`)
-    final_read = lambda carry: residual.to_compute(
-      pipeline_vjp.final_read(
-        carry.buffer_KBTD,
-        carry.inv_rms_KBT,
-        final_params.query[...],
-        final_params.gain[...],
-      )
-    )
+  final_read = _final_read_fn(residual, model.final_residual, own_backward)
   # The first chunk's message: the initial carry's window.
   embedded = lambda x_MBTD, micro: transfer.send(residual.init(x_MBTD[micro]), 0)
   chunk_run = None
@@ -211,108 +275,51 @@ def pipeline_hidden(model, x_MBTD, positions_BT, pipe: PipelineConfig):
     # stage's parameters), not a slice of it per iteration.
     embedded = pipeline_vjp.recomputed(embedded)
     chunk_run = pipeline_vjp.indexing_params(functools.partial(custom_stack, graphdef))
-  # Under `jax.checkpoint` nothing is kept; without it, the scalar conditions.
-  select = pipeline_vjp.select if own_backward else _select
-
-  # [L, ...] -> [P, V, layers_per_chunk, ...]: chunk c = v P + p on stage p.
-  # Each stage's chunks where the stage is; the other axes as the parameters' names say.
-  is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)
-  stage_state = jax.tree.map(
-    lambda x, spec: sharding.constrain(
-      x.reshape(num_virtual, num_stages, layers_per_chunk, *x.shape[1:]).swapaxes(0, 1),
-      ('stages', None, None) + tuple(spec)[1:],
-    ),
-    layer_state,
-    nnx.get_partition_spec(layer_state),
-    is_leaf=is_spec,
+  run = _StageRun(
+    pipe=pipe,
+    model_config=cfg,
+    residual=residual,
+    graphdef=graphdef,
+    custom_stack=custom_stack,
+    chunk_run=chunk_run,
+    transfer=transfer,
+    keeps_cache=keeps_cache,
+    # Under `jax.checkpoint` nothing is kept; without it, the scalar conditions.
+    select=pipeline_vjp.select if own_backward else pipeline_transfer.select,
+    embedded=embedded,
+    final_read=final_read,
+    zero_carry=jax.tree.map(jnp.zeros_like, residual.init(x_MBTD[0])),
+    x_MBTD=x_MBTD,
+    positions_BT=positions_BT,
+    layers_per_chunk=layers_per_chunk,
+    segments_per_chunk=segments_per_chunk,
   )
+  return run, own_backward
 
-  zero_carry = jax.tree.map(jnp.zeros_like, residual.init(x_MBTD[0]))
-  zero_message = transfer.send(zero_carry, 0)
-  stacked = lambda tree, *n: jax.tree.map(
-    lambda x: jnp.zeros((*n, *x.shape), x.dtype), tree
+
+def pipeline_hidden(model, x_MBTD, positions_BT, pipe: PipelineConfig):
+  """The input of the final norm, [M, B/M, T, D], for the embedded microbatches
+  `x_MBTD`, the layers run through the pipeline."""
+  num_stages, num_micro = pipe.stages, pipe.num_microbatches
+  run, own_backward = _stage_run(model, x_MBTD, positions_BT, pipe)
+  _, layer_state = nnx.split(model.layers)
+  stage_state = _stage_states(layer_state, pipe, run.layers_per_chunk)
+  state = pipeline_transfer.initial_state(
+    run.transfer, run.zero_carry, pipe, run.keeps_cache
   )
-  # Stage 0 reads what the last stage sent M - P iterations after it arrived: a
-  # delay line of M - P messages, entry t mod (M - P) read, then overwritten.
-  delay = num_micro - num_stages if num_virtual > 1 else 0
-  state = dict(
-    inbox=stacked(zero_message, num_stages),
-    wrap=stacked(zero_message, num_stages, delay) if delay else None,
-    cache=stacked(transfer.to_cache(zero_carry), num_stages, num_micro)
-    if keeps_cache
-    else None,
-  )
-  carry_axes = residual.carry_axes()
-
-  def constrain_state(state):
-    return dict(
-      inbox=_constrain_stages(state['inbox'], carry_axes),
-      wrap=_constrain_stages(state['wrap'], carry_axes, 1),
-      cache=_constrain_stages(state['cache'], carry_axes, 1),
-    )
-
-  def stage_step(stage, virtual_states, inbox, wrap, cache, t):
-    """One iteration of one stage: receive, run its chunk, emit."""
-    k = t - stage
-    valid = (k >= 0) & (k < num_micro * num_virtual)
-    k = jnp.clip(k, 0, num_micro * num_virtual - 1)
-    micro, virtual = k % num_micro, k // num_micro
-    chunk = virtual * num_stages + stage
-    first = (stage == 0) & (virtual == 0)
-    message = inbox
-    if delay:  # stage 0 reads what arrived M - P iterations ago, stores what arrives
-      entry = t % delay
-      delayed, wrap = pipeline_vjp.swap_entry(wrap, entry, inbox)
-      message = select(stage == 0, delayed, inbox)
-    # The first chunk starts from the embedding: its message is the initial carry's
-    # window (one select of W slots, not of the whole carry). The window lands at
-    # slot 0 on a base that is zero there and above (nothing cached yet).
-    message = select(first, embedded(x_MBTD, micro), message)
-    base = zero_carry
-    if keeps_cache:
-      base = transfer.from_cache(jax.tree.map(lambda c: c[micro], cache), zero_carry)
-    carry = transfer.receive(message, base, jnp.maximum(chunk - 1, 0))
-    if keeps_cache:  # what this stage had of the microbatch, for its next visit
-      cache = pipeline_vjp.set_entry_where(cache, micro, valid, transfer.to_cache(carry))
-    if chunk_run is not None:
-      carry = chunk_run(
-        virtual_states, virtual, carry, positions_BT, chunk * segments_per_chunk
-      )
-    else:
-      carry = run_chunk(
-        residual,
-        graphdef,
-        jax.tree.map(lambda x: x[virtual], virtual_states),
-        carry,
-        chunk * segments_per_chunk,
-        positions_BT,
-        model_config=cfg,
-        layers_per_chunk=layers_per_chunk,
-        custom_stack=custom_stack,
-      )
-    h_BTD = final_read(carry)  # used from the last chunk only
-    return transfer.send(carry, chunk), h_BTD, wrap, cache
-
+  carry_axes = run.residual.carry_axes()
   stages_step = jax.vmap(
-    stage_step, in_axes=(0, 0, 0, 0, 0, None), spmd_axis_name=sharding.STAGE_AXIS
+    functools.partial(_stage_step, run),
+    in_axes=(0, 0, 0, 0, 0, None),
+    spmd_axis_name=sharding.STAGE_AXIS,
   )
-
-  def iteration(state, t):
-    sent, h_PBTD, wrap, cache = stages_step(
-      jnp.arange(num_stages),
-      stage_state,
-      state['inbox'],
-      state['wrap'],
-      state['cache'],
-      t,
-    )
-    # Stage p's message goes to stage p + 1 (and stage P - 1's to stage 0).
-    inbox = jax.tree.map(lambda x: jnp.roll(x, 1, axis=0), sent)
-    state = constrain_state(dict(inbox=inbox, wrap=wrap, cache=cache))
-    # Outputs leave as the scan's per-iteration results, not in its carry: a carry
-    # is what the backward pass keeps once per iteration.
-    return state, _constrain_stages(h_PBTD, sharding.HIDDEN)
-
+  iteration = functools.partial(
+    _iteration,
+    stages_step=stages_step,
+    stage_state=stage_state,
+    carry_axes=carry_axes,
+    num_stages=num_stages,
+  )
   if pipe.schedule in ('remat', 'remat_rerun') and not own_backward:
     # The backward pass reruns each iteration from its saved carry (what the stages
     # received) instead of keeping the activations of every microbatch in flight.
@@ -321,15 +328,17 @@ def pipeline_hidden(model, x_MBTD, positions_BT, pipe: PipelineConfig):
       iteration, prevent_cse=False, policy=jax.checkpoint_policies.nothing_saveable
     )
   _, h_IPBTD = jax.lax.scan(
-    iteration, constrain_state(state), jnp.arange(pipe.num_iterations)
+    iteration,
+    pipeline_transfer.constrain_state(state, carry_axes),
+    jnp.arange(pipe.num_iterations),
   )
   # The last stage finishes microbatch m's last chunk at iteration (V - 1) M + m + P - 1.
-  return h_IPBTD[(num_virtual - 1) * num_micro + num_stages - 1 :, num_stages - 1]
+  return h_IPBTD[(pipe.virtual_stages - 1) * num_micro + num_stages - 1 :, num_stages - 1]
 
 
 def split_microbatches(tree, num_microbatches: int):
-  """[B, ...] -> [M, B / M, ...], microbatch m = rows m, m + M, ... (as train.py's
-  gradient accumulation splits)."""
+  """[B, ...] -> [M, B / M, ...], microbatch m = rows m, m + M, ... (as
+  `training/step.py`'s gradient accumulation splits)."""
   return jax.tree.map(
     lambda x: x.reshape(
       x.shape[0] // num_microbatches, num_microbatches, *x.shape[1:]

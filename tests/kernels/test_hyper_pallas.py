@@ -1,5 +1,5 @@
 """The Pallas stream write of HC/mHC (attnres_jax/kernels/hyper_pallas.py) equals the
-XLA one (hyper_streams.write), forward and every cotangent, and the models built
+XLA one (residuals/hyper/streams.write), forward and every cotangent, and the models built
 with it (`depth_kernel='pallas'`) equal those built without.
 
 On the CPU the kernels run in Pallas interpret mode: the same kernel code and the
@@ -22,8 +22,9 @@ import attnres_jax as ar
 from attnres_jax.compile_report import aot
 from attnres_jax import modes
 from attnres_jax.nn import sharding
-from attnres_jax.residuals.hyper import connections as hcl
+from attnres_jax.residuals.hyper import coefficients
 from attnres_jax.kernels import hyper_pallas as hp
+from attnres_jax.kernels import hyper_tiles
 from attnres_jax.residuals.hyper import streams as hs
 from attnres_jax.kernels import sinkhorn_pallas as sp
 from configs import default as default_config
@@ -69,6 +70,13 @@ def value_and_grads(write, args, seed=1):
   return new, grads
 
 
+def narrow_tiles(monkeypatch, tile_bytes):
+  """The kernels' tile budget set to `tile_bytes` (where `choose_tile` reads it), so
+  that a test runs several tiles along T."""
+  monkeypatch.setattr(hyper_tiles, 'TILE_VMEM_BYTES', tile_bytes)
+  assert hp.choose_tile(256, 4, 128, 4) == 128  # the budget took effect
+
+
 def assert_close(actual, expected, tol, what):
   actual, expected = (np.asarray(x, np.float32) for x in (actual, expected))
   assert actual.shape == expected.shape, what
@@ -82,7 +90,7 @@ def test_kernel_equals_the_xla_write(dtype, m, tile_bytes, monkeypatch):
   """Values and the cotangents of the mixing, the write weights, the streams and
   f(h). tile_bytes=1: the narrowest tile (128 tokens), two tiles along T."""
   if tile_bytes is not None:
-    monkeypatch.setattr(hp, 'TILE_VMEM_BYTES', tile_bytes)
+    narrow_tiles(monkeypatch, tile_bytes)
   args = inputs(m, 2, 256, 128, dtype)
   new, grads = value_and_grads(hp.write, args)
   ref_new, ref_grads = value_and_grads(hs.write, args)
@@ -97,7 +105,7 @@ def test_kernel_equals_the_xla_write(dtype, m, tile_bytes, monkeypatch):
 
 def gated_read_inputs(m, dtype, per_stream=True, seed=0):
   """The projection (HC: [D, m + 2]; mHC: [m, D, m^2 + 2m]), the read's gate [2, R]
-  (s and base_i at the read columns, zero elsewhere: `hyper_pallas._Columns`),
+  (s and base_i at the read columns, zero elsewhere: `hyper_gated_read_kernels.Columns`),
   streams [m, 2, 256, 128] of RMS 3."""
   keys = jax.random.split(jax.random.key(seed), 3)
   if per_stream:
@@ -173,7 +181,7 @@ def test_gated_read_equals_xla(per_stream, dtype, m, tile_bytes, monkeypatch):
   the sum's scale, so they differ by up to 3 x 2^-8 of it (measured 1.35-1.5 x 2^-8);
   a wrong term moves it by O(1)."""
   if tile_bytes is not None:
-    monkeypatch.setattr(hp, 'TILE_VMEM_BYTES', tile_bytes)
+    narrow_tiles(monkeypatch, tile_bytes)
   args = gated_read_inputs(m, dtype, per_stream)
   outs, grads = gated_read_and_grads(hp.gated_read, args)
   ref_outs, ref_grads = gated_read_and_grads(xla_gated_read, args)
@@ -223,7 +231,7 @@ def test_boundary_equals_the_kernels_apart(per_stream, dtype, m, tile_bytes, mon
   bfloat16 streams BF16_TOL for everything, since a one-ulp difference of a rounded
   intermediate (2^-8 of it) reaches every result computed from it."""
   if tile_bytes is not None:
-    monkeypatch.setattr(hp, 'TILE_VMEM_BYTES', tile_bytes)
+    narrow_tiles(monkeypatch, tile_bytes)
   args = (*inputs(m, 2, 256, 128, dtype), *gated_read_inputs(m, dtype, per_stream)[:2])
   outs, grads = boundary_and_grads(hp.boundary, args)
   ref_outs, ref_grads = boundary_and_grads(kernels_apart, args)
@@ -268,7 +276,10 @@ def sharded_errors():
       jax.jit(jax.value_and_grad(lambda x, f=f: jnp.sum(under_rules(f, x) * logits)))(
         logits
       )
-      for f in (lambda x: sp.sinkhorn(x, 20), lambda x: hcl.sinkhorn(x, 20, (0, 1)))
+      for f in (
+        lambda x: sp.sinkhorn(x, 20),
+        lambda x: coefficients.sinkhorn(x, 20, (0, 1)),
+      )
     ]
     for per_stream, variant in ((True, 'hc'), (False, 'mhc')):
       read_args = gated_read_inputs(4, jnp.float32, per_stream)
@@ -336,7 +347,7 @@ def test_sinkhorn_kernel_equals_the_xla_sinkhorn(scale, max_tile, monkeypatch):
     return jax.jit(lambda x: (fn(x), jax.grad(loss)(x)))(logits)
 
   out, grad = value_and_grad(lambda x: sp.sinkhorn(x, 20))
-  ref_out, ref_grad = value_and_grad(lambda x: hcl.sinkhorn(x, 20, (0, 1)))
+  ref_out, ref_grad = value_and_grad(lambda x: coefficients.sinkhorn(x, 20, (0, 1)))
   np.testing.assert_allclose(out, ref_out, atol=1e-6)
   np.testing.assert_allclose(out.sum(1), 1.0, atol=1e-6)  # rows, as the reference
   assert bool(jnp.all(jnp.isfinite(grad)))

@@ -7,18 +7,19 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from attnres_jax.nn import segments
 from attnres_jax.nn import stack
 from conftest import tiny_model
 
 
 def test_index_segment_layers_equals_the_grouped_slices():
   tree = {'w': jnp.arange(6 * 2 * 3.0).reshape(6, 2, 3), 'b': jnp.arange(6.0)}
-  grouped, _ = stack.group_segments(tree, 6, 2)
+  grouped, _ = segments.group_segments(tree, 6, 2)
 
   @jax.jit
   def both(segment):  # a traced segment, as in the scan
-    indexed = stack.index_segment_layers(tree, segment, 2)
-    sliced = stack.segment_layers_of(jax.tree.map(lambda x: x[segment], grouped), 2)
+    indexed = segments.index_segment_layers(tree, segment, 2)
+    sliced = segments.segment_layers_of(jax.tree.map(lambda x: x[segment], grouped), 2)
     return indexed, sliced
 
   for segment in range(3):

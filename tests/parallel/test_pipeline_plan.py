@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from attnres_jax import config as config_lib
-from attnres_jax.parallel import pipeline
+from attnres_jax.parallel import pipeline_transfer
 from attnres_jax.compile_report import pipeline_hlo
 from attnres_jax.parallel import pipeline_plan
 from attnres_jax.nn import sharding
@@ -86,7 +86,7 @@ def test_transfer_plan_reproduces_the_papers_figure_3():
   assert plan.accumulated_slots() == 23
   # A stage caches, per microbatch, only the slots it later reads from its cache (those
   # below every later window): b0 and b1, not the whole buffer of K = 5 slots.
-  assert pipeline.CachedTransfer(plan, 4).cache_slots == 2
+  assert pipeline_transfer.CachedTransfer(plan, 4).cache_slots == 2
 
 
 def test_transfer_plan_window_covers_every_new_slot():
@@ -282,7 +282,7 @@ def test_invalid_pipelines_fail_before_compiling():
       config_lib.model_config(num_layers=4, residual=residual),
       8,
     )
-  # The run config's one validation pass (train.py's) includes the pipeline and the
+  # The run config's one validation (`config.validate`) includes the pipeline and the
   # batch split over the data-parallel devices.
   config = default_config.get_config('tiny')  # 2 layers, batch 8
   config.mesh.update(stage=2, num_microbatches=3)

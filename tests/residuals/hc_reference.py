@@ -5,7 +5,7 @@ tests/residuals/test_hyper_streams.py check the model's code against."""
 import jax
 import jax.numpy as jnp
 
-from attnres_jax.residuals.hyper import connections as hcl
+from attnres_jax.residuals.hyper import params as hc_params
 
 
 def reference_sinkhorn(logits, iters):
@@ -46,7 +46,7 @@ def mhc_step(p, which, k, H, f, cfg):
   """mHC (DeepSeek): x_{l+1} = H_res x_l + H_post^T f(H_pre x_l)."""
   m, d = cfg.hc_streams, cfg.d_model
   selected = jax.nn.one_hot(k % m, m)
-  b_pre = hcl.MHC_LOGIT * (2 * selected - 1) + p.pre_bias[...][which]
+  b_pre = hc_params.MHC_LOGIT * (2 * selected - 1) + p.pre_bias[...][which]
   pre, post, res = (
     jnp.broadcast_to(v, H.shape[:2] + v.shape)
     for v in (b_pre, p.post_bias[...][which], p.res_bias[...][which])

@@ -1,5 +1,5 @@
 """The stream-sized pieces of HC and mHC on their own: Sinkhorn
-(attnres_jax/residuals/hyper/connections.py) and the hand-written VJPs of
+(attnres_jax/residuals/hyper/coefficients.py) and the hand-written VJPs of
 attnres_jax/residuals/hyper/streams.py, against the papers' formulas and autodiff."""
 
 import json
@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from attnres_jax.nn import sharding
-from attnres_jax.residuals.hyper import connections as hcl
+from attnres_jax.residuals.hyper import coefficients
+from attnres_jax.residuals.hyper import params as hc_params
 from attnres_jax.residuals.hyper import streams as hs
 from conftest import child_result
 from tests.residuals.hc_reference import reference_sinkhorn
@@ -22,7 +23,7 @@ from tests.residuals.hc_reference import reference_sinkhorn
 
 def test_sinkhorn_gives_doubly_stochastic_matrices():
   logits = jax.random.normal(jax.random.key(0), (4096, 4, 4))
-  matrix = hcl.sinkhorn(logits, 20)
+  matrix = coefficients.sinkhorn(logits, 20)
   assert bool(jnp.all(matrix >= 0))
   # Rows are normalised last: exact up to float32 rounding of a 4-term sum (~2 ulp).
   np.testing.assert_allclose(matrix.sum(-1), 1.0, atol=1e-6)
@@ -31,7 +32,7 @@ def test_sinkhorn_gives_doubly_stochastic_matrices():
   # shrinks geometrically with more iterations (below: 1e-6 after 2000).
   np.testing.assert_allclose(matrix.sum(-2), 1.0, atol=3e-3)
   assert float(jnp.median(jnp.abs(matrix.sum(-2) - 1))) < 1e-6
-  converged = hcl.sinkhorn(logits, 2000)
+  converged = coefficients.sinkhorn(logits, 2000)
   np.testing.assert_allclose(converged.sum(-2), 1.0, atol=1e-6)
   np.testing.assert_allclose(converged.sum(-1), 1.0, atol=1e-6)
   # The log-domain iteration is the printed one (exp, then alternate sums) exactly.
@@ -47,14 +48,14 @@ def test_sinkhorn_extreme_logits(scale):
   logits = scale * jax.random.normal(jax.random.key(1), (512, 4, 4))
   errors = []
   for iters in (1, 20, 200):
-    matrix = hcl.sinkhorn(logits, iters)
+    matrix = coefficients.sinkhorn(logits, iters)
     assert bool(jnp.all(jnp.isfinite(matrix))) and bool(jnp.all(matrix >= 0))
     np.testing.assert_allclose(matrix.sum(-1), 1.0, atol=1e-6)
     errors.append(float(jnp.mean(jnp.abs(matrix.sum(-2) - 1))))
   # Sinkhorn's L1 marginal error is non-increasing (allow float32 rounding).
   assert errors[0] + 1e-6 >= errors[1] and errors[1] + 1e-6 >= errors[2], errors
   grads = jax.grad(
-    lambda x: jnp.sum(hcl.sinkhorn(x, 20) * jnp.arange(16.0).reshape(1, 4, 4))
+    lambda x: jnp.sum(coefficients.sinkhorn(x, 20) * jnp.arange(16.0).reshape(1, 4, 4))
   )(logits)
   assert bool(jnp.all(jnp.isfinite(grads)))
 
@@ -62,20 +63,20 @@ def test_sinkhorn_extreme_logits(scale):
 def test_sinkhorn_over_leading_axes_equals_the_last_two():
   """The model's layout: matrices over axes (0, 1) of [m, m, B, T], tokens minor."""
   logits = 3 * jax.random.normal(jax.random.key(2), (4, 4, 3, 5))
-  leading = hcl.sinkhorn(logits, 20, axes=(0, 1))
-  last = hcl.sinkhorn(jnp.transpose(logits, (2, 3, 0, 1)), 20)
+  leading = coefficients.sinkhorn(logits, 20, axes=(0, 1))
+  last = coefficients.sinkhorn(jnp.transpose(logits, (2, 3, 0, 1)), 20)
   # The same float32 operations per matrix, reduced along other axes: rounding only.
   np.testing.assert_allclose(jnp.transpose(leading, (2, 3, 0, 1)), last, atol=1e-6)
 
 
 def test_sinkhorn_of_the_initial_logits_is_near_identity():
   m = 4
-  logits = hcl.MHC_LOGIT * (jnp.eye(m) - 1)
-  matrix = hcl.sinkhorn(logits, 20)
+  logits = hc_params.MHC_LOGIT * (jnp.eye(m) - 1)
+  matrix = coefficients.sinkhorn(logits, 20)
   # Symmetric with equal row sums: doubly stochastic after one step, to rounding.
   np.testing.assert_allclose(matrix.sum(-1), 1.0, atol=1e-6)
   np.testing.assert_allclose(matrix.sum(-2), 1.0, atol=1e-6)
-  off = np.exp(-hcl.MHC_LOGIT) / (1 + (m - 1) * np.exp(-hcl.MHC_LOGIT))
+  off = np.exp(-hc_params.MHC_LOGIT) / (1 + (m - 1) * np.exp(-hc_params.MHC_LOGIT))
   np.testing.assert_allclose(
     matrix, np.where(np.eye(m), 1 - (m - 1) * off, off), rtol=1e-5
   )

@@ -24,6 +24,12 @@ read of sublayer k takes stream k mod m, mixing is the identity and every stream
 f(h) (HC exactly; mHC up to sigmoid(-8) = 3e-4 and Sinkhorn's projection of a
 near-identity), so the streams stay equal and each equals the standard residual
 stream, and PreNorm and the final norm remove the factor m of the sum.
+
+Here the residual (the carry, the sublayer's read and write, the analysis and cost);
+beside it `params.py` (the parameters and their initialisation), `coefficients.py` (a
+sublayer's per-token weights, mHC's Sinkhorn), `streams.py` (the stream-sized read,
+write and projections with hand-written VJPs) and their Pallas kernels
+(`kernels/hyper_pallas.py`).
 """
 
 from __future__ import annotations
@@ -33,142 +39,24 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
-from attnres_jax.residuals.attnres import depth
+from attnres_jax.kernels import pallas_mesh
 from attnres_jax.nn import sharding
 from attnres_jax.residuals import base
-from attnres_jax.kernels import hyper_pallas
-from attnres_jax.kernels import pallas_mesh
+from attnres_jax.residuals.attnres import depth
+from attnres_jax.residuals.hyper import coefficients as coefs
 from attnres_jax.residuals.hyper import streams as hyper_streams
-from attnres_jax.kernels import sinkhorn_pallas
+from attnres_jax.residuals.hyper.coefficients import Coefficients
+from attnres_jax.residuals.hyper.coefficients import PendingWrite
+from attnres_jax.residuals.hyper.params import HyperConnectionParams
+from attnres_jax.residuals.hyper.params import ManifoldHyperConnectionParams
+from attnres_jax.residuals.hyper.streams import STREAM_AXIS
+from attnres_jax.residuals.hyper.streams import STREAMS
 
-STREAMS = sharding.DEPTH_BUFFER  # [m, B, T, D]: the streams shard like the depth buffer
-STREAM_AXIS = STREAMS[0]  # the logical name of a stream axis in parameters (never split)
-# Initial gate of the input-dependent part: HC's s_alpha, s_beta and mHC's alpha.
-DYNAMIC_SCALE_INIT = 0.01
-# mHC's static logits at initialisation: the selected stream / the diagonal get 0 or
-# +8, the others -8 (sigmoid(-8) = 3.4e-4), so the start is close to HC's.
-MHC_LOGIT = 8.0
-# How the stream write is computed (`depth_kernel`): XLA (hyper_streams) or the Pallas
-# kernels (hyper_pallas; interpret mode off the TPU).
-WRITE_KERNELS = {'xla': hyper_streams.write, 'pallas': hyper_pallas.write}
-
-
-def sinkhorn(logits, iters: int, axes: tuple[int, int] = (-2, -1)):
-  """Sinkhorn-Knopp: exp(logits) scaled to a doubly stochastic matrix over `axes`
-  (row index, column index; default the last two), in float32 and in the log domain so
-  that extreme logits neither overflow nor underflow. Each iteration normalises the
-  columns, then the rows (the paper's M <- T_r(T_c(M))): the rows of the result sum to
-  one up to rounding, the columns to within the iteration's convergence. The model
-  calls it on [m, m, B, T] (axes (0, 1)): the tokens stay on the minor (lane) axes."""
-  rows, columns = axes
-  log_m = logits.astype(jnp.float32)
-
-  def iteration(_, log_m):
-    log_m = log_m - jax.nn.logsumexp(log_m, axis=rows, keepdims=True)
-    return log_m - jax.nn.logsumexp(log_m, axis=columns, keepdims=True)
-
-  matrix = jnp.exp(jax.lax.fori_loop(0, iters, iteration, log_m))
-  # The last row normalisation once more, in the linear domain (exactly a no-op in
-  # real arithmetic): in the log domain an entry's relative rounding error is that of
-  # its log, ~2^-24 times the logits' magnitude, 1e-5 already for logits of 100.
-  return matrix / jnp.sum(matrix, axis=columns, keepdims=True)
-
-
-def _constant(value):
-  return lambda shape, dtype: jnp.full(shape, value, dtype)
-
-
-class HyperConnectionParams(nnx.Module):
-  """HC parameters for `rows` sublayers: static read offsets (A_m minus its initial
-  one-hot e_{k mod m}, which depends on the sublayer index k and is added when read),
-  mixing A_r (identity) and write weights B (ones); dynamic projections W (zero) and
-  gates s_alpha, s_beta (0.01). No random numbers."""
-
-  def __init__(self, cfg, rows: tuple[int, ...], row_axes: tuple[str, ...]):
-    pdt = jnp.dtype(cfg.param_dtype)
-    m, d = cfg.hc_streams, cfg.d_model
-    eye = lambda shape, dtype: jnp.broadcast_to(jnp.eye(m, dtype=dtype), shape)
-    self.static_read = base.param(jnp.zeros, (*rows, m), (*row_axes, STREAM_AXIS), pdt)
-    self.static_mix = base.param(
-      eye, (*rows, m, m), (*row_axes, STREAM_AXIS, STREAM_AXIS), pdt
-    )
-    self.static_write = base.param(jnp.ones, (*rows, m), (*row_axes, STREAM_AXIS), pdt)
-    if cfg.hc_dynamic:
-      self.read_proj = base.param(jnp.zeros, (*rows, d), (*row_axes, 'embed'), pdt)
-      self.mix_proj = base.param(
-        jnp.zeros, (*rows, d, m), (*row_axes, 'embed', STREAM_AXIS), pdt
-      )
-      self.write_proj = base.param(jnp.zeros, (*rows, d), (*row_axes, 'embed'), pdt)
-      self.read_scale = base.param(_constant(DYNAMIC_SCALE_INIT), rows, row_axes, pdt)
-      self.write_scale = base.param(_constant(DYNAMIC_SCALE_INIT), rows, row_axes, pdt)
-    else:
-      self.read_proj = self.mix_proj = self.write_proj = None
-      self.read_scale = self.write_scale = None
-
-
-class ManifoldHyperConnectionParams(nnx.Module):
-  """mHC parameters for `rows` sublayers: biases b_pre (offset from the initial +-8
-  logits selecting stream k mod m), b_post (0: H_post = 1), b_res (0 on the diagonal,
-  -8 off it); dynamic projections phi [m, D, .] (zero) and gates alpha (0.01)."""
-
-  def __init__(self, cfg, rows: tuple[int, ...], row_axes: tuple[str, ...]):
-    pdt = jnp.dtype(cfg.param_dtype)
-    m, d = cfg.hc_streams, cfg.d_model
-    res_init = lambda shape, dtype: jnp.broadcast_to(
-      MHC_LOGIT * (jnp.eye(m, dtype=dtype) - 1), shape
-    )
-    self.pre_bias = base.param(jnp.zeros, (*rows, m), (*row_axes, STREAM_AXIS), pdt)
-    self.post_bias = base.param(jnp.zeros, (*rows, m), (*row_axes, STREAM_AXIS), pdt)
-    self.res_bias = base.param(
-      res_init, (*rows, m, m), (*row_axes, STREAM_AXIS, STREAM_AXIS), pdt
-    )
-    if cfg.hc_dynamic:
-      proj = lambda k: base.param(
-        jnp.zeros, (*rows, m, d, k), (*row_axes, STREAM_AXIS, 'embed', STREAM_AXIS), pdt
-      )
-      self.pre_proj, self.post_proj, self.res_proj = proj(m), proj(m), proj(m * m)
-      self.pre_scale, self.post_scale, self.res_scale = (
-        base.param(_constant(DYNAMIC_SCALE_INIT), rows, row_axes, pdt) for _ in range(3)
-      )
-    else:
-      self.pre_proj = self.post_proj = self.res_proj = None
-      self.pre_scale = self.post_scale = self.res_scale = None
-
-
-def _row(param, which):
-  return None if param is None else param[...][which].astype(jnp.float32)
-
-
-@dataclasses.dataclass(frozen=True)
-class Coefficients:
-  """One sublayer's stream weights, per token: read a [m, B, T], mixing R [m, m, B, T]
-  (R[i, j]: from stream i to stream j), write b [m, B, T]. float32. `h_BTD`: the
-  read's result where it was computed with the weights (`hyper_pallas.gated_read`,
-  `boundary`), else None; `streams_MBTD` then the streams the kernel passed through
-  or wrote, which the write reads (its backward sums their cotangents), else None
-  (the write reads the carry's)."""
-
-  read_MBT: jax.Array
-  mix_MMBT: jax.Array
-  write_MBT: jax.Array
-  h_BTD: jax.Array | None = None
-  streams_MBTD: jax.Array | None = None
-
-
-class PendingWrite(NamedTuple):
-  """Streams whose last write is not done yet: the streams before it, f(h) and its
-  weights. Dynamic HC/mHC with the Pallas kernels carries them from sublayer to
-  sublayer: the next sublayer's gated read does the write in the same kernel
-  (`hyper_pallas.boundary`: the new streams are read while still on chip, and their
-  cotangent goes from the read's backward to the write's on chip); `written` does it
-  alone (`final`, or where T fills no lane tile)."""
-
-  streams_MBTD: jax.Array
-  out_BTD: jax.Array
-  mix_MMBT: jax.Array
-  write_MBT: jax.Array
+# How the streams' steps are computed (`depth_kernel`): XLA (`streams.py`) or the
+# Pallas kernels (`kernels/hyper_pallas.py`; interpret mode off the TPU); 'auto' picks
+# the kernels where the step is compiled for TPU devices (`pallas_mesh.choose_kernel`).
+DEPTH_KERNELS = pallas_mesh.KERNEL_SETTINGS
 
 
 class StreamCarry(NamedTuple):
@@ -209,9 +97,9 @@ class HyperConnectionResidual(base.Residual):
       base.invalid(f'hc_dynamic must be True or False, got {cfg.hc_dynamic!r}.')
     if self.manifold and (not base.is_int(cfg.sinkhorn_iters) or cfg.sinkhorn_iters < 1):
       base.invalid(f'sinkhorn_iters must be an integer >= 1, got {cfg.sinkhorn_iters!r}.')
-    if cfg.depth_kernel not in pallas_mesh.KERNEL_SETTINGS:
+    if cfg.depth_kernel not in DEPTH_KERNELS:
       base.invalid(
-        f'depth_kernel must be one of {pallas_mesh.KERNEL_SETTINGS} (for HC/mHC: how the '
+        f'depth_kernel must be one of {DEPTH_KERNELS} (for HC/mHC: how the '
         f'stream write and the projections are computed), got {cfg.depth_kernel!r}.'
       )
     if cfg.ablations:
@@ -241,14 +129,16 @@ class HyperConnectionResidual(base.Residual):
     return module(self.cfg, (2,), ('sublayers',))
 
   @property
-  def kernel(self) -> str:  # 'xla' | 'pallas', 'auto' decided at trace time
-    return pallas_mesh.choose_kernel(self.cfg.depth_kernel)
+  def uses_pallas(self) -> bool:
+    """Whether the Pallas kernels compute the streams' steps (`depth_kernel`): the
+    one place that reads it; 'auto' is decided at trace time."""
+    return pallas_mesh.choose_kernel(self.cfg.depth_kernel) == 'pallas'
 
   @property
   def defers_write(self) -> bool:
     """Whether each write waits for the next sublayer's read (`PendingWrite`):
     dynamic HC or mHC with the Pallas kernels."""
-    return self.cfg.hc_dynamic and self.kernel == 'pallas'
+    return self.cfg.hc_dynamic and self.uses_pallas
 
   def init(self, x_BTD):
     streams_MBTD = jnp.broadcast_to(x_BTD, (self.num_streams,) + x_BTD.shape)
@@ -267,12 +157,7 @@ class HyperConnectionResidual(base.Residual):
 
   def written(self, streams):
     """The streams, with a pending write done (the write kernel alone)."""
-    if not isinstance(streams, PendingWrite):
-      return streams
-    new_MBTD = WRITE_KERNELS[self.kernel](
-      streams.mix_MMBT, streams.write_MBT, streams.streams_MBTD, streams.out_BTD
-    )
-    return sharding.constrain(new_MBTD, STREAMS)
+    return coefs.written(streams, pallas=self.uses_pallas)
 
   def begin_segment(self, carry, params, segment):
     return StreamCarry(carry, jnp.asarray(segment * self.segment_layers, jnp.int32)), None
@@ -289,121 +174,17 @@ class HyperConnectionResidual(base.Residual):
     self, inner: StreamCarry, params, layer_in_segment, which
   ) -> Coefficients:
     selected_M = self.selected(inner.first_layer, layer_in_segment, which)
+    options = dict(eps=self.cfg.norm_eps, pallas=self.uses_pallas)
     if self.manifold:
-      return self._mhc_coefficients(inner.streams_MBTD, params, selected_M, which)
-    return self._hc_coefficients(inner.streams_MBTD, params, selected_M, which)
-
-  def _projections(self, streams, phi, scale, base_M, per_stream):
-    """The dynamic coefficients' normalised projections of the streams (HC
-    [K, m, B, T] with `per_stream`, mHC [K, B, T]; `hyper_streams.normed_projection`)
-    and, where the Pallas kernels compute them with the read (T a multiple of 128:
-    `hyper_pallas.gated_read`, or with a pending write `boundary`), h of the read
-    gates `scale` and `base_M` (HC: base_i + scale tanh(n_i0), mHC: sigmoid(base_i +
-    scale n_i)), else None; and the streams the write reads (passed through or
-    written by a kernel), else None. `streams`: [m, B, T, D] or a `PendingWrite`."""
-    pending = streams if isinstance(streams, PendingWrite) else None
-    streams_MBTD = _stream_array(streams)
-    m, batch = self.num_streams, streams_MBTD.shape[1:3]
-    if self.kernel != 'pallas' or batch[1] % hyper_pallas.LANES:
-      passed_MBTD = self.written(pending) if pending else None
-      normed = hyper_streams.normed_projection(
-        phi,
-        streams_MBTD if passed_MBTD is None else passed_MBTD,
-        self.cfg.norm_eps,
-        per_stream=per_stream,
+      return coefs.mhc_coefficients(
+        inner.streams_MBTD,
+        params,
+        selected_M,
+        which,
+        iters=self.cfg.sinkhorn_iters,
+        **options,
       )
-      return normed, None, passed_MBTD
-    # The read with its projections, one read of the streams each way (with the
-    # pending write: in the same kernel).
-    num_out = phi.shape[-1]
-    gate_2R = hyper_pallas.read_gate(scale, base_M, num_out, per_stream)
-    if pending:
-      write = (pending.mix_MMBT, pending.write_MBT, streams_MBTD, pending.out_BTD)
-      h_BTD, coef_RBT, passed_MBTD = hyper_pallas.boundary(
-        *write, phi, gate_2R, self.cfg.norm_eps
-      )
-    else:
-      h_BTD, coef_RBT, passed_MBTD = hyper_pallas.gated_read(
-        phi, gate_2R, streams_MBTD, self.cfg.norm_eps
-      )
-    normed = hyper_pallas.normalised_projections(coef_RBT, m, num_out, per_stream)
-    return normed, h_BTD, sharding.constrain(passed_MBTD, STREAMS)
-
-  def _hc_coefficients(self, streams, params, selected_M, which):
-    """`streams`: the streams [m, B, T, D] or a `PendingWrite` of them."""
-    streams_MBTD = _stream_array(streams)
-    read_M = selected_M + _row(params.static_read, which)
-    mix_MM = _row(params.static_mix, which)
-    write_M = _row(params.static_write, which)
-    batch = streams_MBTD.shape[1:3]
-    read_MBT = jnp.broadcast_to(read_M[:, None, None], read_M.shape + batch)
-    mix_MMBT = jnp.broadcast_to(mix_MM[..., None, None], mix_MM.shape + batch)
-    write_MBT = jnp.broadcast_to(write_M[:, None, None], write_M.shape + batch)
-    if params.read_proj is None:  # static (never pending: `defers_write`)
-      return Coefficients(read_MBT, mix_MMBT, write_MBT)
-    # dynamic: from each stream's own normalised state
-    m = self.num_streams
-    s_alpha, s_beta = _row(params.read_scale, which), _row(params.write_scale, which)
-    # W_m, W_r and W_beta as one [D, m + 2] projection; gates [m + 2, m, B, T].
-    proj = jnp.concatenate(
-      [
-        _row(params.read_proj, which)[:, None],
-        _row(params.mix_proj, which),
-        _row(params.write_proj, which)[:, None],
-      ],
-      axis=-1,
-    )
-    normed, h_BTD, passed_MBTD = self._projections(
-      streams, proj, s_alpha, read_M, per_stream=True
-    )
-    gates = jnp.tanh(normed)
-    read_MBT += s_alpha * gates[0]
-    mix_MMBT += s_alpha * jnp.swapaxes(gates[1 : m + 1], 0, 1)  # [from i, to n]
-    write_MBT += s_beta * gates[m + 1]
-    return Coefficients(read_MBT, mix_MMBT, write_MBT, h_BTD, passed_MBTD)
-
-  def _mhc_coefficients(self, streams, params, selected_M, which):
-    """mHC's maps, every one with the tokens on the minor axes ([m, B, T] and
-    [m, m, B, T]): a per-token m x m matrix in the minor axes pads m to a tile.
-    `streams`: the streams [m, B, T, D] or a `PendingWrite` of them."""
-    streams_MBTD = _stream_array(streams)
-    m = self.num_streams
-    batch = streams_MBTD.shape[1:3]
-    per_token = lambda x: jnp.broadcast_to(x[..., None, None], x.shape + batch)
-    pre_M = MHC_LOGIT * (2 * selected_M - 1) + _row(params.pre_bias, which)
-    pre_MBT = per_token(pre_M)
-    post_MBT = per_token(_row(params.post_bias, which))
-    res_MMBT = per_token(_row(params.res_bias, which))  # [i, j]: to i from j
-    h_BTD = passed_MBTD = None
-    if params.pre_proj is not None:  # dynamic: from all streams, flattened and normed
-      # RMSNorm(vec(H)) over the m * D features of a token (no gain: phi absorbs
-      # it); one dot for the three projections, its outputs leading: [2m + m^2, B, T].
-      phi = jnp.concatenate(
-        [_row(p, which) for p in (params.pre_proj, params.post_proj, params.res_proj)],
-        axis=-1,
-      )
-      pre_scale = _row(params.pre_scale, which)
-      projected_KBT, h_BTD, passed_MBTD = self._projections(
-        streams, phi, pre_scale, pre_M, per_stream=False
-      )
-      pre_KBT, post_KBT, res_KBT = jnp.split(projected_KBT, [m, 2 * m])
-      pre_MBT = pre_MBT + pre_scale * pre_KBT
-      post_MBT = post_MBT + _row(params.post_scale, which) * post_KBT
-      res_MMBT = res_MMBT + _row(params.res_scale, which) * res_KBT.reshape(m, m, *batch)
-    # Recomputed in the backward pass: only the logits are kept, not 20 iterations.
-    if self.kernel == 'pallas':  # the iterations in VMEM (sinkhorn_pallas)
-      h_res_MMBT = sinkhorn_pallas.sinkhorn(res_MMBT, self.cfg.sinkhorn_iters)
-    else:
-      h_res_MMBT = jax.checkpoint(sinkhorn, static_argnums=(1, 2))(
-        res_MMBT, self.cfg.sinkhorn_iters, (0, 1)
-      )
-    return Coefficients(
-      read_MBT=jax.nn.sigmoid(pre_MBT),
-      mix_MMBT=jnp.swapaxes(h_res_MMBT, 0, 1),  # [from, to, B, T]
-      write_MBT=2 * jax.nn.sigmoid(post_MBT),
-      h_BTD=h_BTD,
-      streams_MBTD=passed_MBTD,
-    )
+    return coefs.hc_coefficients(inner.streams_MBTD, params, selected_M, which, **options)
 
   def sublayer(
     self, inner: StreamCarry, params, per_layer, layer_in_segment, which, branch
@@ -426,10 +207,13 @@ class HyperConnectionResidual(base.Residual):
         coeffs.write_MBT,
       )
     else:
-      new = WRITE_KERNELS[self.kernel](
-        coeffs.mix_MMBT, coeffs.write_MBT, streams_MBTD, out_BTD
+      new = coefs.write(
+        coeffs.mix_MMBT,
+        coeffs.write_MBT,
+        streams_MBTD,
+        out_BTD,
+        pallas=self.uses_pallas,
       )
-      new = sharding.constrain(new, STREAMS)
     inner = inner._replace(streams_MBTD=new)
     weights = dict(
       coeffs=coeffs, stream_rms_MBT=1.0 / depth.rms_inverse(streams_MBTD, 0.0)
@@ -499,12 +283,6 @@ class HyperConnectionResidual(base.Residual):
       weights = (STREAM_AXIS, 'batch', 'length')
       return PendingWrite(STREAMS, sharding.HIDDEN, (STREAM_AXIS, *weights), weights)
     return STREAMS
-
-
-def _stream_array(streams):
-  """The streams [m, B, T, D] a sublayer's coefficients see: a `PendingWrite`'s
-  streams before its write (the shapes are the same)."""
-  return streams.streams_MBTD if isinstance(streams, PendingWrite) else streams
 
 
 def _leading_mean(mean):

@@ -1,4 +1,4 @@
-"""The stream-sized steps of HC/mHC (`hyper_connections.py`) with hand-written VJPs:
+"""The stream-sized steps of HC/mHC (`connections.py`) with hand-written VJPs:
 the read `h = sum_i a_i H_i`, the write `H'_j = sum_i R_ij H_i + b_j f(h)` and the
 normalised projections the dynamic coefficients start from.
 
@@ -26,6 +26,8 @@ import jax.numpy as jnp
 from attnres_jax.nn import sharding
 
 F32 = jnp.float32
+STREAMS = sharding.DEPTH_BUFFER  # [m, B, T, D]: the streams shard like the depth buffer
+STREAM_AXIS = STREAMS[0]  # the logical name of a stream axis in parameters (never split)
 
 
 def _stored(x_BTD):
@@ -151,8 +153,8 @@ def normed_projection(phi, streams_MBTD, eps: float, per_stream: bool):
   normalised streams are never stored: HC (`per_stream`) normalises each stream,
   [K, m, B, T]; mHC their concatenation, [K, B, T]. float32; the small result is
   transposed to its outputs leading (tokens minor) after the dot (`project_parts`).
-  With the Pallas kernels the model computes them inside `hyper_pallas.gated_read`
-  instead."""
+  With the Pallas kernels the model computes them inside
+  `kernels/hyper_gated_read.gated_read` instead."""
   # phi (D x K, K tiny) whole on every device: split over D (FSDP) XLA computes the
   # projection and dphi as windowed dot loops (all-gather, reduce-scatter) around
   # tokens-minor copies of the streams.
