@@ -41,6 +41,8 @@ from attnres_jax.data import pipeline as data_lib
 from attnres_jax.models import transformer as model_lib
 from configs import default as default_config
 
+import quick_tier
+
 jax.config.update('jax_numpy_rank_promotion', 'raise')
 
 
@@ -355,6 +357,24 @@ FILE_SECONDS = {
 
 
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, when it is loaded
+def pytest_collection_modifyitems(config, items):
+  """Marks the quick tier (`tests/quick_tier.py`)."""
+  del config
+  for item in items:
+    if quick_tier.is_quick(item.nodeid):
+      item.add_marker(pytest.mark.quick)
+  # An entry of a collected file that selects nothing is a renamed or misspelt test.
+  files = {item.nodeid.split('::')[0] for item in items}
+  stale = [
+    entry
+    for entry in quick_tier.QUICK
+    if entry.split('::')[0] in files
+    and not any(quick_tier.is_quick_by(entry, item.nodeid) for item in items)
+  ]
+  if stale:
+    raise pytest.UsageError(f'tests/quick_tier.py: entries that select no test: {stale}')
+
+
 def pytest_xdist_make_scheduler(config, log):
   """`--dist loadfile` (pyproject.toml), the slowest remaining file first. xdist's own
   order (most tests first) leaves the slow files of few tests (the multi-process and
