@@ -168,20 +168,3 @@ def test_rezero_passes_the_conformance_check():
   assert report['train']['spared_decay'] == ['alpha']
   assert report['declarations']['forward_flops'] == 16 * 2 * 4  # d per sublayer
   assert 'refused' not in report['pipeline']
-
-
-# Every registered residual (the library's, and any registered by the test modules
-# imported before this one) through the parts that run in this process; the pipeline,
-# a child process of its own, for the toy and ReZero above and one AttnRes mode.
-PIPELINED = ('block',)
-
-
-@pytest.mark.parametrize('name', residuals.names())
-def test_every_registered_residual_passes_the_conformance_check(name):
-  if name in ('gated', 'rezero'):
-    pytest.skip('checked whole above')
-  parts = [p for p in testing.PARTS if p != 'pipeline' or name in PIPELINED]
-  report = testing.check_residual(name, parts=parts)
-  assert set(report) == {'residual', *parts}
-  if name in PIPELINED:
-    assert 'refused' not in report['pipeline']
