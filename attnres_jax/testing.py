@@ -57,6 +57,13 @@ BATCH, LENGTH = 4, 8
 # moves the logits and losses by percents.
 DECODE_TOLERANCE = 1e-5
 PIPELINE_LOSS_RTOL = 1e-5
+# The declared forward FLOPs against XLA's count: XLA counts every elementwise op as one
+# FLOP and a loop's body once (mHC's Sinkhorn iterations), `forward_flops` follows
+# flops.py (a multiply-add is 2, a softmax about d). Declared / counted on the tiny
+# model: ReZero 1, Block 0.86, Full 0.74, HC 1.05, mHC 1.57, the toy's 2 (it counts the
+# add that the standard residual, subtracted, also does). Forgetting the layers (4x
+# here) or the width (16x), or declaring 0, falls outside.
+FLOPS_FACTOR = 3.0
 # Parameters move by <= lr = 1e-2 a step; rounding of a gradient reaches them scaled by
 # lr / eps = 10 (Adam's first steps), and they are O(1) (ulp 1.2e-7).
 PIPELINE_PARAM_ATOL = 1e-5
@@ -158,6 +165,12 @@ def check_declarations(cfg) -> dict[str, Any]:
   require(math.isfinite(forward) and forward >= 0, f'forward_flops() = {forward}.')
   terms = flops.forward_flops_per_token(cfg, seq_len=LENGTH)
   require(terms['depth_read'] == forward, 'flops.py does not count forward_flops().')
+  counted = counted_forward_flops(cfg)
+  require(
+    forward == counted == 0
+    or (counted > 0 and 1 / FLOPS_FACTOR <= forward / counted <= FLOPS_FACTOR),
+    f'forward_flops() = {forward} per token, XLA counts {counted} (see FLOPS_FACTOR).',
+  )
   read, write = residual.io_per_sublayer()
   require(
     all(math.isfinite(v) and v > 0 for v in (read, write)),
@@ -186,10 +199,28 @@ def check_declarations(cfg) -> dict[str, Any]:
   require(all(jax.tree.leaves(ranks)), 'carry_axes() names a leaf by the wrong rank.')
   return dict(
     forward_flops=forward,
+    counted_forward_flops=counted,
     io_per_sublayer=(read, write),
     min_extra_per_sublayer=floor,
     segment_layers=residual.segment_layers,
   )
+
+
+def counted_forward_flops(cfg) -> float:
+  """XLA's count of the forward pass's FLOPs per token, less the standard residual's
+  (the layers unrolled: XLA counts a loop's body once); lowered, not compiled."""
+
+  def count(c):
+    graphdef, params = nnx.split(
+      nnx.eval_shape(lambda: model_lib.Transformer(c, rngs=nnx.Rngs(0)))
+    )
+    tokens = jax.ShapeDtypeStruct((BATCH, LENGTH), jnp.int32)
+    forward = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))
+    return forward.lower(params, tokens).cost_analysis()['flops']
+
+  unrolled = cfg.replace(scan_layers=False)
+  standard = count(unrolled.replace(residual='standard'))
+  return (count(unrolled) - standard) / (BATCH * LENGTH)
 
 
 def _residual_leaves(tree) -> dict[str, Any]:
