@@ -69,6 +69,7 @@ class HalfResidual(base.Residual):
 
 
 def _write(path, text):
+  path.parent.mkdir(parents=True, exist_ok=True)
   path.write_text(textwrap.dedent(text))
   return str(path)
 
@@ -132,11 +133,12 @@ def test_a_plugin_that_fails_to_import_is_one_line_naming_module_and_cause(
   assert name not in residuals.names()  # a later, fixed attempt imports it afresh
 
 
-def test_a_residual_in_a_file_outside_the_repository_trains_and_evaluates(
+def test_a_residual_in_a_file_outside_the_repository_trains_evaluates_and_decodes(
   tfds_dir, tmp_path
 ):
-  """train.py and eval.py, as a user runs them, on a residual no library file names:
-  the run record keeps the plug-in name, and eval.py --workdir imports it again."""
+  """train.py and eval.py (evaluation, and sampling with the KV cache), as a user runs
+  them, on a residual no library file names: the run record keeps the plug-in name,
+  and eval.py --workdir imports it again."""
   plugin = _write(tmp_path / 'outside' / 'my_residual.py', PLUGIN)
   workdir = str(tmp_path / 'run')
   train_args = [
@@ -145,24 +147,28 @@ def test_a_residual_in_a_file_outside_the_repository_trains_and_evaluates(
     f'--config.data.tfds_data_dir={tfds_dir}',
     f'--workdir={workdir}',
     '--config.train.num_steps=4',
+    '--config.train.warmup_steps=1',
     '--config.train.checkpoint_every=4',
     '--config.train.log_every=2',
     '--config.train.max_eval_batches=1',
   ]
-  env = child_env(1)
+  outputs = []
   for args in (
     ['train.py', *train_args],
     ['eval.py', f'--workdir={workdir}', '--max_eval_batches=1', '--grad_batches=1'],
+    ['eval.py', f'--workdir={workdir}', '--prompt=ROMEO:', '--max_new_tokens=4'],
   ):
     proc = subprocess.run(
       [sys.executable, *args],
       cwd=ROOT,
-      env=env,
+      env=child_env(1),
       capture_output=True,
       text=True,
       timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    outputs.append(proc.stdout)
+  assert 'ROMEO:' in outputs[-1]  # the prompt and its continuation, decoded
   with open(os.path.join(workdir, 'config.json'), encoding='utf-8') as f:
     assert json.load(f)['model']['residual'] == f'{plugin}:HalfResidual'
   with open(os.path.join(workdir, 'eval', 'step_4', 'eval.json'), encoding='utf-8') as f:
