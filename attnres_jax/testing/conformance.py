@@ -16,8 +16,9 @@ runs one, on a tiny model, through what the library does with a residual.
                   residual refuses 2-layer chunks).
 
 A failure raises `ConformanceError` naming the residual, the part and what differs;
-success returns what was measured. `python -m attnres_jax.testing check NAME` runs it
-from a shell (NAME: a registered residual or a plug-in, 'module:Class', 'file.py:Class').
+success returns what was measured. `python -m attnres_jax.testing.conformance NAME`
+runs it from a shell (NAME: a registered residual or a plug-in, 'module:Class' or
+'file.py:Class'); the pipeline's child is `testing/pipeline_child.py`.
 """
 
 from __future__ import annotations
@@ -43,10 +44,7 @@ from attnres_jax import flops
 from attnres_jax import residuals
 from attnres_jax.evaluation import evaluate, plots, statistics
 from attnres_jax.models import transformer as model_lib
-from attnres_jax.nn import sharding
-from attnres_jax.parallel import pipeline, pipeline_plan
 from attnres_jax.residuals import registry
-from attnres_jax.runs import checkpointing
 from attnres_jax.training import optim
 from attnres_jax.training import step as train_lib
 
@@ -346,7 +344,7 @@ def check_pipeline(cfg, timeout: float = 600) -> dict[str, Any]:
     return dict(refused=refusal)
   spec = dict(model=cfg.to_dict(), imports=_child_imports(cfg.residual))
   proc = subprocess.run(
-    [sys.executable, '-m', 'attnres_jax.testing', 'pipeline', json.dumps(spec)],
+    [sys.executable, '-m', 'attnres_jax.testing.pipeline_child', json.dumps(spec)],
     env=_child_env(2),
     capture_output=True,
     text=True,
@@ -370,52 +368,10 @@ def check_pipeline(cfg, timeout: float = 600) -> dict[str, Any]:
   return dict(losses=piped['losses'], max_param_diff=max(gaps))
 
 
-def run_pipeline_steps(cfg, steps: int = 2) -> dict[str, Any]:
-  """(In the child.) The losses and parameters of `steps` train steps on one device
-  and pipelined over 2 stages (2 microbatches)."""
-  if jax.device_count() != 2:
-    raise RuntimeError(f'the pipeline check needs 2 devices, got {jax.devices()}')
-  tx, schedule = optim.make_optimizer(train_config(), cfg)
-  batch = toy_batch()
-  out = {}
-  for name, mesh_overrides in (
-    ('one_device', dict(shape=(1, 1, 1))),
-    ('pipelined', dict(stage=2, shape=(1, 1, 1), num_microbatches=2)),
-  ):
-    mesh_config = sharding.default_mesh_config(**mesh_overrides)
-    pipe = pipeline_plan.from_mesh_config(mesh_config)
-    pipeline_plan.validate(pipe, cfg, batch_size=BATCH)
-    mesh = sharding.make_mesh(mesh_config, jax.devices()[: mesh_config.stage])
-    rules = sharding.rules_from_config(mesh_config)
-    layout = train_lib.make_layout(cfg, tx, mesh, rules)
-    state = train_lib.create_train_state(cfg, tx, 0, layout)
-    step = train_lib.jit_train_step(
-      layout,
-      graphdef=checkpointing.abstract_model(cfg)[0],
-      tx=tx,
-      schedule=schedule,
-      loss_fn=pipeline.make_loss_fn(pipe),
-    )
-    losses = []
-    for _ in range(steps):
-      state, metrics = step(state, layout.to_global(batch))
-      losses.append(float(metrics['loss']))
-    params = jax.tree.leaves(jax.device_get(state.params))
-    out[name] = dict(losses=losses, params=[np.asarray(x).tolist() for x in params])
-  return out
-
-
 def main(argv: list[str]) -> None:
-  if len(argv) == 2 and argv[0] == 'pipeline':
-    spec = json.loads(argv[1])
-    for module in spec['imports']:
-      __import__(module)
-    cfg = config_lib.ModelConfig(**spec['model'])
-    print(json.dumps(run_pipeline_steps(cfg)))
-  elif len(argv) == 2 and argv[0] == 'check':
-    print(json.dumps(check_residual(argv[1]), default=str, indent=1))
-  else:
-    raise SystemExit('usage: python -m attnres_jax.testing check RESIDUAL')
+  if len(argv) != 1:
+    raise SystemExit('usage: python -m attnres_jax.testing.conformance RESIDUAL')
+  print(json.dumps(check_residual(argv[0]), default=str, indent=1))
 
 
 if __name__ == '__main__':
