@@ -93,7 +93,7 @@ def compile_step(mode: str, num_layers: int):
   training step (`training/step.py`'s `train_step`: loss, gradients, clipping, the
   AdamW update of configs/default.py's optimizer), jitted with the state donated."""
   cfg = model_config(mode, num_layers)
-  tx, schedule = optim.make_optimizer(default_config.get_config().train)
+  tx, schedule = optim.make_optimizer(default_config.get_config().train, cfg)
   state = train.init_train_state(cfg, tx, seed=0)
   graphdef = nnx.graphdef(ar.Transformer(cfg, rngs=nnx.Rngs(0)))
   tokens_BT = jax.random.randint(

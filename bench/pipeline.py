@@ -190,7 +190,7 @@ def communication() -> list[dict]:
     cfg = model_config(residual, FLAGS.comm_layers)
     graphdef, _ = checkpointing.abstract_model(cfg)
     params = train.init_train_state(
-      cfg, optim.make_optimizer(default_config.get_config().train)[0], 0
+      cfg, optim.make_optimizer(default_config.get_config().train, cfg)[0], 0
     ).params
     for stages in map(int, FLAGS.stages):
       data = NUM_DEVICES // stages
@@ -214,7 +214,10 @@ def communication() -> list[dict]:
           mesh = sharding.make_mesh(mesh_cfg)
           rules = sharding.rules_from_config(mesh_cfg)
           layout = train.make_layout(
-            cfg, optim.make_optimizer(default_config.get_config().train)[0], mesh, rules
+            cfg,
+            optim.make_optimizer(default_config.get_config().train, cfg)[0],
+            mesh,
+            rules,
           )
           pipe = pipeline_plan.from_mesh_config(mesh_cfg)
           loss = functools.partial(pipeline.loss_sums, graphdef=graphdef, pipe=pipe)
@@ -268,7 +271,7 @@ def communication() -> list[dict]:
 
 
 def compile_step(cfg, mesh_cfg, batch):
-  tx, schedule = optim.make_optimizer(default_config.get_config().train)
+  tx, schedule = optim.make_optimizer(default_config.get_config().train, cfg)
   mesh = sharding.make_mesh(mesh_cfg)
   layout = train.make_layout(cfg, tx, mesh, sharding.rules_from_config(mesh_cfg))
   state = train.create_train_state(cfg, tx, 0, layout)

@@ -169,7 +169,7 @@ def step_memory(name: str, config) -> int:
   if os.path.exists(cache):
     with open(cache, encoding='utf-8') as f:
       return json.load(f)['temp_bytes']
-  tx, schedule = optim.make_optimizer(config.train)
+  tx, schedule = optim.make_optimizer(config.train, config.model)
   state = jax.eval_shape(functools.partial(train.init_train_state, config.model, tx, 0))
   graphdef, _ = checkpointing.abstract_model(config.model)
   shape = (config.train.batch_size, config.train.seq_len)

@@ -25,6 +25,7 @@ LAYERS = (
   'evaluation',
   'training',
   'compile_report',
+  'testing',
   '__init__',
 )
 

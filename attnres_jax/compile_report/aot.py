@@ -144,7 +144,7 @@ def compile_report(
   mesh = sharding.make_mesh(config.mesh, devices=topo.devices)
   rules = sharding.rules_from_config(config.mesh)
   train_lib.check_memory(config, topo.device_hbm_bytes, num_devices=len(topo.devices))
-  tx, schedule = optim.make_optimizer(tc)
+  tx, schedule = optim.make_optimizer(tc, config.model)
   graphdef, _ = checkpointing.abstract_model(config.model)
   layout = train_lib.make_layout(config.model, tx, mesh, rules)
   batch = _batch_structs(layout, tc.batch_size, tc.seq_len)

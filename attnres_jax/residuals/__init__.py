@@ -1,9 +1,12 @@
 """Residual connections behind one interface (`base.Residual`), one module each, and
 the registry of the modes a config can name. Adding a residual: a module with a
-`Residual` subclass, and one `register` line (here, or in the code that uses it)."""
+`Residual` subclass, and one `register` line (here, or in the code that uses it), or
+none: a config may name it as a plug-in, 'package.module:Class' or 'file.py:Class'
+(`registry`; docs/extending.md)."""
 
 from attnres_jax.residuals import base
 from attnres_jax.residuals import registry
+from attnres_jax.residuals import rezero
 from attnres_jax.residuals import standard
 from attnres_jax.residuals.attnres.residual import AttnResResidual
 from attnres_jax.residuals.base import Applied, Residual
@@ -15,6 +18,7 @@ register('full', AttnResResidual)
 register('block', AttnResResidual)
 register('hc', HyperConnectionResidual)
 register('mhc', HyperConnectionResidual)
+register('rezero', rezero.ReZeroResidual)
 
 __all__ = [
   'Applied',
@@ -27,5 +31,6 @@ __all__ = [
   'no_decay_names',
   'register',
   'registry',
+  'rezero',
   'standard',
 ]

@@ -1,7 +1,7 @@
 """The residual interface: the only contact between the layer stack and the way
 sublayer inputs are read from depth and outputs written to it.
 
-The stack (`stack.py`) runs the layers in schedule segments of `segment_layers`
+The stack (`nn/stack.py`) runs the layers in schedule segments of `segment_layers`
 consecutive layers and calls, in this order:
 
     carry = residual.init(x_BTD)                          # once, from the embedding
@@ -33,7 +33,10 @@ parameters' weight decay (`no_decay`), its arithmetic and memory traffic per tok
 residual's (`min_extra_per_sublayer`), its names and statistics for the analysis
 (`label`, `describe`, `sublayer_statistics`, `final_statistics`, `figures`) and how it
 runs under the pipeline (`carry_axes`, `pipeline_chunk`, `pipeline_refusal`).
-Adding a residual is one module and one `registry.register` line.
+Adding a residual is one module and one `registry.register` line, or a config naming
+it as a plug-in ('package.module:Class', 'file.py:Class'); docs/extending.md has a
+template, and `attnres_jax.testing.check_residual` runs a residual through the
+library.
 """
 
 from __future__ import annotations
@@ -76,7 +79,8 @@ class Residual:
   cfg: Any
   segment_layers: int = 1
   # The residual parameters' own names (the last key of their path) that weight decay
-  # spares (`optim.decay_mask`).
+  # spares (`optim.decay_mask`): this residual's parameters only, not another's of the
+  # same name.
   no_decay: ClassVar[frozenset[str]] = frozenset()
   # The analysis figures its statistics feed (`plots.FIGURES` keys), beyond the
   # magnitudes and gradient norms that every residual gets.
@@ -183,7 +187,7 @@ class Residual:
     step's extra bytes by it (`aot.residual_floor`)."""
     return None
 
-  # -- the pipeline (`pipeline.py`) ---------------------------------------------------
+  # -- the pipeline (`parallel/pipeline.py`) ------------------------------------------
 
   def carry_axes(self):
     """The logical axis names of the carry's leaves (a tree like the carry)."""

@@ -1,11 +1,13 @@
 """The optimiser: AdamW with warmup + cosine / WSD / constant schedules, global-norm
 clipping and a weight-decay mask.
 
-No weight decay on norm gains (`scale`) and on the residual parameters that their
-residual declares (`Residual.no_decay`: e.g. AttnRes pseudo-queries and key-norm
-gains, whose decay pulls the depth weights back to uniform and the gains towards zero
-rather than one, neither of which is regularisation); embeddings are decayed only if
-`decay_embeddings` is set.
+No weight decay on norm gains (`scale`) and on the residual parameters that the
+model's residual declares (`Residual.no_decay`: e.g. AttnRes pseudo-queries and
+key-norm gains, whose decay pulls the depth weights back to uniform and the gains
+towards zero rather than one, neither of which is regularisation); embeddings are
+decayed only if `decay_embeddings` is set. The mask reads the model config, so a
+residual's `no_decay` names spare its own parameters only: another residual's
+parameter of the same name is decayed.
 
 Gradient accumulation is not done here but in `train.train_step`, as a `lax.scan` over
 microbatches inside one jitted step. Unlike `optax.MultiSteps`, one call of the step is
@@ -27,8 +29,8 @@ from attnres_jax import residuals
 
 # Parameters (by their own name, the last key of the path) that are never decayed.
 NO_DECAY = frozenset({'scale'})
-# Within a residual's parameters (`layers/residual`, `final_residual`), the names that
-# a registered residual declares in `no_decay` are spared.
+# Within the residual's parameters (`layers/residual`, `final_residual`), the names
+# that the model's residual declares in `no_decay` are spared.
 RESIDUAL_MODULES = frozenset({'residual', 'final_residual'})
 EMBEDDINGS = frozenset({'embedding'})
 
@@ -69,10 +71,18 @@ def _names(path) -> list[str]:
   return [k for k in keys if isinstance(k, str) and k != 'value']
 
 
-def decay_mask(params, *, decay_embeddings: bool = False):
-  """A pytree of bools like `params`: True where weight decay applies."""
+def decay_mask(params, model_config=None, *, decay_embeddings: bool = False):
+  """A pytree of bools like `params`: True where weight decay applies.
+
+  `model_config` (a `ModelConfig` or the `model` section) names the residual whose
+  `no_decay` is spared. Without it, every registered residual's: exact for an
+  optimizer shared by models of the library's residuals, whose names are disjoint
+  (a test checks), not for a residual whose names another's spares."""
   excluded = NO_DECAY if decay_embeddings else NO_DECAY | EMBEDDINGS
-  residual_no_decay = residuals.no_decay_names()
+  if model_config is None:
+    residual_no_decay = residuals.no_decay_names()
+  else:
+    residual_no_decay = residuals.make(model_config).no_decay
 
   def decayed(path, _):
     names = _names(path) or ['']
@@ -84,9 +94,11 @@ def decay_mask(params, *, decay_embeddings: bool = False):
 
 
 def make_optimizer(
-  config: ml_collections.ConfigDict,
+  config: ml_collections.ConfigDict, model_config=None
 ) -> tuple[optax.GradientTransformation, optax.Schedule]:
-  """The optax transformation for `config` (the `train` section) and its schedule."""
+  """The optax transformation for `config` (the `train` section) and its schedule.
+  `model_config`: the model's, whose residual's `no_decay` the mask spares (see
+  `decay_mask`; every entry point that trains one model passes it)."""
   schedule = learning_rate_schedule(config)
   parts = []
   if config.grad_clip:
@@ -98,7 +110,9 @@ def make_optimizer(
       b2=config.b2,
       eps=config.eps,
       weight_decay=config.weight_decay,
-      mask=lambda params: decay_mask(params, decay_embeddings=config.decay_embeddings),
+      mask=lambda params: decay_mask(
+        params, model_config, decay_embeddings=config.decay_embeddings
+      ),
     )
   )
   return optax.chain(*parts), schedule

@@ -51,7 +51,7 @@ class Trainer:
     config, workdir, record, tc = self.config, self.workdir, self.record, self.tc
     self.datasets = build_datasets(config, workdir)
     mesh, rules, pipe = make_mesh(config)
-    tx, schedule = optim.make_optimizer(tc)
+    tx, schedule = optim.make_optimizer(tc, config.model)
     graphdef, _ = checkpointing.abstract_model(config.model)
     self.layout = train_lib.make_layout(config.model, tx, mesh, rules)
     self.checkpointer = checkpointing.Checkpointer(
