@@ -129,10 +129,15 @@ class HyperConnectionResidual(base.Residual):
     return module(self.cfg, (2,), ('sublayers',))
 
   @property
+  def kernel(self) -> str:
+    """'xla' or 'pallas': `depth_kernel`, with 'auto' decided at trace time."""
+    return pallas_mesh.choose_kernel(self.cfg.depth_kernel)
+
+  @property
   def uses_pallas(self) -> bool:
     """Whether the Pallas kernels compute the streams' steps (`depth_kernel`): the
-    one place that reads it; 'auto' is decided at trace time."""
-    return pallas_mesh.choose_kernel(self.cfg.depth_kernel) == 'pallas'
+    one place that reads it, through `kernel`."""
+    return self.kernel == 'pallas'
 
   @property
   def defers_write(self) -> bool:
