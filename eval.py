@@ -19,22 +19,11 @@ SIGTERM or SIGINT ends it at once with one line (exit 143 or 130), the lock rele
 """
 
 import os
-import signal
 import sys
 
-# Until the evaluation catches them itself: a signal while Python imports JAX ends
-# the process at once, with one line and no KeyboardInterrupt traceback.
-STOP_LINE = ['Stopped by {name} while starting; nothing was written.']
+import startup_signals  # first: a signal while starting ends the run in one line
 
-
-def _stop_at_once(signum, frame):  # pylint: disable=unused-argument
-  name = signal.Signals(signum).name
-  os.write(2, (STOP_LINE[0].format(name=name) + '\n').encode())
-  os._exit(128 + signum)  # pylint: disable=protected-access
-
-
-for _signum in (signal.SIGTERM, signal.SIGINT):
-  signal.signal(_signum, _stop_at_once)
+startup_signals.install()
 
 import traceback
 

@@ -22,23 +22,11 @@ Errors are one FATAL line (exit 1); --debug shows the traceback.
 """
 
 import os
-import signal
 import sys
 
-# Until the run catches them itself: a signal while Python imports JAX ends the
-# process at once, with one line and no KeyboardInterrupt traceback. After the first
-# signal of a run, the second one lands here too (`preemption.StopSignal`).
-STOP_LINE = ['Stopped by {name} while starting; nothing was written.']
+import startup_signals  # first: a signal while starting ends the run in one line
 
-
-def _stop_at_once(signum, frame):  # pylint: disable=unused-argument
-  name = signal.Signals(signum).name
-  os.write(2, (STOP_LINE[0].format(name=name) + '\n').encode())
-  os._exit(128 + signum)  # pylint: disable=protected-access
-
-
-for _signum in (signal.SIGTERM, signal.SIGINT):
-  signal.signal(_signum, _stop_at_once)
+startup_signals.install()
 
 import traceback
 
@@ -146,7 +134,7 @@ def main(argv):
   try:
     storage.check_reachable(_WORKDIR.value)  # gs:// without network: seconds, one line
     with preemption.StopSignal(exit_early=True) as stop_signal:
-      STOP_LINE[0] = (
+      startup_signals.set_line(
         'Killed by a second {name}: the save in flight is abandoned; the same '
         'command resumes from the checkpoint before it.'
       )

@@ -13,6 +13,9 @@ follow, each after a '/': `bf16` or `f32` the AttnRes depth state's storage
 and mHC's Sinkhorn kernels), e.g. `mhc/pallas`. A tool whose block size follows the
 depth (bench/decode.py: about 8 blocks at every depth) accepts a bare `block` and
 supplies S. A mode string names model fields only; every other field keeps its value.
+Any other residual in the registry is a mode too, by its registered name, and so is a
+plug-in (`package.module:Class` or `path/to/file.py:Class`, `residuals/registry.py`):
+these take no size, segments or options.
 
 Directory and run names cannot hold ':' everywhere, so runs are named by `run_name`
 (`block:4` -> `block_s4`, `mhc:4` -> `mhc`), the names the study's configs use.
@@ -20,11 +23,18 @@ Directory and run names cannot hold ':' everywhere, so runs are named by `run_na
 
 from __future__ import annotations
 
+import re
+
+from attnres_jax import residuals
+
 SYNTAX = (
   'standard | full | block:S | hc[:m] | mhc[:m], then optionally @G (segment layers) '
   'and options /bf16 or /f32 (AttnRes storage), /pallas or /xla (the kernels: '
-  "AttnRes's Phase 1, HC's and mHC's write and Sinkhorn; default: by platform)"
+  "AttnRes's Phase 1, HC's and mHC's write and Sinkhorn; default: by platform); or "
+  'any registered residual by name, or a plug-in package.module:Class or '
+  'path/to/file.py:Class'
 )
+STRUCTURED = ('standard', 'full', 'block', 'hc', 'mhc')  # the modes with a syntax
 OPTIONS = {  # option -> (model field, value)
   'bf16': ('depth_dtype', 'bfloat16'),
   'f32': ('depth_dtype', 'float32'),
@@ -49,6 +59,8 @@ def fields(mode: str, *, block_size: int | None = None) -> dict[str, object]:
   """The model-config fields a mode string sets, e.g. 'block:4@2' ->
   dict(residual='block', block_size=4, schedule_layers=2). `block_size` is what a bare
   `block` gets (none: a bare `block` is an error)."""
+  if re.split('[:@/]', mode, maxsplit=1)[0] not in STRUCTURED:
+    return _registered_fields(mode)
   rest, *options = mode.split('/')
   body, has_segment, segment = rest.partition('@')
   residual, has_size, size = body.partition(':')
@@ -87,6 +99,18 @@ def fields(mode: str, *, block_size: int | None = None) -> dict[str, object]:
   return out
 
 
+def _registered_fields(mode: str) -> dict[str, object]:
+  """A registered residual or a plug-in, named whole (imported now, so that a typo or
+  a broken plug-in fails before any work)."""
+  try:
+    residuals.registry.factory(mode)
+  except ValueError as e:
+    raise _error(
+      mode, str(e).removeprefix('Invalid model config: ').rstrip('.')
+    ) from None
+  return dict(residual=mode)
+
+
 def parse_list(text: str, *, block_size: int | None = None) -> list[str]:
   """A comma-separated list of modes, each checked (a typo fails before any work)."""
   modes = [m.strip() for m in text.split(',') if m.strip()]
@@ -103,6 +127,8 @@ def run_name(mode: str) -> str:
   'full_bf16_pallas'."""
   f = fields(mode)
   name = str(f['residual'])
+  if residuals.registry.is_plugin(name):  # 'dir/my_residual.py:MyResidual' -> the class
+    return re.sub(r'\W+', '_', name.rpartition(':')[2]).lower()
   if 'block_size' in f:
     name += f'_s{f["block_size"]}'
   if f.get('hc_streams', DEFAULT_STREAMS) != DEFAULT_STREAMS:

@@ -221,5 +221,6 @@ def _apply(config: ml_collections.ConfigDict, variant: str) -> None:
     raise ValueError(
       f'configs/default.py: unknown variant {variant!r}; variants are '
       f'{", ".join(RESIDUALS)}, tiny, paper_small, subword and sweep=<run> with <run> '
-      f'one of {", ".join(sorted(SWEEP_RUNS))}.'
+      f'one of {", ".join(sorted(SWEEP_RUNS))}. Other residuals (e.g. rezero, hc, a '
+      "plug-in 'package.module:Class') are set with --config.model.residual=NAME."
     )

@@ -203,6 +203,52 @@ CACHE_OPTIONS = {  # every compiled program is cached, however small or quick
 }
 
 
+# -- the command-line runs of the signal, crash and requeue tests ----------------------
+
+# A tiny run that trains until it is stopped (one compilation for the session).
+ENDLESS_TRAIN = dict(
+  num_steps=100_000, checkpoint_every=100_000, log_every=1, warmup_steps=1
+)
+
+
+def cached_child_env(cache_dir: str) -> dict[str, str]:
+  """The environment of train.py / eval.py children: CPU only, and the compilation
+  cache this process uses (`pytest_configure` sets both for every child)."""
+  env = dict(os.environ)
+  env.update(
+    JAX_PLATFORMS='cpu',
+    JAX_COMPILATION_CACHE_DIR=cache_dir,
+    **{name.upper(): str(value) for name, value in CACHE_OPTIONS.items()},
+  )
+  return env
+
+
+def endless_run_config(tfds_dir, **train):
+  """The tiny config with ENDLESS_TRAIN (and `train`) settings."""
+  return tiny_run_config(tfds_dir, **{**ENDLESS_TRAIN, **train})
+
+
+def tiny_run_command(workdir, tfds_dir, *extra, script='train.py', **train) -> list[str]:
+  """The command line of `endless_run_config`'s run (`script`: train.py or eval.py)."""
+  return [
+    sys.executable,
+    script,
+    '--config=configs/default.py:tiny',
+    f'--workdir={workdir}',
+    f'--config.data.tfds_data_dir={tfds_dir}',
+    *(f'--config.train.{k}={v}' for k, v in {**ENDLESS_TRAIN, **train}.items()),
+    *extra,
+  ]
+
+
+def start_logged(command, log, env) -> subprocess.Popen:
+  """Starts `command` from the repository root, its stdout and stderr into `log`."""
+  with open(log, 'w') as out:
+    return subprocess.Popen(
+      command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT
+    )
+
+
 @pytest.fixture(scope='module')
 def compilation_cache():
   """The session's persistent compilation cache (the children's, see

@@ -60,8 +60,9 @@ def test_variants_change_only_what_they_name():
   assert (sweep.model.residual, sweep.model.block_size) == ('block', 4)
   assert sweep.train.num_steps == default_config.SWEEP_BUDGET_STEPS
   for bad in ('dense', 'sweep=nope', 'tiny=3'):
-    with pytest.raises(ValueError, match='unknown variant'):
+    with pytest.raises(ValueError, match='unknown variant') as error:
       default_config.get_config(bad)
+    assert '--config.model.residual=NAME' in str(error.value)  # where a residual goes
 
 
 def test_model_config_is_frozen_hashable_and_validated():

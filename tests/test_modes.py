@@ -51,7 +51,8 @@ def test_mode_fields_and_run_names(mode, fields, run_name):
     ('block', 'needs its block size'),
     ('block:0', 'positive integer'),
     ('block:x', 'positive integer'),
-    ('block_s4', "unknown residual 'block_s4'"),
+    ('block_s4', "got 'block_s4'; add one with residuals.register"),
+    ('no_such.module:Residual', "importing 'no_such.module' failed"),
     ('standard:2', 'takes no size'),
     ('hc@2', 'full and block only'),
     ('full@', 'positive integer'),
@@ -97,3 +98,20 @@ def test_study_runs_are_named_after_their_modes():
     for width in default_config.SCALING_WIDTHS:
       run = default_config.SWEEP_RUNS[default_config.scaling_run(mode, width)]
       assert {k: run[k] for k in modes.fields(mode)} == modes.fields(mode)
+
+
+def test_registered_residuals_and_plug_ins_are_modes(tmp_path):
+  """Any residual the registry knows is a mode by its name, and a plug-in by its
+  reference (the bench scripts take them as they take the built-in modes)."""
+  assert modes.fields('rezero') == dict(residual='rezero')
+  assert modes.run_name('rezero') == 'rezero'
+  source = tmp_path / 'my_residual.py'
+  source.write_text(
+    'from attnres_jax.residuals import standard\n\n\n'
+    'class MyResidual(standard.StandardResidual):\n  pass\n'
+  )
+  plugin = f'{source}:MyResidual'
+  assert modes.fields(plugin) == dict(residual=plugin)
+  assert modes.run_name(plugin) == 'myresidual'
+  assert modes.parse_list(f'standard,{plugin}') == ['standard', plugin]
+  config_lib.ModelConfig(num_layers=2, **modes.fields(plugin))

@@ -23,9 +23,8 @@ from attnres_jax.runs import metrics as metrics_lib
 from attnres_jax.runs import preemption
 from attnres_jax.training import loop as loop_lib
 from attnres_jax.runs import workdir as workdir_lib
-from configs import default as default_config
 
-from conftest import CACHE_OPTIONS
+from conftest import cached_child_env, start_logged, tiny_run_command, endless_run_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -171,7 +170,6 @@ def test_a_rerun_drops_what_a_killed_run_logged_after_its_checkpoint(tmp_path):
 # shared compilation cache below only the first one compiles it; checkpoint_every is
 # host-side and may differ. Their numbers are compared bitwise with runs in this
 # process: the children keep this process's XLA flags.
-TRAIN = dict(num_steps=100_000, checkpoint_every=100_000, log_every=1, warmup_steps=1)
 
 
 pytestmark = pytest.mark.usefixtures('compilation_cache')
@@ -179,36 +177,7 @@ pytestmark = pytest.mark.usefixtures('compilation_cache')
 
 @pytest.fixture(scope='module')
 def child_env(compilation_cache) -> dict[str, str]:  # pylint: disable=redefined-outer-name
-  """The environment of the train.py children: CPU only, and the compilation cache
-  this process uses (conftest.pytest_configure sets both for every child)."""
-  env = dict(os.environ)
-  env.update(
-    JAX_PLATFORMS='cpu',
-    JAX_COMPILATION_CACHE_DIR=compilation_cache,
-    **{name.upper(): str(value) for name, value in CACHE_OPTIONS.items()},
-  )
-  return env
-
-
-def _command(workdir, tfds_dir, *extra, **train) -> list[str]:
-  """The train.py command line of a tiny run with TRAIN (and `train`) settings."""
-  return [
-    sys.executable,
-    'train.py',
-    '--config=configs/default.py:tiny',
-    f'--workdir={workdir}',
-    f'--config.data.tfds_data_dir={tfds_dir}',
-    *(f'--config.train.{k}={v}' for k, v in {**TRAIN, **train}.items()),
-    *extra,
-  ]
-
-
-def _start(command, log, env) -> subprocess.Popen:
-  """Starts `command` with its stdout and stderr into the file `log`."""
-  with open(log, 'w') as out:
-    return subprocess.Popen(
-      command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT
-    )
+  return cached_child_env(compilation_cache)
 
 
 def _stop(process, signum, timeout=120) -> None:
@@ -219,13 +188,6 @@ def _stop(process, signum, timeout=120) -> None:
   finally:
     process.kill()
     process.wait()
-
-
-def _tiny(tfds_dir, **train):
-  config = default_config.get_config('tiny')
-  config.data.tfds_data_dir = tfds_dir
-  config.train.update({**TRAIN, **train})
-  return config
 
 
 def test_stop_signal_catches_the_first_signal_and_restores_the_handlers():
@@ -254,11 +216,11 @@ def test_sigterm_sigint_kill_9_then_resume_equals_a_straight_run(
      exactly once in metrics.jsonl and in TensorBoard."""
   workdir = str(tmp_path / 'run')
   ckpt_dir = checkpointing.checkpoint_dir(workdir)
-  command = _command(workdir, tfds_dir)
+  command = tiny_run_command(workdir, tfds_dir)
   steps = lambda: [r['step'] for r in metrics_lib.read_jsonl(workdir)] or [0]
 
   log = tmp_path / 'sigterm.log'
-  process = _start(command, log, child_env)
+  process = start_logged(command, log, child_env)
   _wait_for(lambda: len(steps()) >= 3, process, log)
   _stop(process, signal.SIGTERM)
   output = log.read_text()
@@ -274,7 +236,7 @@ def test_sigterm_sigint_kill_9_then_resume_equals_a_straight_run(
   assert (tmp_path / 'run' / checkpointing.CONFIG_JSON).exists()
 
   log = tmp_path / 'sigint.log'
-  process = _start(command, log, child_env)
+  process = start_logged(command, log, child_env)
   _wait_for(lambda: max(steps()) >= saved + 2, process, log)
   _stop(process, signal.SIGINT)
   output = log.read_text()
@@ -287,7 +249,7 @@ def test_sigterm_sigint_kill_9_then_resume_equals_a_straight_run(
   assert steps() == list(range(1, interrupted + 1))  # each step once
 
   log = tmp_path / 'killed.log'
-  killed = _start(command, log, child_env)
+  killed = start_logged(command, log, child_env)
   try:
     # Until TensorBoard holds its steps too (its writer flushes when its buffer fills).
     _wait_for(
@@ -316,7 +278,7 @@ def test_sigterm_sigint_kill_9_then_resume_equals_a_straight_run(
   assert dead_steps == list(range(1, len(dead_steps) + 1))  # the refused run wrote none
   assert sorted(map(int, os.listdir(ckpt_dir))) == [saved, interrupted]
 
-  config, stop = _tiny(tfds_dir), interrupted + 4
+  config, stop = endless_run_config(tfds_dir), interrupted + 4
   resumed = loop_lib.train_and_evaluate(config, workdir, max_steps=stop)
   out = capsys.readouterr().out
   assert f'Taking over the stale lock of pid {killed.pid}' in out
@@ -411,7 +373,9 @@ def test_disk_full_between_saves_stops_with_one_line(
   FATAL line naming the cause and the last good checkpoint; nothing hangs."""
   workdir = str(small_filesystem / 'run')
   log = tmp_path / 'train.log'
-  process = _start(_command(workdir, tfds_dir, checkpoint_every=4), log, child_env)
+  process = start_logged(
+    tiny_run_command(workdir, tfds_dir, checkpoint_every=4), log, child_env
+  )
   try:
     ckpt_dir = checkpointing.checkpoint_dir(workdir)
     _wait_for(
@@ -448,7 +412,7 @@ def test_disk_full_between_saves_stops_with_one_line(
     except OSError as e:
       assert e.errno == 28  # ENOSPC
   rerun = subprocess.run(
-    _command(workdir, tfds_dir, checkpoint_every=4),
+    tiny_run_command(workdir, tfds_dir, checkpoint_every=4),
     cwd=REPO,
     env=child_env,
     capture_output=True,

@@ -22,51 +22,18 @@ from attnres_jax.runs import preemption
 from attnres_jax.runs import storage
 from attnres_jax.runs import workdir as workdir_lib
 from attnres_jax.training import loop as loop_lib
-from configs import default as default_config
 
-from conftest import CACHE_OPTIONS, ROOT
+from conftest import ROOT, cached_child_env, start_logged, tiny_run_command
+from conftest import endless_run_config
 
 pytestmark = pytest.mark.usefixtures('compilation_cache')
 
-# The program of test_reliability's children (one compilation for the session).
-TRAIN = dict(num_steps=100_000, checkpoint_every=100_000, log_every=1, warmup_steps=1)
 EXIT_SECONDS = 5.0  # a stop signal is acted on within this (issue 56)
 
 
 @pytest.fixture(scope='module')
 def child_env(compilation_cache) -> dict[str, str]:  # pylint: disable=redefined-outer-name
-  env = dict(os.environ)
-  env.update(
-    JAX_PLATFORMS='cpu',
-    JAX_COMPILATION_CACHE_DIR=compilation_cache,
-    **{name.upper(): str(value) for name, value in CACHE_OPTIONS.items()},
-  )
-  return env
-
-
-def _tiny(tfds_dir, **train):
-  config = default_config.get_config('tiny')
-  config.data.tfds_data_dir = tfds_dir
-  config.train.update({**TRAIN, **train})
-  return config
-
-
-def _command(script, workdir, tfds_dir, **train) -> list[str]:
-  return [
-    sys.executable,
-    script,
-    '--config=configs/default.py:tiny',
-    f'--workdir={workdir}',
-    f'--config.data.tfds_data_dir={tfds_dir}',
-    *(f'--config.train.{k}={v}' for k, v in {**TRAIN, **train}.items()),
-  ]
-
-
-def _start(command, log, env) -> subprocess.Popen:
-  with open(log, 'w') as out:
-    return subprocess.Popen(
-      command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT
-    )
+  return cached_child_env(compilation_cache)
 
 
 def _wait_for(condition, process, log, timeout=300):
@@ -121,9 +88,9 @@ def test_cut_off_metrics_line_resumes_and_equals_an_uninterrupted_run(
   interrupted; eval.py --compare reads it the same way. Damage before the last line
   is refused in one line naming the file and the line, by train.py and eval.py."""
   workdir = str(tmp_path / 'run')
-  command = _command('train.py', workdir, tfds_dir)
+  command = tiny_run_command(workdir, tfds_dir)
   log = tmp_path / 'first.log'
-  process = _start(command, log, child_env)
+  process = start_logged(command, log, child_env)
   _wait_for(lambda: max(_steps(workdir)) >= 3, process, log)
   assert _signal_and_time(process, signal.SIGTERM) < 60
   assert process.returncode == 143, log.read_text()
@@ -155,7 +122,7 @@ def test_cut_off_metrics_line_resumes_and_equals_an_uninterrupted_run(
         damaged,
         f'--output_dir={tmp_path}/c2',
       ],
-      'train_damaged': _command('train.py', damaged, tfds_dir)[1:],
+      'train_damaged': tiny_run_command(damaged, tfds_dir)[1:],
     }.items()
   }
   outputs = {name: p.communicate(timeout=300)[0] for name, p in checks.items()}
@@ -174,7 +141,7 @@ def test_cut_off_metrics_line_resumes_and_equals_an_uninterrupted_run(
     assert 'Traceback' not in outputs[name], outputs[name]
 
   log = tmp_path / 'resumed.log'
-  process = _start(command, log, child_env)
+  process = start_logged(command, log, child_env)
   _wait_for(lambda: max(_steps(workdir)) >= saved + 3, process, log)
   _signal_and_time(process, signal.SIGTERM)
   output = log.read_text()
@@ -182,7 +149,7 @@ def test_cut_off_metrics_line_resumes_and_equals_an_uninterrupted_run(
   assert output.count(warning) == 1, output  # one warning, naming file and step
   stop = max(_steps(workdir))
   reference = str(tmp_path / 'reference')
-  loop_lib.train_and_evaluate(_tiny(tfds_dir), reference, max_steps=stop)
+  loop_lib.train_and_evaluate(endless_run_config(tfds_dir), reference, max_steps=stop)
   losses = lambda w: [(r['step'], r['train/loss']) for r in metrics_lib.read_jsonl(w)]
   assert losses(workdir) == losses(reference)  # every step once, bitwise the same
   shown = metrics_lib.read_tensorboard(workdir)['train/loss']
@@ -196,7 +163,7 @@ def test_sigterm_during_the_first_compile_exits_at_once_and_resumes(
   2 s into that compilation ends it within seconds, exit 143, one line; the lock is
   released, nothing the workdir held changes, and the same command resumes."""
   workdir = str(tmp_path / 'run')
-  config = _tiny(tfds_dir, checkpoint_every=2)
+  config = endless_run_config(tfds_dir, checkpoint_every=2)
   loop_lib.train_and_evaluate(config, workdir, max_steps=2)
   capsys.readouterr()
   before = {
@@ -208,7 +175,9 @@ def test_sigterm_during_the_first_compile_exits_at_once_and_resumes(
   env = dict(child_env, JAX_COMPILATION_CACHE_DIR=str(tmp_path / 'cache'))
   env['JAX_LOG_COMPILES'] = '1'  # says when XLA compiles what
   log = tmp_path / 'train.log'
-  process = _start(_command('train.py', workdir, tfds_dir, checkpoint_every=2), log, env)
+  process = start_logged(
+    tiny_run_command(workdir, tfds_dir, checkpoint_every=2), log, env
+  )
 
   def compiling_the_step():  # the bar shows once set up; then the step compiles
     text = log.read_text()
@@ -250,10 +219,8 @@ def test_sigterm_during_an_evaluation_stops_between_batches_with_the_step_saved(
   for the resumed run (test_evaluation_cut_by_a_signal_is_redone_on_resume)."""
   workdir = str(tmp_path / 'run')
   log = tmp_path / 'train.log'
-  command = _command(
-    'train.py', workdir, tfds_dir, eval_every=2, max_eval_batches=100_000
-  )
-  process = _start(command, log, child_env)
+  command = tiny_run_command(workdir, tfds_dir, eval_every=2, max_eval_batches=100_000)
+  process = start_logged(command, log, child_env)
   _wait_for(lambda: max(_steps(workdir)) >= 2, process, log)  # logged, then evaluated
   time.sleep(1.0)
   seconds = _signal_and_time(process, signal.SIGTERM)
@@ -276,7 +243,7 @@ def test_evaluation_cut_by_a_signal_is_redone_on_resume(tfds_dir, tmp_path):
   """In process (the library's StopSignal: a flag): SIGINT as step 4's evaluation
   starts stops it at its first batch with step 4 saved; the resumed run evaluates
   step 4 first, and its records equal an uninterrupted run's."""
-  config = _tiny(tfds_dir, eval_every=2, max_eval_batches=4)
+  config = endless_run_config(tfds_dir, eval_every=2, max_eval_batches=4)
 
   def interrupt(step, record):
     if step == 4 and 'train/loss' in record:
@@ -398,7 +365,7 @@ def test_ctrl_c_while_starting_or_waiting_for_a_lease_and_eval_usage_are_one_lin
   )
   (workdir / workdir_lib.LOCK_FILE).write_text(json.dumps(other_host))
   lease_log = tmp_path / 'lease.log'
-  waiting = _start(
+  waiting = start_logged(
     [
       sys.executable,
       'train.py',
