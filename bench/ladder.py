@@ -27,7 +27,7 @@ from absl import app, flags
 
 from attnres_jax.training import step as train
 from bench import scaling
-from configs import default as default_config
+from configs import ladders
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -35,17 +35,22 @@ FLAGS = flags.FLAGS
 # bench/scaling.py's flags (--root, --residuals, --widths, --seeds, --bootstrap, --out,
 # --name), with the ladder's defaults.
 FLAGS.set_default('root', 'runs/ladder')
-FLAGS.set_default('residuals', ['standard', 'block:4'])
 FLAGS.set_default('out', 'bench/results')
 FLAGS.set_default('name', 'ladder')
 flags.DEFINE_bool('report_only', False, 'Only fit what has finished.')
+flags.DEFINE_float(
+  'learning_rate',
+  None,
+  'Peak learning rate of every run (default: configs/default.py\'s); give each rate '
+  'its own --root (the learning-rate check).',
+)
 flags.adopt_module_key_flags(scaling)  # --help lists them too
 
 
-def train_rung(width: int, seed: int) -> int:
+def train_rung(ladder: ladders.Ladder, residuals, width: int, seed: int) -> int:
   """Trains every residual of one rung and seed via bench/sweep.py; its exit code."""
-  runs = [default_config.scaling_run(r, width) for r in FLAGS.residuals]
-  overrides = default_config.scaling_train_overrides(width)
+  runs = [ladder.run(r, width) for r in residuals]
+  overrides = ladder.train_overrides(width)
   command = [
     sys.executable,
     os.path.join(REPO, 'bench', 'sweep.py'),
@@ -55,23 +60,33 @@ def train_rung(width: int, seed: int) -> int:
     '--nomemory',
     *(f'--set={key}={value}' for key, value in overrides.items()),
   ]
+  if FLAGS.learning_rate is not None:
+    command.append(f'--set=train.learning_rate={FLAGS.learning_rate}')
   print(' '.join(command[1:]), flush=True)
   return subprocess.call(command, cwd=REPO)
 
 
-def write_run_records(path: str, widths, seeds) -> int:
+def write_run_records(path: str, ladder: ladders.Ladder, residuals, widths, seeds) -> int:
   """Every finished run's eval_final.json (held-out loss, train loss, run seconds)
   with its run, seed and step count, as one JSON list; returns how many."""
   records = []
   for width in widths:
-    for residual in FLAGS.residuals:
-      run = default_config.scaling_run(residual, width)
+    for residual in residuals:
+      run = ladder.run(residual, width)
       for seed in seeds:
         final = os.path.join(FLAGS.root, run, f'seed_{seed}', train.EVAL_FINAL_JSON)
         if os.path.exists(final):
           with open(final, encoding='utf-8') as f:
             records.append(
-              dict(run=run, residual=residual, width=width, seed=seed, **json.load(f))
+              dict(
+                run=run,
+                residual=residual,
+                width=width,
+                layers=ladder.layers(width),
+                tokens_per_param=ladder.tokens_per_param,
+                seed=seed,
+                **json.load(f),
+              )
             )
   with open(path, 'w', encoding='utf-8') as f:
     json.dump(records, f, indent=1)
@@ -80,24 +95,18 @@ def write_run_records(path: str, widths, seeds) -> int:
 
 def main(argv):
   del argv
-  widths = [int(w) for w in FLAGS.widths]
+  ladder, widths, residuals = scaling.selected_rungs()
   seeds = [int(s) for s in FLAGS.seeds]
-  unknown = [w for w in widths if w not in default_config.SCALING_WIDTHS]
-  if unknown:
-    raise app.UsageError(
-      f'widths {unknown} are not in SCALING_WIDTHS '
-      f'{default_config.SCALING_WIDTHS} (configs/default.py)'
-    )
   if not FLAGS.report_only:
     start = time.time()
     for seed in seeds:
       for width in widths:
-        if train_rung(width, seed) != 0:
+        if train_rung(ladder, residuals, width, seed) != 0:
           raise RuntimeError(f'bench/sweep.py failed at d = {width}, seed {seed}')
     print(f'ladder trained in {time.time() - start:.0f} s', flush=True)
   scaling.main([])
   path = os.path.join(FLAGS.out, f'{FLAGS.name}_runs.json')
-  print(f'{write_run_records(path, widths, seeds)} run records in {path}')
+  print(f'{write_run_records(path, ladder, residuals, widths, seeds)} run records in {path}')
 
 
 if __name__ == '__main__':

@@ -41,7 +41,7 @@ from attnres_jax import flops
 from attnres_jax import modes
 from attnres_jax.runs import checkpointing
 from attnres_jax.training import step as train
-from configs import default as default_config
+from configs import ladders
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -49,14 +49,15 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string('root', 'runs/ladder', 'The run root (bench/ladder.py --root).')
 flags.DEFINE_list(
   'residuals',
-  ['standard', 'block:4'],
-  f'Residual modes to fit, the first the reference ({modes.SYNTAX}).',
+  [],
+  'Residual modes to fit, the first the reference (default: the ladder\'s `compared`; '
+  'a bare `block` where the ladder fixes the block count).',
 )
 
 
 def _valid_modes(values) -> bool:
-  try:
-    modes.parse_list(','.join(values))
+  try:  # a bare 'block' takes its block size from the ladder's depth
+    values and modes.parse_list(','.join(values), block_size=1)
   except ValueError as e:
     raise flags.ValidationError(str(e)) from None
   return True
@@ -64,9 +65,10 @@ def _valid_modes(values) -> bool:
 
 flags.register_validator('residuals', _valid_modes)
 
-flags.DEFINE_list(
-  'widths', [str(w) for w in default_config.SCALING_WIDTHS], 'Ladder widths (d_model).'
+flags.DEFINE_enum(
+  'ladder', 'early', list(ladders.LADDERS), 'Which ladder (configs/ladders.py).'
 )
+flags.DEFINE_list('widths', [], "Rung widths (d_model); default: all the ladder's rungs.")
 flags.DEFINE_list('seeds', ['0', '1', '2'], 'Seeds.')
 flags.DEFINE_integer('bootstrap', 2000, 'Bootstrap resamples of the seeds.')
 flags.DEFINE_float(
@@ -78,12 +80,14 @@ flags.DEFINE_string(
 )
 
 
-def ladder_points(root: str, name: str, widths, seeds) -> dict[int, tuple[float, dict]]:
+def ladder_points(
+  root: str, ladder: ladders.Ladder, name: str, widths, seeds
+) -> dict[int, tuple[float, dict]]:
   """{width: (training FLOPs, {seed: held-out bits per byte})} of the finished seeds,
   rungs with at least one."""
   points = {}
   for width in widths:
-    run = default_config.scaling_run(name, width)
+    run = ladder.run(name, width)
     values, compute = {}, None
     for seed in seeds:
       workdir = os.path.join(root, run, f'seed_{seed}')
@@ -348,14 +352,35 @@ def plot(result: dict, path: str) -> None:
   plt.close(fig)
 
 
+def selected_rungs() -> tuple[ladders.Ladder, list[int], list[str]]:
+  """The --ladder, its --widths (all its rungs by default) and --residuals (its
+  `compared` by default), checked."""
+  ladder = ladders.LADDERS[FLAGS.ladder]
+  residuals = list(FLAGS.residuals) or list(ladder.compared)
+  missing = [r for r in residuals if r not in ladder.residuals]
+  if missing:
+    raise app.UsageError(
+      f'residuals {missing} are not in the {ladder.name} ladder {ladder.residuals} '
+      '(configs/ladders.py)'
+    )
+  widths = [int(w) for w in FLAGS.widths] or list(ladder.widths)
+  unknown = [w for w in widths if w not in ladder.widths]
+  if unknown:
+    raise app.UsageError(
+      f'widths {unknown} are not rungs of the {ladder.name} ladder {ladder.widths} '
+      '(configs/ladders.py)'
+    )
+  return ladder, widths, residuals
+
+
 def main(argv):
   del argv
-  widths = [int(w) for w in FLAGS.widths]
+  ladder, widths, residuals = selected_rungs()
   seeds = [int(s) for s in FLAGS.seeds]
-  points = {r: ladder_points(FLAGS.root, r, widths, seeds) for r in FLAGS.residuals}
+  points = {r: ladder_points(FLAGS.root, ladder, r, widths, seeds) for r in residuals}
   for r, p in points.items():
     print(f'{r}: finished rungs {sorted(p)} (seeds {[sorted(v) for _, v in p.values()]})')
-  result = analyse(points, FLAGS.residuals[0], FLAGS.bootstrap, FLAGS.interval)
+  result = analyse(points, residuals[0], FLAGS.bootstrap, FLAGS.interval)
   print(report(result, FLAGS.out or FLAGS.root, FLAGS.name))
 
 

@@ -19,6 +19,7 @@ import ml_collections
 from attnres_jax import config as config_lib
 from attnres_jax import modes
 from attnres_jax.nn import sharding
+from configs import ladders
 
 RESIDUALS = ('standard', 'full', 'block')
 
@@ -53,49 +54,11 @@ SWEEP_DEPTHS = {
 }
 # The paper's comparators (Tables 2 and 4): Hyper-Connections and mHC, m = 4 streams.
 SWEEP_COMPARATORS = {mode: modes.fields(mode) for mode in ('mhc', 'hc')}
-# The compute ladder of the compute-multiplier study (bench/ladder.py runs it and fits
-# it with bench/scaling.py): 4 layers at four widths (head dim 8, MLP 3d), each trained
-# on SCALING_TOKENS_PER_PARAM tokens per non-embedding parameter (one rule for every
-# size), in steps of 16 x 128 tokens with a tenth of them warmup. Sized to run 2 residuals
-# x 3 seeds on 2 shared CPU cores in about an hour (docs/results.md).
-SCALING_WIDTHS = (24, 32, 40, 48)
-SCALING_RESIDUALS = ('standard', 'full', 'block:4', 'mhc', 'hc')  # modes
-SCALING_TOKENS_PER_PARAM = 4
-SCALING_BATCH_TOKENS = 16 * 128  # the default batch x sequence length
-
-
-def scaling_run(mode: str, width: int) -> str:
-  """The run name of a ladder rung, e.g. ('block:4', 32) -> 'block_s4_d32'."""
-  return f'{modes.run_name(mode)}_d{width}'
-
-
-def scaling_params(width: int, num_layers: int = 4) -> int:
-  """Non-embedding parameters of a ladder model: 4 d^2 attention + 9 d^2 SwiGLU MLP
-  (three d x 3d matrices) per layer; norms and the residual's few vectors left out."""
-  return 13 * width * width * num_layers
-
-
-def scaling_train_overrides(width: int) -> dict[str, int]:
-  """The train fields of a ladder rung (train.py --config.<key>=<value>): its step
-  budget, warmup and one checkpoint at the end."""
-  steps = round(SCALING_TOKENS_PER_PARAM * scaling_params(width) / SCALING_BATCH_TOKENS)
-  return {
-    'train.num_steps': steps,
-    'train.warmup_steps': max(1, round(steps / 10)),
-    'train.checkpoint_every': steps,
-  }
-
-
-SWEEP_SCALING = {
-  scaling_run(name, width): dict(
-    modes.fields(name),
-    d_model=width,
-    num_heads=width // 8,
-    mlp_dim=3 * width,
-  )
-  for name in SCALING_RESIDUALS
-  for width in SCALING_WIDTHS
-}
+# The compute ladders of the compute-multiplier studies (configs/ladders.py; bench/ladder.py
+# trains one, bench/scaling.py fits it): every (residual, rung) a run, e.g.
+# 'block_s4_d32' (the early ladder) or 'opt_block_n4_d32_l6' (20 tokens per parameter).
+SWEEP_SCALING = ladders.EARLY.sweep_runs()
+SWEEP_OPTIMAL = ladders.OPTIMAL.sweep_runs()
 # bfloat16 compute, with the depth state (buffer, partial sums, Phase 1 outputs) in
 # the compute dtype (the default) or in float32 (`/f32`): what bfloat16 depth storage
 # costs in loss (docs/results.md, the depth state's storage).
@@ -109,6 +72,7 @@ SWEEP_GROUPS = {
   'depths': SWEEP_DEPTHS,
   'comparators': SWEEP_COMPARATORS,
   'scaling': SWEEP_SCALING,
+  'optimal': SWEEP_OPTIMAL,
   'storage': SWEEP_STORAGE,
 }
 SWEEP_RUNS = {name: run for group in SWEEP_GROUPS.values() for name, run in group.items()}

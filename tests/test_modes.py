@@ -5,6 +5,7 @@ import pytest
 from attnres_jax import config as config_lib
 from attnres_jax import modes
 from configs import default as default_config
+from configs import ladders
 
 
 @pytest.mark.parametrize(
@@ -93,11 +94,14 @@ def test_parse_list_checks_every_mode():
 def test_study_runs_are_named_after_their_modes():
   assert default_config.SWEEP_MODES['block_s4'] == dict(residual='block', block_size=4)
   assert default_config.SWEEP_COMPARATORS['mhc'] == dict(residual='mhc', hc_streams=4)
-  assert default_config.scaling_run('block:4', 32) == 'block_s4_d32'
-  for mode in default_config.SCALING_RESIDUALS:
-    for width in default_config.SCALING_WIDTHS:
-      run = default_config.SWEEP_RUNS[default_config.scaling_run(mode, width)]
-      assert {k: run[k] for k in modes.fields(mode)} == modes.fields(mode)
+  assert ladders.EARLY.run('block:4', 32) == 'block_s4_d32'
+  assert ladders.OPTIMAL.run('block', 32) == 'opt_block_n4_d32_l6'
+  for ladder in ladders.LADDERS.values():
+    for mode in ladder.residuals:
+      for width in ladder.widths:
+        run = default_config.SWEEP_RUNS[ladder.run(mode, width)]
+        expected = modes.fields(mode, block_size=ladder.block_size(width))
+        assert {k: run[k] for k in expected} == expected
 
 
 def test_registered_residuals_and_plug_ins_are_modes(tmp_path):

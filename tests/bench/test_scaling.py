@@ -7,6 +7,7 @@ import os
 from flax import nnx
 import jax
 import numpy as np
+import pytest
 
 from attnres_jax import flops
 from attnres_jax.models import transformer as model_lib
@@ -14,13 +15,15 @@ from attnres_jax.runs import checkpointing
 from attnres_jax.training import step as train
 from bench import scaling
 from configs import default as default_config
+from configs import ladders
 
-WIDTHS = default_config.SCALING_WIDTHS
+LADDER = ladders.EARLY
+WIDTHS = LADDER.widths
 
 
-def ladder_config(run: str, width: int):
+def ladder_config(run: str, width: int, ladder=LADDER):
   config = default_config.get_config(f'sweep={run}')
-  for key, value in default_config.scaling_train_overrides(width).items():
+  for key, value in ladder.train_overrides(width).items():
     section, field = key.split('.')
     config[section][field] = value
   return config
@@ -29,7 +32,7 @@ def ladder_config(run: str, width: int):
 def write_runs(root, name, gain, noise, skip=()):
   """Synthetic finished runs: L = 40 (gain C)^-0.05 x noise[seed]."""
   for width in WIDTHS:
-    run = default_config.scaling_run(name, width)
+    run = LADDER.run(name, width)
     config = ladder_config(run, width)
     for seed, factor in noise.items():
       if (width, seed) in skip:
@@ -48,7 +51,7 @@ def test_fit_recovers_a_power_law_and_the_multiplier(tmp_path):
   write_runs(tmp_path, 'standard', 1.0, noise)
   write_runs(tmp_path, 'block:4', 1.25, noise)
   points = {
-    name: scaling.ladder_points(str(tmp_path), name, WIDTHS, (0, 1, 2))
+    name: scaling.ladder_points(str(tmp_path), LADDER, name, WIDTHS, (0, 1, 2))
     for name in ('standard', 'block:4')
   }
   assert sorted(points['standard']) == list(WIDTHS)
@@ -80,7 +83,7 @@ def test_unpaired_runs_are_left_out_and_one_seed_prints_na(tmp_path):
   write_runs(tmp_path, 'standard', 1.0, {0: 1.0, 1: 1.01, 2: 0.99})
   write_runs(tmp_path, 'block:4', 1.0, {0: 0.99, 1: 1.0, 2: 1.01}, skip={(WIDTHS[0], 2)})
   points = {
-    name: scaling.ladder_points(str(tmp_path), name, WIDTHS, (0, 1, 2))
+    name: scaling.ladder_points(str(tmp_path), LADDER, name, WIDTHS, (0, 1, 2))
     for name in ('standard', 'block:4')
   }
   result = scaling.analyse(points, 'standard', bootstrap=300)
@@ -144,29 +147,36 @@ def test_report_draws_an_estimate_that_lies_outside_its_interval(tmp_path):
   assert os.path.getsize(tmp_path / 'scaling.png') > 0
 
 
-def test_the_ladder_follows_one_token_rule():
+@pytest.mark.parametrize('ladder', ladders.LADDERS.values(), ids=list(ladders.LADDERS))
+def test_the_ladder_follows_one_token_rule(ladder):
   # Tokens per non-embedding parameter are the same at every rung (up to rounding the
-  # steps to integers: half a step of 2048 tokens), and the runs differ in width only.
-  for width in WIDTHS:
-    steps = default_config.scaling_train_overrides(width)['train.num_steps']
-    tokens = steps * default_config.SCALING_BATCH_TOKENS
-    rule = default_config.SCALING_TOKENS_PER_PARAM * default_config.scaling_params(width)
-    assert abs(tokens - rule) <= default_config.SCALING_BATCH_TOKENS / 2
-    standard = ladder_config(default_config.scaling_run('standard', width), width)
-    block = ladder_config(default_config.scaling_run('block:4', width), width)
+  # steps to integers: half a step of 2048 tokens), and the residuals of a rung differ
+  # in their residual only.
+  for width in ladder.widths:
+    steps = ladder.train_overrides(width)['train.num_steps']
+    tokens = steps * ladders.BATCH_TOKENS
+    rule = ladder.tokens_per_param * ladder.params(width)
+    assert abs(tokens - rule) <= ladders.BATCH_TOKENS / 2
+    standard, block = (
+      ladder_config(ladder.run(mode, width), width, ladder) for mode in ladder.compared
+    )
     assert standard.model.d_model == block.model.d_model == width
+    assert standard.model.num_layers == block.model.num_layers == ladder.layers(width)
     assert standard.train.num_steps == block.train.num_steps == steps
+  if ladder.blocks is not None:  # N blocks at every depth: S = 2L / N
+    for width in ladder.widths:
+      block = ladder_config(ladder.run('block', width), width, ladder)
+      assert block.model.block_size * ladder.blocks == 2 * ladder.layers(width)
 
 
-def test_the_rule_counts_the_models_non_embedding_parameters():
-  # scaling_params is the standard ladder model's parameter count less the embedding
-  # table (tied) and the RMSNorm gains (two per layer and the final one).
-  width = WIDTHS[0]
-  config = ladder_config(default_config.scaling_run('standard', width), width)
+@pytest.mark.parametrize('ladder', ladders.LADDERS.values(), ids=list(ladders.LADDERS))
+def test_the_rule_counts_the_models_non_embedding_parameters(ladder):
+  # Ladder.params is the standard model's parameter count less the embedding table
+  # (tied) and the RMSNorm gains (two per layer and the final one), at the deepest rung.
+  width = ladder.widths[-1]
+  config = ladder_config(ladder.run('standard', width), width, ladder)
   # Abstract: shapes only, nothing initialised or compiled.
   model = nnx.eval_shape(lambda: model_lib.Transformer(config.model, rngs=nnx.Rngs(0)))
   total = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
   norms = (2 * config.model.num_layers + 1) * width
-  assert total - config.model.vocab_size * width - norms == (
-    default_config.scaling_params(width)
-  )
+  assert total - config.model.vocab_size * width - norms == ladder.params(width)
