@@ -1,18 +1,20 @@
-"""The compute-multiplier study: a ladder of model sizes (configs/default.py:
-SCALING_WIDTHS), each residual and seed trained on tokens proportional to its
-parameters, then the paper's power-law fit and the compute multiplier at matched loss
-(bench/scaling.py).
+"""The compute-multiplier study: a ladder of model sizes (configs/ladders.py), each
+residual and seed trained on tokens proportional to its parameters, then the paper's
+power-law fit and the compute multiplier at matched loss (bench/scaling.py).
 
-  python bench/ladder.py                                # train what is missing, then fit
-  python bench/ladder.py --report_only                  # fit what has finished
-  python bench/ladder.py --residuals=standard,full,block:4 --seeds=0,1,2,3
+  python bench/ladder.py                        # the early ladder (4 tokens/param)
+  python bench/ladder.py --report_only          # fit what has finished
+  python bench/ladder.py --ladder=optimal --root=runs/optimal --name=optimal \
+      --seeds=0,1,2,3,4                         # 20 tokens/param, depth 4 to 8
+  python bench/ladder.py --ladder=optimal --root=runs/optimal_lr0.006 \
+      --learning_rate=0.006 --widths=24,48 --seeds=0 --name=optimal_lr0.006
 
 Every (rung, seed) trains through `bench/sweep.py` (one `train.py` process per run,
 finished runs skipped, interrupted ones resumed), seed-major so that an interrupted
 study holds whole seeds of the ladder; each rung gets its train budget from
-`default_config.scaling_train_overrides`. Writes <out>/ladder.json, ladder.md and
-ladder.png (the fit and the multiplier; bench/scaling.py's report) and
-<out>/ladder_runs.json (every run's final record, its run time included).
+`Ladder.train_overrides`. Writes <out>/<name>.json, .md and .png (the fit and the
+multiplier; bench/scaling.py's report) and <out>/<name>_runs.json (every run's final
+record, its run time included).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ flags.DEFINE_bool('report_only', False, 'Only fit what has finished.')
 flags.DEFINE_float(
   'learning_rate',
   None,
-  'Peak learning rate of every run (default: configs/default.py\'s); give each rate '
+  "Peak learning rate of every run (default: configs/default.py's); give each rate "
   'its own --root (the learning-rate check).',
 )
 flags.adopt_module_key_flags(scaling)  # --help lists them too
@@ -106,7 +108,9 @@ def main(argv):
     print(f'ladder trained in {time.time() - start:.0f} s', flush=True)
   scaling.main([])
   path = os.path.join(FLAGS.out, f'{FLAGS.name}_runs.json')
-  print(f'{write_run_records(path, ladder, residuals, widths, seeds)} run records in {path}')
+  print(
+    f'{write_run_records(path, ladder, residuals, widths, seeds)} run records in {path}'
+  )
 
 
 if __name__ == '__main__':

@@ -31,16 +31,14 @@ import json
 import os
 
 from absl import app, flags
-import matplotlib
-
-matplotlib.use('Agg')
-import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 import numpy as np
 
 from attnres_jax import flops
 from attnres_jax import modes
 from attnres_jax.runs import checkpointing
 from attnres_jax.training import step as train
+from bench import paired
+from bench import scaling_report
 from configs import ladders
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -50,7 +48,7 @@ flags.DEFINE_string('root', 'runs/ladder', 'The run root (bench/ladder.py --root
 flags.DEFINE_list(
   'residuals',
   [],
-  'Residual modes to fit, the first the reference (default: the ladder\'s `compared`; '
+  "Residual modes to fit, the first the reference (default: the ladder's `compared`; "
   'a bare `block` where the ladder fixes the block count).',
 )
 
@@ -102,7 +100,7 @@ def ladder_points(
   return points
 
 
-def paired(points_by_residual: dict) -> dict:
+def common_pairs(points_by_residual: dict) -> dict:
   """The (rung, seed) pairs finished for every residual; rungs left without any
   dropped."""
   widths = set.intersection(*(set(p) for p in points_by_residual.values()))
@@ -152,7 +150,7 @@ def analyse(
 ) -> dict:
   """Fits, multipliers at every rung's compute and at the ladder's middle, and their
   bootstrap intervals; over the (rung, seed) pairs every residual finished."""
-  points_by_residual = paired(points_by_residual)
+  points_by_residual = common_pairs(points_by_residual)
   points = points_by_residual[reference]
   if len(points) < 2:
     raise ValueError(
@@ -193,11 +191,12 @@ def analyse(
     value = multiplier(fits[r], fits[reference], computes[r])
     low, high = band(boot[r]['at_rungs'], axis=0)
     diff_low, diff_high = band(boot[r]['difference'], axis=0)
-    log_residuals = [
-      np.log(v) - np.log(fits[r][0] * c ** -fits[r][1])
-      for c, values in p.values()
-      for v in values.values()
-    ]
+    # log L - log fit at every (rung, seed): the fit's residuals, shown per rung.
+    rung_residuals = {
+      w: [float(np.log(v / (fits[r][0] * c ** -fits[r][1]))) for v in values.values()]
+      for w, (c, values) in p.items()
+    }
+    log_residuals = [x for xs in rung_residuals.values() for x in xs]
     result['residuals'][r] = dict(
       A=fits[r][0],
       alpha=fits[r][1],
@@ -215,6 +214,10 @@ def analyse(
           bits_per_byte=list(v.values()),
           difference=rung_difference(v, points[w][1], list(v)),
           difference_interval=[float(lo), float(hi)],
+          difference_t_interval=list(
+            paired.t_interval([v[s] - points[w][1][s] for s in v], interval / 100)
+          ),
+          fit_log_residuals=rung_residuals[w],
         )
         for (w, (c, v)), lo, hi in zip(p.items(), diff_low, diff_high)
       },
@@ -229,127 +232,6 @@ def analyse(
       ],
     )
   return result
-
-
-def spread(values) -> str:
-  """Mean +- sample std over seeds; 'n/a' for the std of one seed."""
-  std = f'{np.std(values, ddof=1):.4f}' if len(values) > 1 else 'n/a'
-  return f'{np.mean(values):.4f} +- {std}'
-
-
-def report(result: dict, out: str, name: str) -> str:
-  """Writes <out>/<name>.md, .json and .png; returns the markdown."""
-  table = markdown_table(result)
-  os.makedirs(out, exist_ok=True)
-  with open(os.path.join(out, f'{name}.md'), 'w', encoding='utf-8') as f:
-    f.write(table + '\n')
-  with open(os.path.join(out, f'{name}.json'), 'w', encoding='utf-8') as f:
-    json.dump(result, f, indent=1)
-  plot(result, os.path.join(out, f'{name}.png'))
-  return table
-
-
-def markdown_table(result: dict) -> str:
-  """The held-out bits per byte per rung, then the fits and multipliers, as markdown."""
-  reference, pct = result['reference'], result['interval_percent']
-  residuals = result['residuals']
-  widths = list(residuals[reference]['points'])
-  others = [r for r in residuals if r != reference]
-  lines = [
-    f'Held-out bits per byte (mean +- std over seeds) at each rung; {pct:g}% '
-    f'bootstrap intervals over seeds ({result["bootstrap"]} resamples).',
-    '',
-    '| rung (d) | '
-    + ' | '.join(f'{r}: FLOPs, bits/byte' for r in residuals)
-    + ''.join(f' | {r} - {reference} ({pct:g}%)' for r in others)
-    + ' | seeds |',
-    '|---|' + '---|' * (len(residuals) + len(others)) + '---|',
-  ]
-  for w in widths:
-    cells = [
-      f'{residuals[r]["points"][w]["flops"]:.3g}, '
-      f'{spread(residuals[r]["points"][w]["bits_per_byte"])}'
-      for r in residuals
-    ]
-    cells += [
-      f'{p["difference"]:+.4f} ({p["difference_interval"][0]:+.4f} to '
-      f'{p["difference_interval"][1]:+.4f})'
-      for p in (residuals[r]['points'][w] for r in others)
-    ]
-    seeds = residuals[reference]['points'][w]['seeds']
-    lines.append(f'| {w} | ' + ' | '.join(cells) + f' | {", ".join(map(str, seeds))} |')
-  lines += [
-    '',
-    f'| residual | fit L = A C^-alpha: A | alpha ({pct:g}%) | '
-    f'alpha - alpha_ref '
-    f'({pct:g}%) | fit rms residual '
-    f'| compute multiplier over {reference} at the ladder middle, '
-    f'C = {result["middle_flops"]:.3g} ({pct:g}%) | at each rung: C, multiplier '
-    f'({pct:g}%) |',
-    '|---|---|---|---|---|---|---|',
-  ]
-  for r, row in residuals.items():
-    mid = row['multiplier_middle']
-    at = '; '.join(
-      f'{a["flops"]:.3g}: {a["value"]:.3f}x ({a["low"]:.3f}-{a["high"]:.3f})'
-      for a in row['multiplier']
-    )
-    lines.append(
-      f'| {r} | {row["A"]:.4g} | {row["alpha"]:.4f} '
-      f'({row["alpha_interval"][0]:.4f}'
-      f'-{row["alpha_interval"][1]:.4f}) | {row["alpha_minus_reference"]:+.4f} '
-      f'({row["alpha_minus_reference_interval"][0]:+.4f} to '
-      f'{row["alpha_minus_reference_interval"][1]:+.4f}) | '
-      f'{100 * row["fit_rms_relative_residual"]:.2f}% | **{mid["value"]:.3f}x** '
-      f'({mid["interval"][0]:.3f}-{mid["interval"][1]:.3f}) | {at} |'
-    )
-  return '\n'.join(lines)
-
-
-def plot(result: dict, path: str) -> None:
-  """The fits over the seeds' points and the multipliers with their intervals."""
-  reference, pct = result['reference'], result['interval_percent']
-  residuals = result['residuals']
-  fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-  for r, row in residuals.items():
-    pts = sorted(
-      (p['flops'], np.mean(p['bits_per_byte']), p['bits_per_byte'])
-      for p in row['points'].values()
-    )
-    line = axes[0].plot([c for c, _, _ in pts], [m for _, m, _ in pts], 'o', label=r)
-    color = line[0].get_color()
-    for c, _, values in pts:  # every seed, small
-      axes[0].plot([c] * len(values), values, '.', color=color, alpha=0.5, ms=4)
-    grid = np.geomspace(pts[0][0], pts[-1][0], 50)
-    axes[0].plot(
-      grid,
-      row['A'] * grid ** -row['alpha'],
-      '-',
-      color=color,
-      label=f'{r}: {row["A"]:.3g} C^-{row["alpha"]:.4f}',
-    )
-    m = row['multiplier']
-    # The interval is drawn from its own ends, not as +- offsets from the estimate: a
-    # bootstrap percentile interval need not contain the point estimate (and by float
-    # rounding it can miss it by 1e-15), where errorbar's offsets would be negative.
-    line = axes[1].plot([a['flops'] for a in m], [a['value'] for a in m], 'o-', label=r)
-    axes[1].vlines(
-      [a['flops'] for a in m],
-      [a['low'] for a in m],
-      [a['high'] for a in m],
-      color=line[0].get_color(),
-    )
-  for ax in axes:
-    ax.set_xscale('log')
-    ax.set_xlabel('training FLOPs')
-    ax.legend(fontsize=7)
-  axes[0].set_yscale('log')
-  axes[0].set_ylabel('held-out bits/byte (seeds: dots, mean: circles)')
-  axes[1].axhline(1.0, color='k', lw=0.8)
-  axes[1].set_ylabel(f'compute multiplier over {reference} ({pct:g}% interval)')
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
 
 
 def selected_rungs() -> tuple[ladders.Ladder, list[int], list[str]]:
@@ -381,7 +263,15 @@ def main(argv):
   for r, p in points.items():
     print(f'{r}: finished rungs {sorted(p)} (seeds {[sorted(v) for _, v in p.values()]})')
   result = analyse(points, residuals[0], FLAGS.bootstrap, FLAGS.interval)
-  print(report(result, FLAGS.out or FLAGS.root, FLAGS.name))
+  result['ladder'] = dict(
+    name=ladder.name,
+    tokens_per_param=ladder.tokens_per_param,
+    blocks=ladder.blocks,
+    rungs={
+      str(w): dict(layers=ladder.layers(w), params=ladder.params(w)) for w in widths
+    },
+  )
+  print(scaling_report.report(result, FLAGS.out or FLAGS.root, FLAGS.name))
 
 
 if __name__ == '__main__':

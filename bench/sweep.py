@@ -148,6 +148,7 @@ def summarize(name: str, seeds: list[int]) -> dict | None:
     bits_per_byte_mean=float(bpb.mean()),
     bits_per_byte_std=float(bpb.std(ddof=1)) if len(bpb) > 1 else None,
     bits_per_byte=bpb.tolist(),
+    seed_ids=done,  # the seeds of `bits_per_byte`, in order
     train_loss_mean=float(np.mean([r['train_loss'] for r in results])),
     run_seconds_mean=float(np.mean([r['run_seconds'] for r in results])),
     step_time_median=float(np.median(step_times)),

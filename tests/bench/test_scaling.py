@@ -13,7 +13,9 @@ from attnres_jax import flops
 from attnres_jax.models import transformer as model_lib
 from attnres_jax.runs import checkpointing
 from attnres_jax.training import step as train
+from bench import paired
 from bench import scaling
+from bench import scaling_report
 from configs import default as default_config
 from configs import ladders
 
@@ -70,7 +72,7 @@ def test_fit_recovers_a_power_law_and_the_multiplier(tmp_path):
     assert entry['low'] <= 1.25 + 1e-9 and entry['high'] >= 1.25 - 1e-9
   for entry in result['residuals']['standard']['multiplier']:
     np.testing.assert_allclose(entry['value'], 1.0, rtol=1e-9)
-  table = scaling.report(result, str(tmp_path), 'ladder')
+  table = scaling_report.report(result, str(tmp_path), 'ladder')
   assert '**1.250x**' in table
   assert os.path.exists(tmp_path / 'ladder.png')
   with open(tmp_path / 'ladder.json') as f:
@@ -100,8 +102,15 @@ def test_unpaired_runs_are_left_out_and_one_seed_prints_na(tmp_path):
       rtol=1e-12,
     )
     assert rung['difference_interval'][0] < rung['difference_interval'][1]
-  assert scaling.spread([2.5]) == '2.5000 +- n/a'
-  assert scaling.spread([2.0, 3.0]) == '2.5000 +- 0.7071'
+    # The t interval: mean +- t(0.975, n - 1) s / sqrt(n) of the same paired differences.
+    d = [block[s] - standard[s] for s in rung['seeds']]
+    t = {2: 12.7062047, 3: 4.3026527}[len(d)]  # t(0.975, n - 1), to 8 digits
+    half = t * np.std(d, ddof=1) / np.sqrt(len(d))
+    np.testing.assert_allclose(
+      rung['difference_t_interval'], [np.mean(d) - half, np.mean(d) + half], rtol=1e-7
+    )  # the quantiles' 8 digits
+  assert scaling_report.spread([2.5]) == '2.5000 +- n/a'
+  assert scaling_report.spread([2.0, 3.0]) == '2.5000 +- 0.7071'
 
 
 def test_report_draws_an_estimate_that_lies_outside_its_interval(tmp_path):
@@ -142,9 +151,21 @@ def test_report_draws_an_estimate_that_lies_outside_its_interval(tmp_path):
       'block:4': row,
     },
   )
-  table = scaling.report(result, str(tmp_path), 'scaling')
+  table = scaling_report.report(result, str(tmp_path), 'scaling')
   assert '1.100x (1.120-1.300)' in table and '1.400x (1.050-1.300)' in table
   assert os.path.getsize(tmp_path / 'scaling.png') > 0
+
+
+def test_paired_comparison_of_seeds():
+  # Differences 0.1, 0.2, 0.3 over a reference of mean 2: mean 0.2, s = 0.1, t(0.975, 2)
+  # = 4.3026527 (8 digits: the tolerance), relative to the reference's mean.
+  result = paired.compare({0: 2.1, 1: 2.2, 2: 2.3}, {0: 2.0, 1: 2.0, 2: 2.0, 3: 9.0})
+  assert result['seeds'] == [0, 1, 2]
+  np.testing.assert_allclose(result['difference'], 0.2, rtol=1e-12)
+  half = 4.3026527 * 0.1 / np.sqrt(3)
+  np.testing.assert_allclose(result['t_interval'], [0.2 - half, 0.2 + half], rtol=1e-7)
+  np.testing.assert_allclose(result['relative'], 0.1, rtol=1e-12)
+  assert np.isnan(paired.t_interval([0.5])).all()  # one pair: no spread measured
 
 
 @pytest.mark.parametrize('ladder', ladders.LADDERS.values(), ids=list(ladders.LADDERS))
