@@ -58,7 +58,10 @@ SWEEP_COMPARATORS = {mode: modes.fields(mode) for mode in ('mhc', 'hc')}
 # trains one, bench/scaling.py fits it): every (residual, rung) a run, e.g.
 # 'block_s4_d32' (the early ladder) or 'opt_block_n4_d32_l6' (20 tokens per parameter).
 SWEEP_SCALING = ladders.EARLY.sweep_runs()
-SWEEP_OPTIMAL = ladders.OPTIMAL.sweep_runs()
+SWEEP_OPTIMAL = {
+  **ladders.OPTIMAL.sweep_runs(),
+  **ladders.OPTIMAL_10X.sweep_runs(),
+}
 # bfloat16 compute, with the depth state (buffer, partial sums, Phase 1 outputs) in
 # the compute dtype (the default) or in float32 (`/f32`): what bfloat16 depth storage
 # costs in loss (docs/results.md, the depth state's storage).

@@ -10,6 +10,9 @@ trains in steps of 16 x 128 tokens with a tenth of them warmup.
 - `OPTIMAL`: depth growing with width (4, 6, 8, 8 layers), 20 tokens per parameter
   (Chinchilla-style), Block AttnRes with a fixed N = 4 blocks, so S = 2L / 4 follows
   from the depth.
+- `OPTIMAL_10X`: the same rule at about 10x the parameters (0.3M to 2.7M, 6 to 10
+  layers) in batches of 64 x 128 tokens, for a GPU host (bench/gpu_ladder.sh). Its
+  largest rung reads the embedded corpus's training split about 11 times over.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import dataclasses
 
 from attnres_jax import modes
 
-BATCH_TOKENS = 16 * 128  # the default batch x sequence length
+SEQ_LEN = 128  # the default sequence length
 CHECKPOINT_EVERY = 500  # steps: a long rung resumes from here when interrupted
 
 
@@ -31,6 +34,11 @@ class Ladder:
   compared: tuple[str, ...]  # what bench/ladder.py trains and fits by default
   blocks: int | None = None  # Block AttnRes with N blocks at every depth: a bare 'block'
   prefix: str = ''  # of its run names
+  batch_size: int = 16  # sequences of SEQ_LEN tokens a step
+
+  @property
+  def batch_tokens(self) -> int:
+    return self.batch_size * SEQ_LEN
 
   @property
   def widths(self) -> tuple[int, ...]:
@@ -68,8 +76,9 @@ class Ladder:
   def train_overrides(self, width: int) -> dict[str, int]:
     """The train fields of a rung (train.py --config.<key>=<value>): its step budget,
     warmup and checkpoint cadence."""
-    steps = round(self.tokens_per_param * self.params(width) / BATCH_TOKENS)
+    steps = round(self.tokens_per_param * self.params(width) / self.batch_tokens)
     return {
+      'train.batch_size': self.batch_size,
       'train.num_steps': steps,
       'train.warmup_steps': max(1, round(steps / 10)),
       'train.checkpoint_every': min(steps, CHECKPOINT_EVERY),
@@ -109,4 +118,14 @@ OPTIMAL = Ladder(
   blocks=4,
   prefix='opt_',
 )
-LADDERS = {ladder.name: ladder for ladder in (EARLY, OPTIMAL)}
+OPTIMAL_10X = Ladder(
+  name='optimal_10x',
+  rungs=((64, 6), (96, 8), (128, 8), (144, 10)),
+  tokens_per_param=20,
+  residuals=('standard', 'block', 'full'),
+  compared=('standard', 'block'),
+  blocks=4,
+  prefix='opt10x_',
+  batch_size=64,
+)
+LADDERS = {ladder.name: ladder for ladder in (EARLY, OPTIMAL, OPTIMAL_10X)}

@@ -12,6 +12,7 @@ import pytest
 from attnres_jax import flops
 from attnres_jax.models import transformer as model_lib
 from attnres_jax.runs import checkpointing
+from attnres_jax.training import loop as loop_lib
 from attnres_jax.training import step as train
 from bench import paired
 from bench import scaling
@@ -171,13 +172,13 @@ def test_paired_comparison_of_seeds():
 @pytest.mark.parametrize('ladder', ladders.LADDERS.values(), ids=list(ladders.LADDERS))
 def test_the_ladder_follows_one_token_rule(ladder):
   # Tokens per non-embedding parameter are the same at every rung (up to rounding the
-  # steps to integers: half a step of 2048 tokens), and the residuals of a rung differ
+  # steps to integers: half a step), and the residuals of a rung differ
   # in their residual only.
   for width in ladder.widths:
     steps = ladder.train_overrides(width)['train.num_steps']
-    tokens = steps * ladders.BATCH_TOKENS
+    tokens = steps * ladder.batch_tokens
     rule = ladder.tokens_per_param * ladder.params(width)
-    assert abs(tokens - rule) <= ladders.BATCH_TOKENS / 2
+    assert abs(tokens - rule) <= ladder.batch_tokens / 2
     standard, block = (
       ladder_config(ladder.run(mode, width), width, ladder) for mode in ladder.compared
     )
@@ -201,3 +202,21 @@ def test_the_rule_counts_the_models_non_embedding_parameters(ladder):
   total = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
   norms = (2 * config.model.num_layers + 1) * width
   assert total - config.model.vocab_size * width - norms == ladder.params(width)
+
+
+def test_the_gpu_ladder_trains_at_tiny_size(tfds_dir, tmp_path):
+  # The 10x ladder's deepest rung's model (10 layers, Block with N = 4 blocks: S = 5)
+  # and its train fields, at a tiny width, batch and step count: the variant a GPU
+  # host runs is a valid run config end to end (train, checkpoint, held-out eval).
+  ladder = ladders.OPTIMAL_10X
+  width = ladder.widths[-1]
+  config = ladder_config(ladder.run('block', width), width, ladder)
+  assert (config.model.num_layers, config.model.block_size) == (10, 5)
+  assert config.train.batch_size == 64
+  config.model.update(d_model=16, num_heads=2, mlp_dim=48)
+  config.data.tfds_data_dir = tfds_dir
+  config.train.update(batch_size=2, seq_len=16, num_steps=2, warmup_steps=1)
+  config.train.update(checkpoint_every=2, max_eval_batches=1, log_every=1)
+  result = loop_lib.train_and_evaluate(config, str(tmp_path))
+  assert np.isfinite(result.train_loss)
+  assert os.path.exists(tmp_path / train.EVAL_FINAL_JSON)
