@@ -5,9 +5,9 @@ power-law fit and the compute multiplier at matched loss (bench/scaling.py).
   python bench/ladder.py                        # the early ladder (4 tokens/param)
   python bench/ladder.py --report_only          # fit what has finished
   python bench/ladder.py --ladder=optimal --root=runs/optimal --name=optimal \
-      --seeds=0,1,2,3,4                         # 20 tokens/param, depth 4 to 8
+      --seeds=0,1,2,3,4                         # 20 tokens/param, depth 4 to 6
   python bench/ladder.py --ladder=optimal --root=runs/optimal_lr0.006 \
-      --learning_rate=0.006 --widths=24,48 --seeds=0 --name=optimal_lr0.006
+      --learning_rate=0.006 --widths=16,40 --seeds=0 --name=optimal_lr0.006
 
 Every (rung, seed) trains through `bench/sweep.py` (one `train.py` process per run,
 finished runs skipped, interrupted ones resumed), seed-major so that an interrupted

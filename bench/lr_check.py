@@ -2,7 +2,7 @@
 learning rates (bench/ladder.py --learning_rate, one --root each), so the comparison of
 residuals can be read at each residual's best rate.
 
-  python bench/lr_check.py --ladder=optimal --widths=24,48 --seed=0 \\
+  python bench/lr_check.py --ladder=optimal --seed=0 \\
       --rate=0.0015:runs/optimal_lr0.0015 --rate=0.003:runs/optimal \\
       --rate=0.006:runs/optimal_lr0.006
 
@@ -28,7 +28,9 @@ def define_flags() -> None:
   """The script's flags, defined only when it runs as one: its functions are
   imported by tests beside other bench modules whose flags share names."""
   flags.DEFINE_enum('ladder', 'optimal', list(ladders.LADDERS), 'Which ladder.')
-  flags.DEFINE_list('widths', ['24', '48'], 'The rungs checked.')
+  flags.DEFINE_list(
+    'widths', [], "The rungs checked (default: the ladder's smallest and largest)."
+  )
   flags.DEFINE_integer('seed', 0, 'The seed of every run.')
   flags.DEFINE_multi_string('rate', [], 'RATE:ROOT, the runs trained at that peak rate.')
   flags.DEFINE_string('default_rate', '0.003', 'The rate the ladder itself uses.')
@@ -87,7 +89,7 @@ def main(argv):
   rates = [r.partition(':') for r in FLAGS.rate]
   if not rates:
     raise app.UsageError('give at least one --rate=RATE:ROOT')
-  widths = [int(w) for w in FLAGS.widths]
+  widths = [int(w) for w in FLAGS.widths] or [ladder.widths[0], ladder.widths[-1]]
   values = collect(ladder, widths, FLAGS.seed, [(r, root) for r, _, root in rates])
   table = markdown(ladder, values, [r for r, _, _ in rates], FLAGS.default_rate)
   os.makedirs(FLAGS.out, exist_ok=True)

@@ -7,9 +7,11 @@ trains in steps of 16 x 128 tokens with a tenth of them warmup.
 - `EARLY`: 4 layers at every width, 4 tokens per parameter (the early-training
   regime); Block AttnRes at S = 4, i.e. N = 2 blocks. Sized to run 2 residuals x 3
   seeds on 2 shared CPU cores in about an hour.
-- `OPTIMAL`: depth growing with width (4, 6, 8, 8 layers), 20 tokens per parameter
-  (Chinchilla-style), Block AttnRes with a fixed N = 4 blocks, so S = 2L / 4 follows
-  from the depth.
+- `OPTIMAL`: depth growing with width (4, 4, 6, 6 layers; 13k to 125k non-embedding
+  parameters), 20 tokens per parameter (Chinchilla-style), Block AttnRes with a fixed
+  N = 4 blocks, so S = 2L / 4 follows from the depth. Sized so that 2 residuals x 3
+  seeds take about an hour on 2 idle CPU cores (a rung's cost grows as its parameters
+  squared: the 8-layer rungs first planned, d = 40 and 48, would have taken 4x that).
 - `OPTIMAL_10X`: the same rule at about 10x the parameters (0.3M to 2.7M, 6 to 10
   layers) in batches of 64 x 128 tokens, for a GPU host (bench/gpu_ladder.sh). Its
   largest rung reads the embedded corpus's training split about 11 times over.
@@ -111,7 +113,7 @@ EARLY = Ladder(
 )
 OPTIMAL = Ladder(
   name='optimal',
-  rungs=((24, 4), (32, 6), (40, 8), (48, 8)),
+  rungs=((16, 4), (24, 4), (32, 6), (40, 6)),
   tokens_per_param=20,
   residuals=('standard', 'block', 'full'),
   compared=('standard', 'block'),
