@@ -4,10 +4,13 @@ the compute multiplier of each residual over the reference at matched loss.
   python bench/ladder.py                           # the ladder study (trains, then this)
   python bench/scaling.py --root=runs/ladder --residuals=standard,block:4 \\
       --out=bench/results --name=ladder            # re-fit what has finished
+  python bench/scaling.py --records=bench/results/ladder_runs.json \\
+      --out=bench/results --name=ladder            # re-fit a study's saved records
 
-For every residual and ladder width (configs/default.py: SCALING_WIDTHS, run names
-`scaling_run`) it reads each finished seed's held-out bits per byte and the run's
-training FLOPs C (`attnres_jax.flops`, from the saved config), and fits
+For every residual and rung of the ladder (configs/ladders.py) it reads each finished
+seed's held-out bits per byte and the run's training FLOPs C (`attnres_jax.flops`, from
+the saved config; with --records, from the records bench/ladder.py saved and the
+ladder's config of each run), and fits
 log L = log A - alpha log C by least squares over all (seed, width) points. The compute
 multiplier of residual r at compute C is C_ref / C, where C_ref is what the reference
 fit needs to reach r's fitted loss at C (the paper's "matches a baseline trained with
@@ -39,6 +42,7 @@ from attnres_jax.runs import checkpointing
 from attnres_jax.training import step as train
 from bench import paired
 from bench import scaling_report
+from configs import default as default_config
 from configs import ladders
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -68,6 +72,11 @@ flags.DEFINE_enum(
 )
 flags.DEFINE_list('widths', [], "Rung widths (d_model); default: all the ladder's rungs.")
 flags.DEFINE_list('seeds', ['0', '1', '2'], 'Seeds.')
+flags.DEFINE_string(
+  'records',
+  '',
+  "A study's saved run records (<name>_runs.json) to fit instead of the run root.",
+)
 flags.DEFINE_integer('bootstrap', 2000, 'Bootstrap resamples of the seeds.')
 flags.DEFINE_float(
   'interval', 95.0, 'Central percentage of the bootstrap resamples given as the interval.'
@@ -97,6 +106,34 @@ def ladder_points(
       compute = flops.training_flops(checkpointing.load_config(workdir))
     if values:
       points[width] = (compute, values)
+  return points
+
+
+def run_config(ladder: ladders.Ladder, run: str, width: int):
+  """The config a ladder run trains with: its sweep variant and the rung's budget."""
+  config = default_config.get_config(f'sweep={run}')
+  for key, value in ladder.train_overrides(width).items():
+    section, field = key.split('.')
+    config[section][field] = value
+  return config
+
+
+def record_points(
+  records: list[dict], ladder: ladders.Ladder, name: str, widths, seeds
+) -> dict[int, tuple[float, dict]]:
+  """`ladder_points` from saved run records ({run, seed, bits_per_byte, ...}); the
+  compute from each run's config, as training would have saved it."""
+  points = {}
+  for width in widths:
+    run = ladder.run(name, width)
+    values = {
+      r['seed']: r['bits_per_byte']
+      for r in records
+      if r['run'] == run and r['seed'] in seeds
+    }
+    if values:
+      compute = flops.training_flops(run_config(ladder, run, width))
+      points[width] = (compute, dict(sorted(values.items())))
   return points
 
 
@@ -259,7 +296,12 @@ def main(argv):
   del argv
   ladder, widths, residuals = selected_rungs()
   seeds = [int(s) for s in FLAGS.seeds]
-  points = {r: ladder_points(FLAGS.root, ladder, r, widths, seeds) for r in residuals}
+  if FLAGS.records:
+    with open(FLAGS.records, encoding='utf-8') as f:
+      records = json.load(f)
+    points = {r: record_points(records, ladder, r, widths, seeds) for r in residuals}
+  else:
+    points = {r: ladder_points(FLAGS.root, ladder, r, widths, seeds) for r in residuals}
   for r, p in points.items():
     print(f'{r}: finished rungs {sorted(p)} (seeds {[sorted(v) for _, v in p.values()]})')
   result = analyse(points, residuals[0], FLAGS.bootstrap, FLAGS.interval)

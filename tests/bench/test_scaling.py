@@ -17,7 +17,6 @@ from attnres_jax.training import step as train
 from bench import paired
 from bench import scaling
 from bench import scaling_report
-from configs import default as default_config
 from configs import ladders
 
 LADDER = ladders.EARLY
@@ -25,11 +24,7 @@ WIDTHS = LADDER.widths
 
 
 def ladder_config(run: str, width: int, ladder=LADDER):
-  config = default_config.get_config(f'sweep={run}')
-  for key, value in ladder.train_overrides(width).items():
-    section, field = key.split('.')
-    config[section][field] = value
-  return config
+  return scaling.run_config(ladder, run, width)
 
 
 def write_runs(root, name, gain, noise, skip=()):
@@ -46,6 +41,21 @@ def write_runs(root, name, gain, noise, skip=()):
       loss = 40.0 * (gain * flops.training_flops(config)) ** -0.05 * factor
       with open(workdir / train.EVAL_FINAL_JSON, 'w') as f:
         json.dump({'bits_per_byte': loss}, f)
+
+
+def test_saved_records_give_the_points_of_the_run_dirs(tmp_path):
+  # A study's saved records (bench/ladder.py's <name>_runs.json) re-fit without its run
+  # root: the same losses, and the same compute as each run's saved config gives.
+  noise = {0: 1.0, 1: 1.005, 2: 0.995}
+  write_runs(tmp_path, 'block:4', 1.25, noise, skip={(WIDTHS[0], 1)})
+  from_dirs = scaling.ladder_points(str(tmp_path), LADDER, 'block:4', WIDTHS, (0, 1, 2))
+  records = [
+    {'run': LADDER.run('block:4', width), 'seed': seed, 'bits_per_byte': loss}
+    for width, (_, values) in from_dirs.items()
+    for seed, loss in values.items()
+  ]
+  records.append({'run': 'standard_d24', 'seed': 0, 'bits_per_byte': 9.0})  # not it
+  assert scaling.record_points(records, LADDER, 'block:4', WIDTHS, (0, 1, 2)) == from_dirs
 
 
 def test_fit_recovers_a_power_law_and_the_multiplier(tmp_path):
