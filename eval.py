@@ -6,7 +6,8 @@
       (eval.json, analysis.npz, *.png).
   python eval.py --compare DIR1 DIR2 ... [--output_dir=OUT]
       loss curves and magnitude profiles overlaid, and a markdown table of the latest
-      evaluation of each run, into OUT (default: <common parent>/compare).
+      evaluation of each run (eval.py's, else training's eval_final.json), into OUT
+      (default: DIR1/compare, in the first run's workdir).
   python eval.py --workdir=DIR --prompt="ROMEO:" [--prompt="JULIET:" ...]
       --max_new_tokens=200 [--temperature=0.8 --top_k=40 --seed=0]
       samples text with the KV cache (several prompts: one batch).
@@ -118,31 +119,38 @@ def _remove_empty(path: str, top: str) -> None:
     path = os.path.dirname(path)
 
 
+def _lock_if_inside(out_dir: str, workdir: str, stop_signal: preemption.StopSignal):
+  """The workdir's lock, taken when `out_dir` is inside it (else None); released
+  also when a signal ends the process."""
+  if not _inside(out_dir, workdir):
+    return None
+  held = []  # a signal ends the process: the lock released, even half taken
+  stop_signal.on_early_exit(
+    lambda: held[0].release() if held else lease.release_if_mine(workdir)
+  )
+  try:
+    lock = lease.acquire(storage.absolute(workdir), 'eval.py')
+    held.append(lock)
+  except workdir_lib.WorkdirLockedError as e:
+    raise app.UsageError(
+      f'{e} To write now, write elsewhere: --output_dir=DIR.'
+    ) from None
+  except OSError as e:
+    raise app.UsageError(
+      f'Cannot write into the workdir {workdir}: {e}. Pass '
+      '--output_dir=<a writable directory>.'
+    ) from e
+  for message in lock.messages:
+    print(f'WARNING: {message}')
+  return lock
+
+
 def _evaluate(workdir: str, step: int, stop_signal: preemption.StopSignal):
   """(eval.json record, output directory) of checkpoint `step`; the workdir is locked
   while writing into it, and an output directory this left empty is removed (also
   when a signal ends the process)."""
   out_dir = _OUTPUT_DIR.value or analysis.eval_dir(workdir, step)
-  lock = None
-  if _inside(out_dir, workdir):
-    held = []  # a signal ends the process: the lock released, even half taken
-    stop_signal.on_early_exit(
-      lambda: held[0].release() if held else lease.release_if_mine(workdir)
-    )
-    try:
-      lock = lease.acquire(storage.absolute(workdir), 'eval.py')
-      held.append(lock)
-    except workdir_lib.WorkdirLockedError as e:
-      raise app.UsageError(
-        f'{e} To evaluate now, write elsewhere: --output_dir=DIR.'
-      ) from None
-    except OSError as e:
-      raise app.UsageError(
-        f'Cannot write into the workdir {workdir}: {e}. Pass '
-        '--output_dir=<a writable directory>.'
-      ) from e
-    for message in lock.messages:
-      print(f'WARNING: {message}')
+  lock = _lock_if_inside(out_dir, workdir, stop_signal)
   # Empty directories this leaves behind are removed (a bucket has none).
   existed = storage.is_remote(out_dir) or os.path.exists(out_dir)
   new_top = os.path.abspath(out_dir)  # the outermost directory this will create
@@ -209,14 +217,14 @@ def _main(argv, stop_signal: preemption.StopSignal):
         f'Not run directories (no config.json or metrics.jsonl): '
         f'{", ".join(map(repr, not_runs))}.'
       )
-    if any(map(storage.is_remote, workdirs)):  # the first run's parent
-      parent = os.path.dirname(storage.absolute(workdirs[0]))
-    else:
-      parent = os.path.commonpath([os.path.abspath(w) for w in workdirs])
-      if len(workdirs) == 1 or parent == os.path.abspath(workdirs[0]):
-        parent = os.path.dirname(os.path.abspath(workdirs[0]))
-    out_dir = _OUTPUT_DIR.value or os.path.join(parent, 'compare')
-    print(analysis.compare_runs(workdirs, out_dir))
+    out_dir = _OUTPUT_DIR.value or os.path.join(workdirs[0], 'compare')
+    lock = _lock_if_inside(out_dir, workdirs[0], stop_signal)
+    try:
+      _writable_dir(out_dir)
+      print(analysis.compare_runs(workdirs, out_dir))
+    finally:
+      if lock is not None:
+        lock.release()
     print(f'Figures and compare.md in {out_dir}')
     return
   if len(argv) > 1:

@@ -142,6 +142,11 @@ class ModelConfig:
     return dataclasses.asdict(self)
 
   @property
+  def sublayers_per_layer(self) -> int:
+    """A Transformer layer's sublayers: attention, then the MLP."""
+    return 2
+
+  @property
   def ablations(self) -> list[str]:
     """The read ablations that differ from the paper's read."""
     paper = ModelConfig.__dataclass_fields__
@@ -157,7 +162,7 @@ def model_config(**overrides) -> ModelConfig:
 
 
 def num_sublayers(cfg) -> int:
-  return 2 * cfg.num_layers
+  return cfg.sublayers_per_layer * cfg.num_layers
 
 
 _is_int = residuals.base.is_int
@@ -181,6 +186,19 @@ def _validate_model(cfg: ModelConfig) -> None:
       f'head dim d_model / num_heads = {cfg.d_model // cfg.num_heads} must be '
       'even for rotary embeddings.'
     )
+  if not isinstance(cfg.rope_theta, (int, float)) or not cfg.rope_theta > 0:
+    fail(f'rope_theta must be > 0, got {cfg.rope_theta!r}.')
+  validate_depth_fields(cfg, residual)
+
+
+def validate_depth_fields(cfg, residual) -> None:
+  """Raises ValueError for an invalid value of a field that the residual and the
+  layer stack read (`ModelConfig`'s, `DepthStack`'s `StackConfig`'s), then runs
+  `residual.validate()`."""
+
+  def fail(message):
+    raise ValueError(f'Invalid model config: {message}')
+
   for name in ('dtype', 'param_dtype'):
     if getattr(cfg, name) not in DTYPES:
       fail(f'{name} must be one of {DTYPES}, got {getattr(cfg, name)!r}.')
@@ -212,8 +230,6 @@ def _validate_model(cfg: ModelConfig) -> None:
     value = getattr(cfg, name)
     if not isinstance(value, (int, float)) or not value > 0:
       fail(f'{name} must be > 0, got {value!r}.')
-  if not isinstance(cfg.rope_theta, (int, float)) or not cfg.rope_theta > 0:
-    fail(f'rope_theta must be > 0, got {cfg.rope_theta!r}.')
   residual.validate()  # the fields the residual reads
 
 

@@ -22,6 +22,8 @@ QUICK = (
   'tests/models/test_model.py::test_e1_block_size_one_equals_full',
   'tests/models/test_model.py::test_e2_zero_queries_match_the_standard_model',
   'tests/models/test_model.py::test_causal',
+  # A user's own layers (3 sublayers a layer) in a DepthStack: gradients = the method.
+  'tests/models/test_depth_stack.py::test_gradients_equal_the_methods_one_shot_reads[block-2]',
   # The two-phase schedule equals the one-shot read (E3), values and gradients.
   'tests/residuals/test_two_phase.py::test_phases_equal_the_one_shot_read',
   'tests/residuals/test_two_phase.py::test_phase2_gradients_equal_autodiff',

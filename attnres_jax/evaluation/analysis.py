@@ -37,6 +37,9 @@ Batch = Mapping[str, np.ndarray]
 EVAL_DIR = 'eval'
 EVAL_JSON = 'eval.json'
 ANALYSIS_NPZ = 'analysis.npz'
+# The final evaluation that training writes into the workdir (training/step.py's
+# EVAL_FINAL_JSON; training sits above this package).
+EVAL_FINAL_JSON = 'eval_final.json'
 
 
 # -- one model ------------------------------------------------------------------------
@@ -183,10 +186,42 @@ def run_name(workdir: str) -> str:
   return os.path.basename(os.path.normpath(workdir))
 
 
+def training_eval_record(workdir: str) -> dict[str, Any] | None:
+  """The final evaluation of training (`eval_final.json`) with the table's fields
+  that training does not write, from the run's config (residual, block size,
+  parameter count, whole split); None if training wrote none."""
+  path = os.path.join(workdir, EVAL_FINAL_JSON)
+  if not storage.exists(path):
+    return None
+  record = records.read_json(path)
+  config = checkpointing.load_config(workdir)
+  abstract = nnx.eval_shape(lambda: model_lib.Transformer(config.model, rngs=nnx.Rngs(0)))
+  record.update(
+    residual=abstract.cfg.residual,
+    block_size=None,
+    num_params=int(model_lib.count_params(abstract)),
+    whole_split=config.train.get('max_eval_batches') is None,
+  )
+  record.update(abstract.residual.describe())
+  return record
+
+
+def latest_record(workdir: str) -> tuple[dict[str, Any] | None, str | None]:
+  """(the latest evaluation of a run, its eval.py directory or None): eval.py's
+  latest, or training's final one where that is of a later step or the only one."""
+  latest = latest_eval_dir(workdir)
+  record = records.read_json(os.path.join(latest, EVAL_JSON)) if latest else None
+  final = training_eval_record(workdir)
+  if final is not None and (record is None or final['step'] > record['step']):
+    return final, None
+  return record, latest
+
+
 def compare_runs(
   workdirs: Sequence[str], out_dir: str, *, names: Sequence[str] | None = None
 ) -> str:
-  """Overlays several runs and tabulates their latest evaluations (`eval.py` output).
+  """Overlays several runs and tabulates their latest evaluations (`eval.py`'s, or
+  training's final one, `latest_record`).
 
   Writes `loss_curves.png` (from each run's metrics.jsonl), `magnitudes.png` (from
   each run's latest analysis.npz) and `compare.md` into `out_dir`; returns the table.
@@ -201,10 +236,9 @@ def compare_runs(
   for name, workdir in zip(names, workdirs):
     curves[name] = read_metrics(workdir)
     row: dict[str, Any] = {'run': name}
-    latest = latest_eval_dir(workdir)
+    record, latest = latest_record(workdir)
+    row.update(record or {}, run=name)
     if latest is not None:
-      row.update(records.read_json(os.path.join(latest, EVAL_JSON)))
-      row['run'] = name
       npz = os.path.join(latest, ANALYSIS_NPZ)
       if storage.exists(npz):
         with np.load(io.BytesIO(storage.read_bytes(npz))) as data:

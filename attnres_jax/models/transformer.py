@@ -1,10 +1,12 @@
 """A decoder-only Transformer LM whose residual connection is a plug-in.
 
 One Transformer body for every residual mode (`cfg.residual`: standard, Full and Block
-AttnRes, HC, mHC, or any registered in `residuals.registry`): the model builds its
-residual once (`Transformer.residual`), and the residual alone decides the depth state
-that travels between sublayers (the stream, the AttnRes buffer of sources, HC's
-streams), how each sublayer's input is read from it and its output written to it.
+AttnRes, HC, mHC, or any registered in `residuals.registry`): the model is a
+`DepthStack` of `TransformerLayer`s (attention, MLP) with an embedding in front and a
+head behind; it builds its residual once (`Transformer.residual`), and the residual
+alone decides the depth state that travels between sublayers (the stream, the AttnRes
+buffer of sources, HC's streams), how each sublayer's input is read from it and its
+output written to it.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from attnres_jax import config as config_lib
-from attnres_jax import residuals
+from attnres_jax.models.depth_stack import DepthStack
 from attnres_jax.nn import kv_cache
 from attnres_jax.nn import ops
 from attnres_jax.nn import sharding
@@ -153,17 +155,17 @@ class SwiGLU(nnx.Module):
 
 
 class TransformerLayer(nnx.Module):
-  """Two PreNorm sublayers (attention, MLP), plus the parameters that the residual
-  uses around them (`residual`: e.g. AttnRes pseudo-queries and key gains; None for
-  the standard residual)."""
+  """Two PreNorm sublayers (attention, MLP), following the layer contract
+  (`nn/layer_contract.py`); the stack adds the parameters that the residual uses
+  around them (`residual`: e.g. AttnRes pseudo-queries and key gains; None for the
+  standard residual)."""
 
-  def __init__(self, cfg, residual: residuals.Residual, *, rngs: nnx.Rngs):
+  def __init__(self, cfg, *, rngs: nnx.Rngs):
     pdt = _dtype(cfg.param_dtype)
     self.attention_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pdt)
     self.attention = Attention(cfg, rngs=rngs)
     self.mlp_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=pdt)
     self.mlp = SwiGLU(cfg, rngs=rngs)
-    self.residual = residual.layer_params()
 
   def sublayer(
     self,
@@ -201,14 +203,13 @@ class TransformerLayer(nnx.Module):
     return self.mlp(normed_BTD)
 
 
-class Transformer(nnx.Module):
-  """The language model. `residual` in the config picks the residual mode."""
+class Transformer(DepthStack):
+  """The language model. `residual` in the config picks the residual mode. A
+  `DepthStack` of `TransformerLayer`s (`layers`, `residual`, `final_residual`,
+  `final_read`, `run_depth` are the stack's)."""
 
   def __init__(self, cfg, *, rngs: nnx.Rngs):
     cfg = config_lib.ModelConfig.from_config(cfg)  # validates
-    self.cfg = cfg
-    # Static (part of the graph definition): a frozen dataclass of the config.
-    self.residual = residual = residuals.make(cfg)
     pdt = _dtype(cfg.param_dtype)
     d = cfg.d_model
     # Std 1/sqrt(d): tied logits h.E start with unit variance after the final norm.
@@ -216,11 +217,7 @@ class Transformer(nnx.Module):
     self.embedding = _param(
       embed_init, (cfg.vocab_size, d), ('vocab', 'embed'), rngs, pdt
     )
-
-    self.layers = stack_lib.make_layers(
-      TransformerLayer, cfg.num_layers, rngs, cfg, residual
-    )
-    self.final_residual = residual.final_params()
+    super().__init__(cfg, TransformerLayer, cfg, rngs=rngs)
     self.final_norm = RMSNorm(d, eps=cfg.norm_eps, param_dtype=pdt)
     if not cfg.tie_embeddings:
       self.lm_head = _param(
@@ -238,11 +235,6 @@ class Transformer(nnx.Module):
     table_VD = sharding.constrain(self.embedding[...], (None, None))
     x_BTD = jnp.take(table_VD, tokens_BT, axis=0).astype(_dtype(self.cfg.dtype))
     return sharding.constrain(x_BTD, sharding.HIDDEN)
-
-  def final_read(self, carry) -> tuple[Array, Array | None]:
-    """The input of the final RMSNorm from the residual's final state, and the final
-    read's per-token weights (AttnRes: depth weights; HC/mHC: stream RMS; else None)."""
-    return self.residual.final(carry, self.final_residual)
 
   def head(self, h_BTD: Array) -> Array:
     x_BTD = self.final_norm(h_BTD)
@@ -333,37 +325,17 @@ class Transformer(nnx.Module):
   ):
     """The model from token embeddings on (e.g. to differentiate wrt the inputs).
 
-    With `collect_stats`, also per-sublayer statistics (for analysis): means over
-    tokens, weighted by `stats_weights_BT` (default: every token alike), returned
-    stacked as [num_layers, 2, ...] (sublayer order: attention, MLP; input and output
-    RMS, and the residual's own, e.g. AttnRes depth weights) plus the final read's
-    (`Residual.final_statistics`) and input RMS.
+    With `collect_stats`, also the per-sublayer statistics of `run_depth`.
     """
-    if positions_BT is None:
-      positions_BT = jnp.broadcast_to(jnp.arange(x_BTD.shape[1]), x_BTD.shape[:2])
-    if collect_stats and stats_weights_BT is None:
-      stats_weights_BT = jnp.ones(x_BTD.shape[:2], jnp.float32)
-    graphdef, layer_state = nnx.split(self.layers)
-    carry, stats = stack_lib.apply_layers(
-      self.residual,
-      graphdef,
-      layer_state,
+    out = self.run_depth(
       x_BTD,
       positions_BT,
-      cfg=self.cfg,
       collect_stats=collect_stats,
       stats_weights_BT=stats_weights_BT,
     )
-    h_BTD, final_weights = self.final_read(carry)
+    h_BTD, stats = out if collect_stats else (out, None)
     logits_BTV = self.head(h_BTD)
-    if not collect_stats:
-      return logits_BTV
-    mean = functools.partial(
-      stack_lib.token_mean, token_weights_BT=stats_weights_BT.astype(jnp.float32)
-    )
-    stats.update(self.residual.for_statistics().final_statistics(final_weights, mean))
-    stats['final_input_rms'] = mean(1.0 / ops.rms_inverse(h_BTD, 0.0))
-    return logits_BTV, stats
+    return (logits_BTV, stats) if collect_stats else logits_BTV
 
 
 def convert_standard_to_attnres(standard_model: Transformer, attnres_cfg) -> Transformer:

@@ -1,25 +1,11 @@
-"""Running the stacked Transformer layers through a residual (`residuals/base.py`).
+"""Running the stacked layers through a residual (`residuals/base.py`).
 
-The layer contract: a layer is an `nnx.Module` whose type has these methods
-(`LAYER_METHODS`; `make_layers` checks them before it builds anything):
-
-  sublayer(which, h_BTD, positions_BT, cache=None, cache_index=None, start_B=None)
-      f(h), the raw output of sublayer `which` (0 attention, 1 MLP: `SUBLAYERS`) on
-      its input h [B, T, D]; with a KV cache (decoding) the attention sublayer returns
-      (output, new cache);
-  sublayer_norm(which, h_BTD) and sublayer_body(which, normed_BTD, positions_BT, ...)
-      `sublayer` split at its PreNorm: the linear-memory backward
-      (`residuals/attnres/backward.py`) reruns the two halves apart;
-
-and an attribute `residual`: the residual's parameters of the layer
-(`Residual.layer_params()`, None for the standard residual). The residual alone
-decides how h is read from its depth state and how f(h) is written back.
-
-`make_layers` builds `num_layers` layers at once with `nnx.vmap` over
-`rngs.split(num_layers)`: every parameter gains a leading axis named 'layers' (split
-over the pipeline's `stage` mesh axis by the sharding rules). The stack applies them
-by `jax.lax.scan` over `nnx.split` state, merging one layer's state inside the body
-(`sublayer_function`), never returning parameters from it.
+The layers follow the layer contract (`layer_contract.py`: `sublayer_norm`,
+`sublayer_body`, and the attribute `residual`), built by `make_layers` with a leading
+'layers' axis. The stack applies them by `jax.lax.scan` over `nnx.split` state,
+merging one layer's state inside the body (`sublayer_function`), never returning
+parameters from it; each layer runs its `residual.sublayers_per_layer` sublayers in
+order.
 
 The layers run in schedule segments of `residual.segment_layers` layers: a scan over
 segments whose body runs the segment's few layers unrolled (a last, shorter segment
@@ -41,52 +27,24 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from attnres_jax.nn import layer_contract
 from attnres_jax.nn import ops
 from attnres_jax.nn.segments import group_segments
 from attnres_jax.nn.segments import index_segment_layers
 from attnres_jax.nn.segments import join_layers
 from attnres_jax.nn.segments import segment_layers_of
 
-SUBLAYERS = (0, 1)  # attention, MLP
-# What the stack calls on a layer (the module docstring's contract).
-LAYER_METHODS = ('sublayer', 'sublayer_norm', 'sublayer_body')
-
-
-def check_layer(layer_type) -> None:
-  """Raises TypeError naming the first method of `LAYER_METHODS` that `layer_type`
-  lacks: before any layer is built or traced."""
-  for name in LAYER_METHODS:
-    if not callable(getattr(layer_type, name, None)):
-      raise TypeError(
-        f'{layer_type.__name__} cannot run in the layer stack: it has no method '
-        f'{name!r} (a layer needs {", ".join(LAYER_METHODS)}: nn/stack.py).'
-      )
-
-
-def make_layers(layer_type, num_layers: int, rngs: nnx.Rngs, *args, **kwargs):
-  """`num_layers` layers `layer_type(*args, rngs=..., **kwargs)` stacked by
-  `nnx.vmap` on a leading 'layers' axis, each from its own split of `rngs`; the
-  contract (`check_layer`, and the `residual` attribute) checked first."""
-  check_layer(layer_type)
-
-  @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: 'layers'})
-  def make(layer_rngs):
-    return layer_type(*args, rngs=layer_rngs, **kwargs)
-
-  layers = make(rngs.split(num_layers))
-  if not hasattr(layers, 'residual'):
-    raise TypeError(
-      f'{layer_type.__name__} cannot run in the layer stack: it has no attribute '
-      "'residual' (the residual's parameters of the layer, or None: nn/stack.py)."
-    )
-  return layers
+LAYER_METHODS = layer_contract.LAYER_METHODS
+check_layer = layer_contract.check_layer
+make_layers = layer_contract.make_layers
 
 
 def sublayer_function(graphdef, which: int, remat: bool):
   """f(layer_state, h, positions) -> raw output of one sublayer, as a pure function."""
 
   def apply(layer_state, h_BTD, positions_BT):
-    return nnx.merge(graphdef, layer_state).sublayer(which, h_BTD, positions_BT)
+    layer = nnx.merge(graphdef, layer_state)
+    return layer.sublayer_body(which, layer.sublayer_norm(which, h_BTD), positions_BT)
 
   return jax.checkpoint(apply) if remat else apply
 
@@ -172,6 +130,10 @@ class Resumed:
   def segment_layers(self):
     return self.base.segment_layers
 
+  @property
+  def sublayers_per_layer(self):
+    return self.base.sublayers_per_layer
+
   def init(self, carry):
     return carry
 
@@ -185,9 +147,10 @@ class Resumed:
     return self.base.end_segment(carry, inner, segment + self.segment_offset)
 
 
-def _plain_sublayers(graphdef, positions_BT, remat: bool) -> SublayerHook:
-  """The default `apply_sublayer`: each sublayer's raw output, nothing saved."""
-  functions = [sublayer_function(graphdef, which, remat) for which in SUBLAYERS]
+def _plain_sublayers(graphdef, positions_BT, remat: bool, count: int) -> SublayerHook:
+  """The default `apply_sublayer`: each of `count` sublayers' raw output, nothing
+  saved."""
+  functions = [sublayer_function(graphdef, which, remat) for which in range(count)]
 
   def apply_sublayer(which, layer_in_segment, state_k, h_BTD, *, inner, extra, per_layer):
     del layer_in_segment, inner, extra, per_layer
@@ -208,12 +171,12 @@ class _SegmentRunner:
   stats_weights_BT: Any
 
   def layer(self, inner, state_k, per_layer, extra, *, j):
-    """Layer `j` of the segment: its two sublayers through the residual; returns
+    """Layer `j` of the segment: its sublayers through the residual; returns
     (inner carry, (what each sublayer saved, its statistics or None))."""
     residual, collect_stats = self.residual, self.stats_weights_BT is not None
     params = nnx.merge(self.graphdef, state_k).residual
     saved, stats = [], []
-    for which in SUBLAYERS:
+    for which in range(residual.sublayers_per_layer):
       branch = functools.partial(
         self.apply_sublayer,
         which,
@@ -279,7 +242,7 @@ def run_layers(
 ):
   """Runs every layer through `residual`; returns (final carry, per-layer outputs).
 
-  Per-layer outputs: what `apply_sublayer` saved for each sublayer (a pair) and the
+  Per-layer outputs: what `apply_sublayer` saved for each sublayer (a tuple) and the
   statistics when `collect_stats` (means over tokens weighted by `stats_weights_BT`,
   default uniform): the whole segments' as a tuple of `size` trees [num_segments,
   ...], one per position, the last shorter segment's a tuple of trees; `join_layers`
@@ -292,7 +255,9 @@ def run_layers(
   add a cotangent of the whole stack per segment.
   """
   if apply_sublayer is None:
-    apply_sublayer = _plain_sublayers(graphdef, positions_BT, cfg.remat == 'sublayer')
+    apply_sublayer = _plain_sublayers(
+      graphdef, positions_BT, cfg.remat == 'sublayer', residual.sublayers_per_layer
+    )
   if collect_stats and stats_weights_BT is None:
     stats_weights_BT = jnp.ones(x_BTD.shape[:2], jnp.float32)
   runner = _SegmentRunner(
@@ -324,7 +289,7 @@ def run_layers(
 
 def apply_layers(residual, graphdef, layer_state, x_BTD, positions_BT, *, cfg, **stats):
   """Runs the stacked layers from the embedding; returns (final residual carry,
-  per-sublayer statistics [num_layers, 2, ...] or None). `stats`: `run_layers`'
+  per-sublayer statistics [num_layers, sublayers_per_layer, ...] or None). `stats`: `run_layers`'
   `collect_stats` and `stats_weights_BT`."""
   collect_stats = stats.get('collect_stats', False)
   if collect_stats:
@@ -361,7 +326,7 @@ def apply_layers_cached(
     for j, state_j in enumerate(states):
       layer = nnx.merge(graphdef, state_j)
       per_layer_j = layer_entry(per_layer, j)
-      for which in SUBLAYERS:
+      for which in range(residual.sublayers_per_layer):
         if which == 0:  # the attention sublayer also returns its updated cache
           branch = functools.partial(
             layer.sublayer,
@@ -372,8 +337,8 @@ def apply_layers_cached(
             start_B=start_B,
           )
         else:
-          branch = lambda h_BTD, layer=layer: (
-            layer.sublayer(1, h_BTD, positions_BT),
+          branch = lambda h_BTD, layer=layer, which=which: (
+            layer.sublayer(which, h_BTD, positions_BT),
             None,
           )
         inner, applied = residual.sublayer(

@@ -23,7 +23,7 @@ residual reads their fields.
 layer keeps them as `layer.residual`, stacked over layers like every layer parameter;
 `params_GL` holds a whole segment's), `final_params()` the final read's
 (`model.final_residual`). A layer's parameters hold one row per sublayer along their
-first axis ([2, ...]; stacked [num_layers, 2, ...]): the analysis splits gradient norms
+first axis ([n, ...] for n = `sublayers_per_layer`; stacked [num_layers, n, ...]): the analysis splits gradient norms
 by it.
 
 Besides computing, a residual declares what the rest of the library needs to know of
@@ -105,6 +105,16 @@ class Residual:
   def describe(self) -> dict[str, Any]:
     """Fields for an evaluation record (e.g. the block size)."""
     return {}
+
+  @property
+  def sublayers_per_layer(self) -> int:
+    """n: the sublayers of each layer (the rows of a layer's parameters): the
+    config's `sublayers_per_layer`, else the Transformer's 2."""
+    return getattr(self.cfg, 'sublayers_per_layer', 2)
+
+  @property
+  def num_sublayers(self) -> int:
+    return self.sublayers_per_layer * self.cfg.num_layers
 
   # -- parameters and computation ---------------------------------------------------
 

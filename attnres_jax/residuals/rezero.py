@@ -19,10 +19,12 @@ from attnres_jax.residuals import base
 
 
 class ReZeroScales(nnx.Module):
-  """A layer's alphas, one row per sublayer ([2]; stacked over layers [L, 2])."""
+  """A layer's alphas, one row per sublayer ([n]; stacked over layers [L, n])."""
 
   def __init__(self, cfg):
-    self.alpha = base.param(jnp.zeros, (2,), ('sublayers',), jnp.dtype(cfg.param_dtype))
+    self.alpha = base.param(
+      jnp.zeros, (cfg.sublayers_per_layer,), ('sublayers',), jnp.dtype(cfg.param_dtype)
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +58,7 @@ class ReZeroResidual(base.Residual):
   def forward_flops(self) -> float:
     # The multiply by alpha, per channel and sublayer (the add is the standard
     # residual's, which counts none).
-    return float(self.cfg.d_model * 2 * self.cfg.num_layers)
+    return float(self.cfg.d_model * self.num_sublayers)
 
   def io_per_sublayer(self) -> tuple[float, float]:
     return 2.0, 1.0  # as the standard residual's write: reads h and f(h), writes h'

@@ -1,6 +1,6 @@
-"""The layer stack (attnres_jax/nn/stack.py) on a toy layer: the layer contract is
-checked before anything is built, and the scanned stack equals an unrolled Python
-loop over the layers, forward and gradients."""
+"""The layer stack (attnres_jax/nn/stack.py) on a toy layer: the layer contract
+(nn/layer_contract.py) is checked before anything is built, and the scanned stack
+equals an unrolled Python loop over the layers, forward and gradients."""
 
 import types
 
@@ -14,6 +14,7 @@ from attnres_jax.nn import stack
 from attnres_jax.residuals.standard import StandardResidual
 
 DIM, NUM_LAYERS = 8, 5
+RESIDUAL = StandardResidual(None)  # no parameters: `layers.residual` is None
 
 
 class ToyLayer(nnx.Module):
@@ -22,19 +23,13 @@ class ToyLayer(nnx.Module):
   def __init__(self, dim: int, *, rngs: nnx.Rngs):
     init = nnx.initializers.normal(stddev=dim**-0.5)
     self.w = nnx.Param(init(rngs.params(), (2, dim, dim)))
-    self.residual = None  # the standard residual has no parameters
-
-  def sublayer(
-    self, which, h_BTD, positions_BT, cache=None, cache_index=None, start_B=None
-  ):
-    return self.sublayer_body(which, self.sublayer_norm(which, h_BTD), positions_BT)
 
   def sublayer_norm(self, which, h_BTD):
     del which
     return h_BTD * jax.lax.rsqrt(jnp.mean(h_BTD * h_BTD, axis=-1, keepdims=True) + 1e-6)
 
-  def sublayer_body(self, which, normed_BTD, positions_BT, *cache_args):
-    del positions_BT, cache_args
+  def sublayer_body(self, which, normed_BTD, positions_BT):
+    del positions_BT
     return jnp.tanh(normed_BTD @ self.w[which])
 
 
@@ -59,14 +54,14 @@ def _unrolled(layers, x_BTD):
   h_BTD = x_BTD
   for k in range(NUM_LAYERS):
     layer = nnx.merge(graphdef, jax.tree.map(lambda x, k=k: x[k], state))
-    for which in stack.SUBLAYERS:
-      h_BTD = h_BTD + layer.sublayer(which, h_BTD, None)
+    for which in (0, 1):
+      h_BTD = h_BTD + layer.sublayer_body(which, layer.sublayer_norm(which, h_BTD), None)
   return h_BTD
 
 
 @pytest.fixture(scope='module')
 def layers():
-  return stack.make_layers(ToyLayer, NUM_LAYERS, nnx.Rngs(0), DIM)
+  return stack.make_layers(ToyLayer, NUM_LAYERS, nnx.Rngs(0), DIM, residual=RESIDUAL)
 
 
 def test_make_layers_stacks_on_a_layers_axis(layers):
@@ -112,15 +107,16 @@ def test_a_layer_without_a_contract_method_is_refused_before_it_is_built(missing
       super().__init__(dim, rngs=rngs)
 
   setattr(Incomplete, missing, None)
-  with pytest.raises(TypeError, match=f"no method '{missing}'"):
-    stack.make_layers(Incomplete, NUM_LAYERS, nnx.Rngs(0), DIM)
+  with pytest.raises(TypeError, match=f"no method '{missing}'.*layer_contract.py"):
+    stack.make_layers(Incomplete, NUM_LAYERS, nnx.Rngs(0), DIM, residual=RESIDUAL)
   assert not built  # refused before the constructor ran (no trace)
 
 
-def test_a_layer_without_residual_params_is_refused():
-  class NoResidual(ToyLayer):
-    def __init__(self, dim, *, rngs):  # pylint: disable=super-init-not-called
-      self.w = nnx.Param(jnp.zeros((2, dim, dim)))
+def test_a_layer_that_sets_the_residual_attribute_is_refused():
+  class OwnResidual(ToyLayer):
+    def __init__(self, dim, *, rngs):
+      super().__init__(dim, rngs=rngs)
+      self.residual = None
 
-  with pytest.raises(TypeError, match="no attribute 'residual'"):
-    stack.make_layers(NoResidual, NUM_LAYERS, nnx.Rngs(0), DIM)
+  with pytest.raises(TypeError, match='sets an attribute named residual'):
+    stack.make_layers(OwnResidual, NUM_LAYERS, nnx.Rngs(0), DIM, residual=RESIDUAL)

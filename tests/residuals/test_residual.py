@@ -91,16 +91,19 @@ MODEL = dict(
 
 
 class ToyLayer(nnx.Module):
-  """A layer in the shape the stack expects: `sublayer(which, h, positions)` and the
-  residual's parameters as `residual`."""
+  """A layer in the shape the stack expects (`nn/layer_contract.py`): `sublayer_norm`,
+  `sublayer_body` and the residual's parameters as `residual`."""
 
   def __init__(self, residual, rngs):
     self.weights = nnx.Param(jax.random.normal(rngs.params(), (2, D, D)) / D**0.5)
     self.residual = residual.layer_params()
 
-  def sublayer(self, which, h_BTD, positions_BT):
+  def sublayer_norm(self, which, h_BTD):
+    return h_BTD  # no PreNorm
+
+  def sublayer_body(self, which, normed_BTD, positions_BT):
     del positions_BT
-    return jnp.tanh(h_BTD @ self.weights[...][which])
+    return jnp.tanh(normed_BTD @ self.weights[...][which])
 
 
 @pytest.mark.parametrize('scan_layers', [True, False])

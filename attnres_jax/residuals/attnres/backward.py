@@ -87,7 +87,7 @@ def _run(residual, graphdef, layer_state, start, positions_BT, segment_offset=No
 def _plan(residual, graphdef, layer_state, start, resumed) -> StackPlan:
   cfg = residual.cfg
   num_layers = jax.tree.leaves(layer_state)[0].shape[0]
-  if resumed and (2 * num_layers) % residual.block_size:
+  if resumed and (residual.sublayers_per_layer * num_layers) % residual.block_size:
     raise ValueError(f'A chunk of {num_layers} layers does not cover whole blocks.')
   keeps_partial = residual.block_size > 1  # Full: a sublayer's own slot starts empty
   kernel = residual.kernel == 'pallas'
@@ -117,7 +117,9 @@ def _plan(residual, graphdef, layer_state, start, resumed) -> StackPlan:
     firsts = [residual.first_local_slot(s) for s in range(num_full)]
     expected_valid = sum(firsts) / num_full
   keeps_phase1 = expected_valid is not None and (
-    choices.keeps_phase1(expected_valid, 2 * residual.segment_layers)
+    choices.keeps_phase1(
+      expected_valid, residual.sublayers_per_layer * residual.segment_layers
+    )
     if residual.keep_phase1 is None
     else residual.keep_phase1
   )
@@ -131,7 +133,9 @@ def _plan(residual, graphdef, layer_state, start, resumed) -> StackPlan:
     stack_cfg=types.SimpleNamespace(
       num_layers=num_layers, remat=cfg.remat, scan_layers=cfg.scan_layers
     ),
-    halves=[stack_lib.sublayer_halves(graphdef, w) for w in stack_lib.SUBLAYERS],
+    halves=[
+      stack_lib.sublayer_halves(graphdef, w) for w in range(residual.sublayers_per_layer)
+    ],
     keeps_partial=keeps_partial,
     kernel_layout=kernel_layout,
     # Full's pipeline chunks also pin their carried cotangent width-minor per

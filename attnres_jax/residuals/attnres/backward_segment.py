@@ -210,8 +210,8 @@ def segment_backward(
   view = _SegmentView(d_slots, num_layers)
   ctx = (first, num_local, local_JBTD, embedding_BTD, positions_BT)
   for j in reversed(range(num_layers)):
-    d_stats_j = [None, None]
-    for which in reversed(stack_lib.SUBLAYERS):
+    d_stats_j = [None] * residual.sublayers_per_layer
+    for which in reversed(range(residual.sublayers_per_layer)):
       d_stats_j[which] = _sublayer_read_backward(
         plan, view, ctx, j, which, layer_states[j], saved[j], stats[j]
       )

@@ -20,15 +20,15 @@ def segment_queries(residual, params, num_layers):
   """The segment's queries and gains, [Q, D] in sublayer order, whole on every
   device (tiny: otherwise a sharded model dimension makes Phase 1 all-reduce its
   [Q, K, B, T] logits instead)."""
-  d = residual.cfg.d_model
-  whole = lambda x: sharding.constrain(x[...].reshape(2 * num_layers, d), (None, None))
+  d, n = residual.cfg.d_model, residual.sublayers_per_layer
+  whole = lambda x: sharding.constrain(x[...].reshape(n * num_layers, d), (None, None))
   return whole(params.query), whole(params.gain)
 
 
 def phase1(residual, buffer_KBTD, params, first, inv_rms_KBT=None, kept=None):
   """Phase 1 of a segment (its layers' stacked `params`) against the slots before
   `first`: a list over its G layers of (attention, MLP) pairs of `depth.phase1`'s
-  per-query statistics, kept apart (no [G, 2, ...] stacks to write and read).
+  per-query statistics, kept apart (no [G, n, ...] stacks to write and read).
   `kept` (the Phase 1 kernel only): that list as an earlier call on the same
   operands returned it, returned again without rerunning the forward kernel."""
   num_layers = params.query.shape[0]
@@ -48,7 +48,8 @@ def phase1(residual, buffer_KBTD, params, first, inv_rms_KBT=None, kept=None):
     out_dtype=residual.phase1_dtype,
     **prefixes,
   )
-  return [stats[2 * j : 2 * j + 2] for j in range(num_layers)]
+  n = residual.sublayers_per_layer
+  return [stats[n * j : n * j + n] for j in range(num_layers)]
 
 
 def merge(

@@ -5,7 +5,7 @@ The carry between segments is the depth buffer [K, B, T, D] (slot 0 the embeddin
 then one slot per block) and each slot's inverse RMS (`DepthCarry`). A segment of G
 layers starts on a block boundary and owns J local slots (its blocks), which live in
 the inner carry (`SegmentCarry`) and are written into the buffer when it ends.
-Two-phase reads run Phase 1 for the segment's Q = 2 G queries against the completed
+Two-phase reads run Phase 1 for the segment's Q = n G queries (n sublayers a layer) against the completed
 slots at its start, then merge the local slots per sublayer (Phase 2). One-shot reads
 (the reference, the ablations, the analysis statistics) read the buffer with the local
 slots in place. The linear-memory backward pass is `backward.py`; the schedule's
@@ -113,12 +113,14 @@ class AttnResResidual(base.Residual):
     return (
       self.layers_per_segment
       or self.cfg.schedule_layers
-      or attnres_schedule.default_segment_layers(self.cfg.num_layers, self.block_size)
+      or attnres_schedule.default_segment_layers(
+        self.cfg.num_layers, self.block_size, self.sublayers_per_layer
+      )
     )
 
   @property
   def num_slots(self) -> int:
-    return depth.num_slots(2 * self.cfg.num_layers, self.block_size)
+    return depth.num_slots(self.num_sublayers, self.block_size)
 
   @property
   def two_phase(self) -> bool:
@@ -154,7 +156,9 @@ class AttnResResidual(base.Residual):
     return dataclasses.replace(self, one_shot=True)
 
   def layer_params(self):
-    return attnres_reads.DepthReads(self.cfg, (2,), ('sublayers',), self.num_slots)
+    return attnres_reads.DepthReads(
+      self.cfg, (self.sublayers_per_layer,), ('sublayers',), self.num_slots
+    )
 
   def final_params(self):
     return attnres_reads.DepthReads(self.cfg, (), (), self.num_slots)
@@ -164,15 +168,17 @@ class AttnResResidual(base.Residual):
   def local_slots(self, num_layers: int) -> int:
     """J: the slots that a segment of `num_layers` layers (starting on a block
     boundary) writes."""
-    return -(-2 * num_layers // self.block_size)
+    return -(-self.sublayers_per_layer * num_layers // self.block_size)
 
   def first_local_slot(self, segment):
     """The buffer slot of a segment's first local slot (segment may be traced)."""
-    return 1 + segment * (2 * self.segment_layers // self.block_size)
+    return 1 + segment * (
+      self.sublayers_per_layer * self.segment_layers // self.block_size
+    )
 
   def local_index(self, layer_in_segment, which):
     """Which local slot a sublayer writes, and how many local slots it reads."""
-    position = 2 * layer_in_segment + which
+    position = self.sublayers_per_layer * layer_in_segment + which
     index = position // self.block_size
     return index, index + (position % self.block_size != 0)
 
@@ -330,11 +336,13 @@ class AttnResResidual(base.Residual):
     return None
 
   def pipeline_chunk(self, layers_per_chunk: int):
-    if (2 * layers_per_chunk) % self.block_size:  # a block spans a chunk boundary
+    if (
+      self.sublayers_per_layer * layers_per_chunk
+    ) % self.block_size:  # a block spans a chunk boundary
       return BufferReads(self.cfg), layers_per_chunk
     # The configured segment, or the longest shorter one that divides the chunk and
     # covers whole blocks (`unit` layers always do: the chunk starts on a block).
-    unit = whole_block_layers(self.block_size)
+    unit = whole_block_layers(self.block_size, self.sublayers_per_layer)
     size = self.segment_layers
     if layers_per_chunk % size:
       size = max(d for d in range(unit, size + 1, unit) if layers_per_chunk % d == 0)
@@ -366,7 +374,7 @@ class BufferReads(AttnResResidual):
     return LayerCarry(*carry, segment), None  # segment = the (global) layer index
 
   def read(self, inner: LayerCarry, params, per_layer, layer_in_segment, which):
-    sublayer = 2 * inner.layer + which
+    sublayer = self.sublayers_per_layer * inner.layer + which
     h_BTD, weights_KBT = attnres_reads.read_row(
       self.cfg,
       inner.buffer_KBTD,
@@ -378,7 +386,9 @@ class BufferReads(AttnResResidual):
     return self.to_compute(h_BTD), weights_KBT
 
   def write(self, inner: LayerCarry, params, per_layer, layer_in_segment, which, out_BTD):
-    slot = depth.output_slot(2 * inner.layer + which, self.block_size)
+    slot = depth.output_slot(
+      self.sublayers_per_layer * inner.layer + which, self.block_size
+    )
     buffer_KBTD, inv_rms_KBT = attnres_reads.add_to_slot(
       inner.buffer_KBTD, inner.inv_rms_KBT, slot, out_BTD, self.cfg.attn_res_eps
     )

@@ -5,6 +5,8 @@ sublayer reads and writes, the least extra traffic; `docs/method.md`).
 
 from __future__ import annotations
 
+import math
+
 import jax.numpy as jnp
 
 from attnres_jax.residuals.attnres import depth
@@ -31,7 +33,7 @@ def depth_state_dtype_of(cfg):
 
 def depth_read_sources(cfg) -> int:
   """Sources weighed by all reads of one token (the final read included)."""
-  num_sublayers, size = 2 * cfg.num_layers, block_size_of(cfg)
+  num_sublayers, size = cfg.sublayers_per_layer * cfg.num_layers, block_size_of(cfg)
   reads = [depth.num_valid_sources(l, size) for l in range(num_sublayers)]
   reads.append(depth.num_slots(num_sublayers, size))  # the final read
   if cfg.depth_window:
@@ -39,10 +41,10 @@ def depth_read_sources(cfg) -> int:
   return sum(reads)
 
 
-def default_segment_layers(num_layers: int, block_size: int) -> int:
+def default_segment_layers(num_layers: int, block_size: int, per_layer: int = 2) -> int:
   """Layers per schedule segment when the config leaves it to us: the shortest that
-  covers whole blocks (2 G sublayers a multiple of block_size, so that every segment
-  has the same slot layout), and 2 layers for Full AttnRes.
+  covers whole blocks (its `per_layer` * G sublayers a multiple of block_size, so that
+  every segment has the same slot layout), and 2 layers for Full AttnRes.
 
   Measured (`bench/memory.py`, d256 T256 B8, 16 layers, step time / standard):
   Block S=2 1.12 / 1.27 / 1.37 with G = 1 / 2 / 4, Full 1.62 / 1.57 / 1.68. Longer
@@ -51,12 +53,13 @@ def default_segment_layers(num_layers: int, block_size: int) -> int:
   """
   if block_size == 1:
     return min(2 if num_layers % 2 == 0 else 1, num_layers)
-  return min(whole_block_layers(block_size), num_layers)
+  return min(whole_block_layers(block_size, per_layer), num_layers)
 
 
-def whole_block_layers(block_size: int) -> int:
-  """The fewest layers that cover whole blocks of `block_size` sublayers."""
-  return block_size // 2 if block_size % 2 == 0 else block_size
+def whole_block_layers(block_size: int, per_layer: int = 2) -> int:
+  """The fewest layers of `per_layer` sublayers that cover whole blocks of
+  `block_size` sublayers."""
+  return block_size // math.gcd(block_size, per_layer)
 
 
 def validate(cfg) -> None:
@@ -64,8 +67,8 @@ def validate(cfg) -> None:
   if cfg.residual == 'block' and (not base.is_int(cfg.block_size) or cfg.block_size < 1):
     base.invalid(
       f'block_size is the number of sublayers per AttnRes block and must be an '
-      f'integer >= 1, got {cfg.block_size!r} (1 = Full AttnRes; >= 2 * '
-      'num_layers = one block).'
+      f'integer >= 1, got {cfg.block_size!r} (1 = Full AttnRes; >= '
+      f'{cfg.sublayers_per_layer} * num_layers = one block).'
     )
   if cfg.depth_dtype not in ('', 'bfloat16', 'float32'):
     base.invalid(
@@ -81,17 +84,17 @@ def validate(cfg) -> None:
       "depth_kernel='pallas' computes Phase 1 of the two-phase read; the ablations "
       f"{cfg.ablations} read in one shot: set depth_kernel='auto' or 'xla'."
     )
-  layers = cfg.schedule_layers
+  layers, per_layer = cfg.schedule_layers, cfg.sublayers_per_layer
   if (
     cfg.residual == 'block'
     and layers
     and layers < cfg.num_layers
-    and (2 * layers) % cfg.block_size
+    and (per_layer * layers) % cfg.block_size
   ):
     base.invalid(
-      f'schedule_layers={layers} layers ({2 * layers} sublayers) does not cover '
-      f'whole blocks of block_size={cfg.block_size} sublayers; use a multiple of '
-      f'{whole_block_layers(cfg.block_size)} layers, num_layers, or 0.'
+      f'schedule_layers={layers} layers ({per_layer * layers} sublayers) does not '
+      f'cover whole blocks of block_size={cfg.block_size} sublayers; use a multiple '
+      f'of {whole_block_layers(cfg.block_size, per_layer)} layers, num_layers, or 0.'
     )
   if cfg.depth_kernel == 'pallas':
     refusal = kernel_refusal(cfg)
@@ -109,8 +112,9 @@ def kernel_refusal(cfg) -> str | None:
   fit, or the TPU compiler fails late. The need grows with the segment's queries and
   the width, not with the slots."""
   size = block_size_of(cfg)
-  layers = cfg.schedule_layers or default_segment_layers(cfg.num_layers, size)
-  queries = 2 * min(layers, cfg.num_layers)
+  per_layer = cfg.sublayers_per_layer
+  layers = cfg.schedule_layers or default_segment_layers(cfg.num_layers, size, per_layer)
+  queries = per_layer * min(layers, cfg.num_layers)
   itemsize = depth_state_dtype_of(cfg).itemsize  # the slots' and the outputs'
   need = depth_pallas_kernels.least_vmem_bytes(queries, cfg.d_model, itemsize, itemsize)
   if need <= depth_pallas_kernels.VMEM_BYTES:
@@ -125,7 +129,7 @@ def kernel_refusal(cfg) -> str | None:
 
 def forward_flops(cfg) -> float:
   """FLOPs of all depth reads of one token, forward."""
-  d, num_sublayers = cfg.d_model, 2 * cfg.num_layers
+  d, num_sublayers = cfg.d_model, cfg.sublayers_per_layer * cfg.num_layers
   total = READ_FLOPS_PER_SOURCE_AND_CHANNEL * d * depth_read_sources(cfg)
   if cfg.residual == 'block':
     total += d * num_sublayers  # the partial sums
@@ -136,24 +140,25 @@ def forward_flops(cfg) -> float:
 
 def io_per_sublayer(residual) -> tuple[float, float]:
   """Phase 1, once per schedule segment, reads the completed slots and writes each
-  of the segment's 2G sublayers a partial output o (d wide); Phase 2 reads o and the
+  of the segment's n G sublayers a partial output o (d wide); Phase 2 reads o and the
   segment's valid local slots and writes h; the write reads f(h) (and the partial
   sum it adds to) and writes the slot; the final read reads every slot and writes
   h. One-shot reads read every valid slot and write h."""
-  num_sublayers, size, per_segment = (
-    2 * residual.cfg.num_layers,
+  num_sublayers, size, per_segment, per_layer = (
+    residual.num_sublayers,
     residual.block_size,
     residual.segment_layers,
+    residual.sublayers_per_layer,
   )
   read = write = 0.0
   for l in range(num_sublayers):
-    layer, which = divmod(l, 2)
+    layer, which = divmod(l, per_layer)
     segment, layer_in_segment = divmod(layer, per_segment)
     _, num_local_valid = residual.local_index(layer_in_segment, which)
     first = residual.first_local_slot(segment)  # the completed slots
     if residual.two_phase:
       if layer_in_segment == 0 and which == 0:  # Phase 1 of the segment
-        queries = 2 * min(per_segment, residual.cfg.num_layers - layer)
+        queries = per_layer * min(per_segment, residual.cfg.num_layers - layer)
         read, write = read + first, write + queries
       read, write = read + 1 + num_local_valid, write + 1  # Phase 2
     else:
@@ -167,11 +172,11 @@ def io_per_sublayer(residual) -> tuple[float, float]:
 def min_extra_per_sublayer(residual) -> float:
   """Block (S >= 2, N blocks): 6 + 2N/S; Full (segments of Q sublayers over L):
   2(L/Q + Q) + 4/Q - 1 (`docs/method.md`, the derivation)."""
-  num_sublayers = 2 * residual.cfg.num_layers
+  num_sublayers = residual.num_sublayers
   if residual.block_size >= 2:
     return (
       6.0
       + 2.0 * depth.num_blocks(num_sublayers, residual.block_size) / residual.block_size
     )
-  q = 2 * min(residual.segment_layers, residual.cfg.num_layers)
+  q = residual.sublayers_per_layer * min(residual.segment_layers, residual.cfg.num_layers)
   return 2.0 * (num_sublayers / q + q) + 4.0 / q - 1.0

@@ -126,7 +126,7 @@ class HyperConnectionResidual(base.Residual):
 
   def layer_params(self):
     module = ManifoldHyperConnectionParams if self.manifold else HyperConnectionParams
-    return module(self.cfg, (2,), ('sublayers',))
+    return module(self.cfg, (self.sublayers_per_layer,), ('sublayers',))
 
   @property
   def kernel(self) -> str:
@@ -172,7 +172,7 @@ class HyperConnectionResidual(base.Residual):
 
   def selected(self, first_layer, layer_in_segment, which):
     """One-hot [m] of stream k mod m, k the model-wide sublayer index."""
-    k = 2 * (first_layer + layer_in_segment) + which
+    k = self.sublayers_per_layer * (first_layer + layer_in_segment) + which
     return jax.nn.one_hot(k % self.num_streams, self.num_streams, dtype=jnp.float32)
 
   def coefficients(
@@ -262,7 +262,7 @@ class HyperConnectionResidual(base.Residual):
       per_sublayer += 3 * m * d + 2 * m * d * outputs
     if self.manifold:
       per_sublayer += 8 * m * m * self.cfg.sinkhorn_iters + 3 * m * m
-    return float(2 * self.cfg.num_layers * per_sublayer + (m - 1) * d)
+    return float(self.num_sublayers * per_sublayer + (m - 1) * d)
 
   def io_per_sublayer(self) -> tuple[float, float]:
     """The read reads the m streams and writes h; the write reads the m streams and
@@ -270,7 +270,7 @@ class HyperConnectionResidual(base.Residual):
     `defers_write` (`hyper_pallas.boundary`) a sublayer's read does the previous
     write on the same pass: m streams and f(h) in, m streams and h out; the last
     write is done alone before the final read."""
-    m, num_sublayers = self.num_streams, 2 * self.cfg.num_layers
+    m, num_sublayers = self.num_streams, self.num_sublayers
     if self.defers_write:
       return (
         ((m + 1) * num_sublayers + (m + 1) + m) / num_sublayers,
