@@ -19,6 +19,7 @@ from typing import Any
 
 import ml_collections
 
+from attnres_jax.kernels import attention as attention_lib
 from attnres_jax.parallel import pipeline_plan
 from attnres_jax import residuals
 from attnres_jax.nn import sharding
@@ -38,6 +39,7 @@ EXECUTION_FIELDS = (
   'schedule_layers',
   'depth_dtype',
   'depth_kernel',
+  'attention',
 )
 # Execution fields that became automatic rules (docs/design_choices.md): a config that
 # sets one is refused with what replaced it.
@@ -95,6 +97,10 @@ class ModelConfig:
   # fit on chip, else XLA (kernels/pallas_mesh.py, choose_kernel) | 'xla' | 'pallas'
   # (off the TPU: Pallas interpret mode)
   depth_kernel: str = 'auto'
+  # Causal attention (kernels/attention.py): 'auto' = splash on TPU devices, cuDNN on
+  # GPUs where it supports the shape and dtype, else XLA | 'xla' | 'splash' (TPU;
+  # interpret mode off it) | 'cudnn' (GPU)
+  attention: str = 'auto'
   depth_query_input: bool = False  # ablation: query += W RMSNorm(latest source) / sqrt(D)
   depth_normalizer: str = 'softmax'  # ablation: 'softmax' | 'sigmoid'
   depth_key_norm: bool = True  # ablation: False = logits from the raw sources
@@ -205,6 +211,11 @@ def _validate_model(cfg: ModelConfig) -> None:
     fail(
       f'schedule_layers must be an integer in [0, num_layers={cfg.num_layers}] '
       f'(0 = automatic), got {layers!r}.'
+    )
+  if cfg.attention not in attention_lib.ATTENTION_SETTINGS:
+    fail(
+      f'attention must be one of {attention_lib.ATTENTION_SETTINGS}, got '
+      f'{cfg.attention!r}.'
     )
   if cfg.remat not in REMAT_POLICIES:
     fail(f'remat must be one of {REMAT_POLICIES}, got {cfg.remat!r}.')

@@ -17,6 +17,7 @@ from flax import nnx
 
 from attnres_jax import config as config_lib
 from attnres_jax import residuals
+from attnres_jax.kernels import attention as attention_lib
 from attnres_jax.nn import kv_cache
 from attnres_jax.nn import ops
 from attnres_jax.nn import sharding
@@ -90,6 +91,7 @@ class Attention(nnx.Module):
     self.out = _param(out_init, (n, h, d), ('heads', 'head_dim', 'embed'), rngs, pdt)
     self.rope_theta = cfg.rope_theta
     self.dtype = _dtype(cfg.dtype)
+    self.implementation = cfg.attention  # kernels/attention.py
 
   def __call__(
     self,
@@ -113,7 +115,9 @@ class Attention(nnx.Module):
     k_BTNH = rotary_embedding(project(self.key), positions_BT, self.rope_theta)
     v_BTNH = project(self.value)
     if cache is None:
-      out_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BTNH, v_BTNH, is_causal=True)
+      out_BTNH = attention_lib.causal_attention(
+        q_BTNH, k_BTNH, v_BTNH, self.implementation
+      )
       out_BTD = jnp.einsum('btnh,nhd->btd', out_BTNH, self.out[...].astype(self.dtype))
     else:
       out_BTNH, cache = kv_cache.cached_attention(
