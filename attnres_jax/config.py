@@ -22,9 +22,10 @@ import ml_collections
 from attnres_jax.kernels import attention as attention_lib
 from attnres_jax.parallel import pipeline_plan
 from attnres_jax import residuals
+from attnres_jax.nn import remat as remat_lib
 from attnres_jax.nn import sharding
 
-REMAT_POLICIES = ('none', 'sublayer', 'layer')
+REMAT_POLICIES = remat_lib.REMAT_POLICIES
 DTYPES = ('float32', 'bfloat16')
 DEPTH_NORMALIZERS = ('softmax', 'sigmoid')
 DEPTH_MIXINGS = ('attention', 'scalars')
@@ -87,7 +88,10 @@ class ModelConfig:
   dtype: str = 'float32'  # compute: 'float32' | 'bfloat16' (reads: float32)
   param_dtype: str = 'float32'  # parameters and optimizer state
   scan_layers: bool = True  # False: a Python loop over layers (debugging)
-  remat: str = 'none'  # rematerialise 'none' | 'sublayer' | 'layer'
+  # What the backward keeps (nn/remat.py): 'none' (all) | 'minimal' (the matmul
+  # outputs) | 'sublayer' | 'layer' (their inputs) | 'offload' (TPU: 'minimal' kept
+  # in host memory)
+  remat: str = 'none'
   schedule_layers: int = 0  # layers per schedule segment (0: per residual)
   # AttnRes storage of the depth buffer, partial sums and Phase 1 outputs: '' = the
   # compute dtype | 'bfloat16' | 'float32' (softmax statistics and sums: float32)

@@ -11,7 +11,7 @@
             only
 
 The platform is that of the devices the step is compiled for
-(`pallas_mesh.compile_platform`), so a compile-only run for a TPU topology on a CPU
+(`nn/sharding.py`, `compile_platform`), so a compile-only run for a TPU topology on a CPU
 host gets splash. A setting the platform cannot run (splash on a GPU, cuDNN off a GPU
 or on a shape it does not support) is one ValueError at trace time, before anything
 compiles. Decoding with a KV cache keeps its own read (`nn/kv_cache.py`).
@@ -23,8 +23,10 @@ import jax
 import jax.numpy as jnp
 from absl import logging
 
-from attnres_jax.kernels import pallas_mesh
 from attnres_jax.kernels import splash_attention
+from attnres_jax.nn import sharding
+
+QKV_AXES = splash_attention.QKV_AXES  # q, k, v and the output [B, T, N, H]
 
 ATTENTION_SETTINGS = ('auto', 'xla', 'splash', 'cudnn')  # model.attention
 CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
@@ -64,7 +66,7 @@ def choose(setting: str, q_BTNH) -> str:
     raise ValueError(
       f'model.attention must be one of {ATTENTION_SETTINGS}, got {setting!r}.'
     )
-  platform = pallas_mesh.compile_platform()
+  platform = sharding.compile_platform()
   if setting == 'auto':
     if platform == 'tpu':
       reason = splash_attention.split_refusal(q_BTNH.shape)

@@ -22,22 +22,10 @@ KERNEL_SETTINGS = ('auto', 'xla', 'pallas')  # model.depth_kernel
 _SAID: set[str] = set()  # the fallbacks already logged
 
 
-def compile_platform() -> str:
-  """The platform ('tpu', 'gpu', 'cpu') the program being traced is compiled for:
-  that of the devices of the mesh it is traced under (`sharding.logical_rules`, which
-  the train, eval and decode steps enter inside their jitted functions: a compile-only
-  run for a TPU topology on a CPU host gets 'tpu'), else JAX's default backend's
-  (eager code, a plain jit)."""
-  active = sharding._ACTIVE.get()
-  if active is not None:
-    return active[0].devices.flat[0].platform
-  return jax.default_backend()
-
-
 def compiles_for_tpu() -> bool:
   """Whether the program being traced is compiled for TPU devices
-  (`compile_platform`)."""
-  return compile_platform() == 'tpu'
+  (`sharding.compile_platform`)."""
+  return sharding.compile_platform() == 'tpu'
 
 
 def _split_refusal() -> str | None:

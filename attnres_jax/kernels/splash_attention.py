@@ -24,6 +24,7 @@ from jax.experimental.pallas.ops.tpu import splash_attention as splash
 from jax.sharding import PartitionSpec as P
 
 from attnres_jax.kernels import pallas_mesh
+from attnres_jax.nn import remat
 from attnres_jax.nn import sharding
 
 LANES = 128  # the kernel's key blocks are whole multiples of the TPU's lanes
@@ -65,7 +66,12 @@ def _kernel(num_heads: int, seq_len: int, interpret: bool):
   # the kernel is cached across traces.
   with jax.ensure_compile_time_eval():
     return splash.make_splash_mha(
-      mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret
+      mask,
+      block_sizes=sizes,
+      head_shards=1,
+      q_seq_shards=1,
+      residual_checkpoint_name=remat.ATTENTION_RESIDUALS,
+      interpret=interpret,
     )
 
 

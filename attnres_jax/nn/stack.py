@@ -42,6 +42,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from attnres_jax.nn import ops
+from attnres_jax.nn import remat as remat_lib
 from attnres_jax.nn.segments import group_segments
 from attnres_jax.nn.segments import index_segment_layers
 from attnres_jax.nn.segments import join_layers
@@ -82,13 +83,14 @@ def make_layers(layer_type, num_layers: int, rngs: nnx.Rngs, *args, **kwargs):
   return layers
 
 
-def sublayer_function(graphdef, which: int, remat: bool):
-  """f(layer_state, h, positions) -> raw output of one sublayer, as a pure function."""
+def sublayer_function(graphdef, which: int, remat: str):
+  """f(layer_state, h, positions) -> raw output of one sublayer, as a pure function
+  run as the `model.remat` policy `remat` says (`nn/remat.py`)."""
 
   def apply(layer_state, h_BTD, positions_BT):
     return nnx.merge(graphdef, layer_state).sublayer(which, h_BTD, positions_BT)
 
-  return jax.checkpoint(apply) if remat else apply
+  return remat_lib.sublayer(remat, apply)
 
 
 def sublayer_halves(graphdef, which: int):
@@ -185,7 +187,7 @@ class Resumed:
     return self.base.end_segment(carry, inner, segment + self.segment_offset)
 
 
-def _plain_sublayers(graphdef, positions_BT, remat: bool) -> SublayerHook:
+def _plain_sublayers(graphdef, positions_BT, remat: str) -> SublayerHook:
   """The default `apply_sublayer`: each sublayer's raw output, nothing saved."""
   functions = [sublayer_function(graphdef, which, remat) for which in SUBLAYERS]
 
@@ -292,7 +294,7 @@ def run_layers(
   add a cotangent of the whole stack per segment.
   """
   if apply_sublayer is None:
-    apply_sublayer = _plain_sublayers(graphdef, positions_BT, cfg.remat == 'sublayer')
+    apply_sublayer = _plain_sublayers(graphdef, positions_BT, cfg.remat)
   if collect_stats and stats_weights_BT is None:
     stats_weights_BT = jnp.ones(x_BTD.shape[:2], jnp.float32)
   runner = _SegmentRunner(

@@ -150,7 +150,7 @@ def tpu_mesh():
 def test_auto_picks_splash_for_tpu_devices():
   q = jax.ShapeDtypeStruct((4, 128, 2, 32), jnp.bfloat16)
   with sharding.logical_rules(tpu_mesh(), sharding.DEFAULT_RULES):
-    assert pallas_mesh.compile_platform() == 'tpu'
+    assert sharding.compile_platform() == 'tpu'
     assert attention_lib.choose('auto', q) == 'splash'
     assert attention_lib.choose('xla', q) == 'xla'
     with pytest.raises(ValueError, match="'cudnn' runs on a GPU only, not on tpu"):
