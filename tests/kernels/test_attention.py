@@ -17,7 +17,6 @@ from attnres_jax import config as config_lib
 from attnres_jax.compile_report import aot
 from attnres_jax.compile_report import tpu_topology
 from attnres_jax.kernels import attention as attention_lib
-from attnres_jax.kernels import pallas_mesh
 from attnres_jax.kernels import splash_attention
 from attnres_jax.models import transformer as model_lib
 from attnres_jax.nn import sharding
@@ -173,7 +172,7 @@ def test_auto_falls_back_to_xla_where_the_mesh_splits_the_length(monkeypatch, ca
 def test_auto_on_a_gpu_picks_cudnn_where_it_supports_the_shape(monkeypatch, caplog):
   """The GPU rule with the platform faked: cuDNN for bfloat16 and head dims it takes,
   else XLA, said once; splash refused."""
-  monkeypatch.setattr(pallas_mesh, 'compile_platform', lambda: 'gpu')
+  monkeypatch.setattr(sharding, 'compile_platform', lambda: 'gpu')
   monkeypatch.setattr(attention_lib, '_SAID', set())
   bf16 = jax.ShapeDtypeStruct((2, 64, 2, 64), jnp.bfloat16)
   assert attention_lib.choose('auto', bf16) == 'cudnn'
@@ -218,11 +217,17 @@ def test_cudnn_equals_xla_on_a_gpu():
 def test_the_default_tiny_run_compiled_for_a_tpu_runs_splash(tmp_path):
   """`train.py --compile_only --topology=v5p:2x2x1` of the tiny standard run, nothing
   set: the train step holds the splash kernels (forward, dq, dkv), per device under
-  the 4-way data-parallel mesh."""
+  the 4-way data-parallel mesh, and the report adds their cost."""
   config = default_config.get_config('tiny')
   config.model.residual = 'standard'
-  aot.compile_report(config, 'v5p:2x2x1', steps=('train',), hlo_dir=str(tmp_path))
+  report = aot.compile_report(
+    config, 'v5p:2x2x1', steps=('train',), hlo_dir=str(tmp_path)
+  )
   with open(os.path.join(tmp_path, 'train.hlo.txt'), encoding='utf-8') as f:
     text = f.read()
   for kernel in ('fwd', 'dq', 'dkv'):
     assert f'%{splash_attention.KERNEL_PREFIX}{kernel}' in text, kernel
+  # The report costs them analytically (compile_report/splash_cost.py) and says so.
+  train = report['steps']['train']
+  assert 0 < train['analytic_kernel_seconds'] < train['est_step_seconds']
+  assert 'costed analytically' in aot.format_table(report)
