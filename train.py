@@ -37,6 +37,7 @@ from absl import logging
 from ml_collections import config_flags
 
 from attnres_jax.compile_report import aot
+from attnres_jax.compile_report import suggest
 from attnres_jax import config as config_lib
 from attnres_jax.runs import preemption
 from attnres_jax.runs import quiet
@@ -84,6 +85,12 @@ _TOPOLOGY = flags.DEFINE_string(
 _NUM_SLICES = flags.DEFINE_integer(
   'num_slices', 1, 'With --compile_only: slices of --topology (DCN).'
 )
+_SUGGEST = flags.DEFINE_bool(
+  'suggest',
+  False,
+  'With --compile_only: compile the train step over a small grid (remat policies x '
+  'sequences per chip) and print the flags of the best estimated step that fits.',
+)
 _ALLOW_CONFIG_CHANGE = flags.DEFINE_list(
   'allow_config_change',
   [],
@@ -126,6 +133,10 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)  # orbax logs every file at INFO
   if _TOPOLOGY.value and not _COMPILE_ONLY.value:
     raise app.UsageError('--topology is for --compile_only.')
+  if _SUGGEST.value and not _COMPILE_ONLY.value:
+    raise app.UsageError('--suggest is for --compile_only.')
+  if _SUGGEST.value:
+    sys.exit(suggest.main(_CONFIG.value, _TOPOLOGY.value, _NUM_SLICES.value))
   if _COMPILE_ONLY.value:
     workdir = _WORKDIR.value if flags.FLAGS['workdir'].present else None
     sys.exit(aot.main(_CONFIG.value, _TOPOLOGY.value, _NUM_SLICES.value, workdir))

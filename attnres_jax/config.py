@@ -19,11 +19,13 @@ from typing import Any
 
 import ml_collections
 
+from attnres_jax.kernels import attention as attention_lib
 from attnres_jax.parallel import pipeline_plan
 from attnres_jax import residuals
+from attnres_jax.nn import remat as remat_lib
 from attnres_jax.nn import sharding
 
-REMAT_POLICIES = ('none', 'sublayer', 'layer')
+REMAT_POLICIES = remat_lib.REMAT_POLICIES
 DTYPES = ('float32', 'bfloat16')
 DEPTH_NORMALIZERS = ('softmax', 'sigmoid')
 DEPTH_MIXINGS = ('attention', 'scalars')
@@ -38,6 +40,7 @@ EXECUTION_FIELDS = (
   'schedule_layers',
   'depth_dtype',
   'depth_kernel',
+  'attention',
 )
 # Execution fields that became automatic rules (docs/design_choices.md): a config that
 # sets one is refused with what replaced it.
@@ -85,7 +88,10 @@ class ModelConfig:
   dtype: str = 'float32'  # compute: 'float32' | 'bfloat16' (reads: float32)
   param_dtype: str = 'float32'  # parameters and optimizer state
   scan_layers: bool = True  # False: a Python loop over layers (debugging)
-  remat: str = 'none'  # rematerialise 'none' | 'sublayer' | 'layer'
+  # What the backward keeps (nn/remat.py): 'none' (all) | 'minimal' (the matmul
+  # outputs) | 'sublayer' | 'layer' (their inputs) | 'offload' (TPU: 'minimal' kept
+  # in host memory)
+  remat: str = 'none'
   schedule_layers: int = 0  # layers per schedule segment (0: per residual)
   # AttnRes storage of the depth buffer, partial sums and Phase 1 outputs: '' = the
   # compute dtype | 'bfloat16' | 'float32' (softmax statistics and sums: float32)
@@ -95,6 +101,10 @@ class ModelConfig:
   # fit on chip, else XLA (kernels/pallas_mesh.py, choose_kernel) | 'xla' | 'pallas'
   # (off the TPU: Pallas interpret mode)
   depth_kernel: str = 'auto'
+  # Causal attention (kernels/attention.py): 'auto' = splash on TPU devices, cuDNN on
+  # GPUs where it supports the shape and dtype, else XLA | 'xla' | 'splash' (TPU;
+  # interpret mode off it) | 'cudnn' (GPU)
+  attention: str = 'auto'
   depth_query_input: bool = False  # ablation: query += W RMSNorm(latest source) / sqrt(D)
   depth_normalizer: str = 'softmax'  # ablation: 'softmax' | 'sigmoid'
   depth_key_norm: bool = True  # ablation: False = logits from the raw sources
@@ -188,6 +198,11 @@ def _validate_model(cfg: ModelConfig) -> None:
     )
   if not isinstance(cfg.rope_theta, (int, float)) or not cfg.rope_theta > 0:
     fail(f'rope_theta must be > 0, got {cfg.rope_theta!r}.')
+  if cfg.attention not in attention_lib.ATTENTION_SETTINGS:
+    fail(
+      f'attention must be one of {attention_lib.ATTENTION_SETTINGS}, got '
+      f'{cfg.attention!r}.'
+    )
   validate_depth_fields(cfg, residual)
 
 

@@ -21,6 +21,8 @@ which alone moves the estimate; docs/results.md).
       --topologies=v5p-8 --out=bench/results/aot.json
   JAX_PLATFORMS=cpu python bench/aot.py --modes=standard,block:4,block:8,full \\
       --sizes=d1024 --mesh=data --out=bench/results/aot_depth_core.json
+  JAX_PLATFORMS=cpu python bench/aot.py --sizes=125m --seq_len=4096 --per_chip=4 \\
+      --attention=xla --remat=minimal   # attention and remat as a user sets them
 
 A row that does not fit says so (the compiler's HBM figures). Each compile runs in
 this process one after another; big sizes take minutes and several GB of host memory.
@@ -64,12 +66,27 @@ TOPOLOGIES = {
 MESHES = {'fsdp': (1, -1, 1), 'data': (-1, 1, 1)}  # mesh.shape (data, fsdp, tensor)
 
 
-def row_config(mode: str, size: str, chips: int, mesh: str = 'fsdp'):
-  *model_values, seq_len, per_chip = SIZES[size]
+def row_config(
+  mode: str,
+  size: str,
+  chips: int,
+  mesh: str = 'fsdp',
+  *,
+  attention: str = 'auto',
+  remat: str | None = None,
+  seq_len: int | None = None,
+  per_chip: int | None = None,
+):
+  """The row's config: the size's fields, `remat`, `seq_len` and `per_chip`
+  (sequences per chip) where given instead of the size's."""
+  *model_values, size_seq_len, size_per_chip = SIZES[size]
   fields = dict(zip(SIZE_FIELDS, model_values))
+  fields.update(attention=attention, **({'remat': remat} if remat else {}))
   config = default_config.get_config()
   config.model.update(vocab_size=32768, dtype='bfloat16', **fields, **modes.fields(mode))
-  config.train.update(seq_len=seq_len, batch_size=per_chip * chips)
+  config.train.update(
+    seq_len=seq_len or size_seq_len, batch_size=(per_chip or size_per_chip) * chips
+  )
   config.mesh.shape = MESHES[mesh]  # over every chip
   return config
 
@@ -94,6 +111,12 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument('--sizes', default='125m', help=f'of {",".join(SIZES)}')
   parser.add_argument('--topologies', default='v5p-8', help=f'of {",".join(TOPOLOGIES)}')
   parser.add_argument('--mesh', default='fsdp', choices=sorted(MESHES))
+  parser.add_argument('--attention', default='auto', help='model.attention of every row')
+  parser.add_argument('--remat', default=None, help="model.remat (default: the size's)")
+  parser.add_argument('--seq_len', type=int, default=None, help="default: the size's")
+  parser.add_argument(
+    '--per_chip', type=int, default=None, help="sequences per chip (default: the size's)"
+  )
   parser.add_argument('--out', default=None, help='JSON file for the rows.')
   parser.add_argument(
     '--hlo_dir',
@@ -123,7 +146,16 @@ def compile_row(args, mode: str, size: str, topo_label: str, baselines: dict) ->
   compiled with as many}}), which a standard row updates."""
   topology = TOPOLOGIES[topo_label]
   chips = aot.get_topology(topology).num_chips
-  config = row_config(mode, size, chips, args.mesh)
+  config = row_config(
+    mode,
+    size,
+    chips,
+    args.mesh,
+    attention=args.attention,
+    remat=args.remat,
+    seq_len=args.seq_len,
+    per_chip=args.per_chip,
+  )
   start = time.perf_counter()
   row = dict(
     mode=mode,
@@ -132,6 +164,8 @@ def compile_row(args, mode: str, size: str, topo_label: str, baselines: dict) ->
     topology_name=topology,
     seq_len=config.train.seq_len,
     batch_size=config.train.batch_size,
+    attention=config.model.attention,
+    remat=config.model.remat,
   )
   try:
     hlo_dir = args.hlo_dir and os.path.join(

@@ -15,7 +15,9 @@ Per instruction of a non-fused computation (what runs as one kernel):
                 backend config): scaled by the program's cycles-to-seconds ratio, the
                 compiler's step time with loops counted. A Pallas kernel carries none
                 (the compiler costs it by its CostEstimate): its roofline is kept
-                apart (`roofline_pallas`) so that a view of the cycles can add it
+                apart (`roofline_pallas`) so that a view of the cycles can add it;
+                that of the kernels costed analytically (`roofline_analytic`: splash
+                attention, which the compiler's step time leaves out) too
   collectives   all-gather, reduce-scatter, all-reduce, collective-permute, all-to-all:
                 count and bytes (the larger of the per-device input and output: the
                 gathered result, the scattered input)
@@ -122,8 +124,10 @@ def analyze(
       roofline = max(flops / peak_flops, moved / hbm_bandwidth)
       kind = kind_of(instruction, computations)
       totals['roofline_' + kind] += times * roofline
-      if hlo_kernel_cost.kernel_estimate(instruction) is not None:
+      estimate = hlo_kernel_cost.kernel_estimate(instruction)
+      if estimate is not None:
         totals['roofline_pallas'] += times * roofline
+      analytic = roofline if estimate and estimate.get('analytic') else 0.0
       if kind == 'matmul' and moved / hbm_bandwidth > flops / peak_flops:
         totals['roofline_matmul_bytes_bound'] += times * roofline
       for key, once in (
@@ -132,6 +136,7 @@ def analyze(
         ('bytes', moved),
         ('cycles', cycles),
         ('roofline', roofline),
+        ('roofline_analytic', analytic),
       ):
         totals[key] += times * once
         own[name][key] += once
@@ -175,7 +180,11 @@ def _once(computations, name, own, memo=None) -> dict[str, float]:
 
 def estimated_seconds(costs: dict[str, Any], compiler_seconds: float) -> float:
   """The compiler's step time with loops counted: its own estimate (`optimal_seconds`,
-  a roofline with loop bodies once) scaled by our roofline with loops counted / once."""
-  if not costs.get('roofline_once'):
-    return compiler_seconds
-  return compiler_seconds * costs['roofline'] / costs['roofline_once']
+  a roofline with loop bodies once) scaled by our roofline with loops counted / once,
+  both without the kernels costed analytically, whose roofline (loops counted) is
+  added: the compiler's estimate leaves them out (`splash_cost`)."""
+  analytic = costs.get('roofline_analytic', 0.0)
+  rest_once = costs.get('roofline_once', 0.0) - costs.get('roofline_analytic_once', 0.0)
+  if rest_once <= 0:
+    return compiler_seconds + analytic
+  return compiler_seconds * (costs['roofline'] - analytic) / rest_once + analytic

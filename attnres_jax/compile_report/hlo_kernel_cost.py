@@ -13,7 +13,10 @@ each by how often it runs):
                 (`tpu_custom_call`) counts what its CostEstimate states, as the
                 compiler's own cost model does (its FLOPs too): its operands'
                 sizes would charge, e.g., all K slots of the depth buffer to a
-                Phase 1 kernel whose BlockSpecs load only the valid ones
+                Phase 1 kernel whose BlockSpecs load only the valid ones; a splash
+                attention kernel, which states none, its analytic cost
+                (`splash_cost`, marked 'analytic': the compiler's own estimate
+                leaves it out)
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import math
 import re
 
 from attnres_jax.compile_report import hlo_text
+from attnres_jax.compile_report import splash_cost
 
 # No data of their own moves: structure, aliases, control.
 _FREE = frozenset(
@@ -231,12 +235,14 @@ def arithmetic(
 
 def kernel_estimate(instruction: hlo_text.Instruction) -> dict[str, float] | None:
   """The CostEstimate ({'flops', 'transcendentals', 'bytes_accessed'}) a Pallas TPU
-  kernel carries in its backend config, or None (any other instruction)."""
+  kernel carries in its backend config, or a splash kernel's analytic one (with
+  'analytic': 1.0), or None (any other instruction)."""
   if _custom_call_target(instruction) != 'tpu_custom_call':
     return None
   found = _COST_ESTIMATE.search(instruction.attrs)
   if found is None:
-    return None
+    analytic = splash_cost.estimate(instruction)
+    return None if analytic is None else {**analytic, 'analytic': 1.0}
   estimate = json.loads(found.group(1))
   return {k: float(estimate.get(k, 0)) for k in ESTIMATE_KEYS}
 

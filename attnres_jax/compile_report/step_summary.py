@@ -78,6 +78,9 @@ def summarize(compiled, seconds: float, topo: Topology, model_flops: float) -> d
     # their CostEstimates, as our roofline does). This view adds them, charged at the
     # program's own rate: its cycles per roofline second of everything else.
     'pallas_roofline_seconds': costs.get('roofline_pallas', 0.0),
+    # Of those, the kernels that state no cost (splash attention), costed analytically
+    # (`splash_cost`) and added to `est_step_seconds`, which would leave them out.
+    'analytic_kernel_seconds': costs.get('roofline_analytic', 0.0),
     'compiler_cycles_with_kernels': cycles_with_kernels(costs),
     'model_flops': model_flops,
     'est_mfu': model_flops / (step_seconds * peak) if step_seconds else None,

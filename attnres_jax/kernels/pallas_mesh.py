@@ -23,14 +23,9 @@ _SAID: set[str] = set()  # the fallbacks already logged
 
 
 def compiles_for_tpu() -> bool:
-  """Whether the program being traced is compiled for TPU devices: those of the mesh
-  it is traced under (`sharding.logical_rules`, which the train, eval and decode steps
-  enter inside their jitted functions: a compile-only run for a TPU topology on a CPU
-  host gets True), else those of JAX's default backend (eager code, a plain jit)."""
-  active = sharding._ACTIVE.get()
-  if active is not None:
-    return active[0].devices.flat[0].platform == 'tpu'
-  return jax.default_backend() == 'tpu'
+  """Whether the program being traced is compiled for TPU devices
+  (`sharding.compile_platform`)."""
+  return sharding.compile_platform() == 'tpu'
 
 
 def _split_refusal() -> str | None:

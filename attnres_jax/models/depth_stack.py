@@ -48,7 +48,7 @@ class StackConfig:
   dtype: str = 'float32'  # compute dtype of the reads' results
   param_dtype: str = 'float32'  # the residual's parameters
   scan_layers: bool = True  # False: a Python loop over layers (debugging)
-  remat: str = 'none'  # rematerialise 'none' | 'sublayer' | 'layer'
+  remat: str = 'none'  # a remat policy (nn/remat.py): 'none' | 'minimal' | 'layer' | ...
   schedule_layers: int = 0  # layers per schedule segment (0: per residual)
   depth_dtype: str = ''  # AttnRes depth state storage ('' = the compute dtype)
   depth_kernel: str = 'auto'  # 'auto' (Pallas on TPU where it fits) | 'xla' | 'pallas'

@@ -18,9 +18,15 @@ import jax.numpy as jnp
 from flax import nnx
 
 from attnres_jax import config as config_lib
+<<<<<<< HEAD
 from attnres_jax.models.depth_stack import DepthStack
+=======
+from attnres_jax import residuals
+from attnres_jax.kernels import attention as attention_lib
+>>>>>>> attention
 from attnres_jax.nn import kv_cache
 from attnres_jax.nn import ops
+from attnres_jax.nn import remat
 from attnres_jax.nn import sharding
 from attnres_jax.nn import stack as stack_lib
 
@@ -92,6 +98,7 @@ class Attention(nnx.Module):
     self.out = _param(out_init, (n, h, d), ('heads', 'head_dim', 'embed'), rngs, pdt)
     self.rope_theta = cfg.rope_theta
     self.dtype = _dtype(cfg.dtype)
+    self.kernel = cfg.attention  # kernels/attention.py
 
   def __call__(
     self,
@@ -107,15 +114,17 @@ class Attention(nnx.Module):
     Returns the output, and the updated cache when one is given.
     """
     x_BTD = x_BTD.astype(self.dtype)
-    project = lambda w: sharding.constrain(
-      jnp.einsum('btd,dnh->btnh', x_BTD, w[...].astype(self.dtype)),
-      ('batch', 'length', 'heads', 'head_dim'),
-    )
-    q_BTNH = rotary_embedding(project(self.query), positions_BT, self.rope_theta)
-    k_BTNH = rotary_embedding(project(self.key), positions_BT, self.rope_theta)
-    v_BTNH = project(self.value)
+
+    def project(w, what):  # a matmul output that remat='minimal' keeps
+      y_BTNH = jnp.einsum('btd,dnh->btnh', x_BTD, w[...].astype(self.dtype))
+      return remat.name(sharding.constrain(y_BTNH, attention_lib.QKV_AXES), what)
+
+    q_BTNH = rotary_embedding(project(self.query, 'query'), positions_BT, self.rope_theta)
+    k_BTNH = rotary_embedding(project(self.key, 'key'), positions_BT, self.rope_theta)
+    v_BTNH = project(self.value, 'value')
     if cache is None:
-      out_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BTNH, v_BTNH, is_causal=True)
+      out_BTNH = attention_lib.causal_attention(q_BTNH, k_BTNH, v_BTNH, self.kernel)
+      out_BTNH = remat.name(out_BTNH, 'attention')
       out_BTD = jnp.einsum('btnh,nhd->btd', out_BTNH, self.out[...].astype(self.dtype))
     else:
       out_BTNH, cache = kv_cache.cached_attention(
@@ -145,12 +154,12 @@ class SwiGLU(nnx.Module):
 
   def __call__(self, x_BTD: Array) -> Array:
     x_BTD = x_BTD.astype(self.dtype)
-    hidden = lambda w: sharding.constrain(
-      x_BTD @ w[...].astype(self.dtype), ('batch', 'length', 'mlp')
+    hidden = lambda w, what: remat.name(
+      sharding.constrain(x_BTD @ w[...].astype(self.dtype), ('batch', 'length', 'mlp')),
+      what,
     )
-    out_BTD = (jax.nn.silu(hidden(self.gate)) * hidden(self.up)) @ self.down[...].astype(
-      self.dtype
-    )
+    gated = jax.nn.silu(hidden(self.gate, 'mlp_gate')) * hidden(self.up, 'mlp_up')
+    out_BTD = gated @ self.down[...].astype(self.dtype)
     return sharding.constrain(out_BTD, sharding.HIDDEN)
 
 

@@ -306,6 +306,16 @@ def logical_rules(mesh: Mesh, rules: Rules) -> Iterator[None]:
     _ACTIVE.reset(token)
 
 
+def compile_platform() -> str:
+  """The platform ('tpu', 'gpu', 'cpu') of the devices of the mesh the program is
+  traced under (`logical_rules`: a compile-only run for a TPU topology on a CPU host
+  gets 'tpu'), else of JAX's default backend (eager code, a plain jit)."""
+  active = _ACTIVE.get()
+  if active is not None:
+    return active[0].devices.flat[0].platform
+  return jax.default_backend()
+
+
 def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
   """Constrains an activation's sharding by logical axis names; a no-op outside
   `logical_rules` (single device, eager code, decoding)."""

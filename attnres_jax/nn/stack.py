@@ -29,6 +29,7 @@ from flax import nnx
 
 from attnres_jax.nn import layer_contract
 from attnres_jax.nn import ops
+from attnres_jax.nn import remat as remat_lib
 from attnres_jax.nn.segments import group_segments
 from attnres_jax.nn.segments import index_segment_layers
 from attnres_jax.nn.segments import join_layers
@@ -39,14 +40,15 @@ check_layer = layer_contract.check_layer
 make_layers = layer_contract.make_layers
 
 
-def sublayer_function(graphdef, which: int, remat: bool):
-  """f(layer_state, h, positions) -> raw output of one sublayer, as a pure function."""
+def sublayer_function(graphdef, which: int, remat: str):
+  """f(layer_state, h, positions) -> raw output of one sublayer, as a pure function
+  run as the `model.remat` policy `remat` says (`nn/remat.py`)."""
 
   def apply(layer_state, h_BTD, positions_BT):
     layer = nnx.merge(graphdef, layer_state)
     return layer.sublayer_body(which, layer.sublayer_norm(which, h_BTD), positions_BT)
 
-  return jax.checkpoint(apply) if remat else apply
+  return remat_lib.sublayer(remat, apply)
 
 
 def sublayer_halves(graphdef, which: int):
@@ -147,9 +149,9 @@ class Resumed:
     return self.base.end_segment(carry, inner, segment + self.segment_offset)
 
 
-def _plain_sublayers(graphdef, positions_BT, remat: bool, count: int) -> SublayerHook:
-  """The default `apply_sublayer`: each of `count` sublayers' raw output, nothing
-  saved."""
+def _plain_sublayers(graphdef, positions_BT, remat: str, count: int) -> SublayerHook:
+  """The default `apply_sublayer`: each of `count` sublayers' raw output, run as the
+  remat policy `remat` says; nothing saved."""
   functions = [sublayer_function(graphdef, which, remat) for which in range(count)]
 
   def apply_sublayer(which, layer_in_segment, state_k, h_BTD, *, inner, extra, per_layer):
@@ -256,7 +258,7 @@ def run_layers(
   """
   if apply_sublayer is None:
     apply_sublayer = _plain_sublayers(
-      graphdef, positions_BT, cfg.remat == 'sublayer', residual.sublayers_per_layer
+      graphdef, positions_BT, cfg.remat, residual.sublayers_per_layer
     )
   if collect_stats and stats_weights_BT is None:
     stats_weights_BT = jnp.ones(x_BTD.shape[:2], jnp.float32)

@@ -17,6 +17,7 @@ from flax import nnx
 from attnres_jax.kernels import depth_pallas
 from attnres_jax.kernels import pallas_mesh
 from attnres_jax.nn import sharding
+from attnres_jax.nn import remat as remat_lib
 from attnres_jax.nn import stack as stack_lib
 from attnres_jax.residuals.attnres import depth
 from attnres_jax.residuals.attnres import phases
@@ -37,8 +38,8 @@ def body_vjp(plan, which, state_k, h_BTD, positions_BT):
   GiB, 48.50 -> 47.89 ms)."""
   norm, body = plan.halves[which]
   apply = lambda s, normed: body(s, normed, positions_BT)
-  if plan.residual.cfg.remat == 'sublayer':  # the closure keeps the normed input alone
-    apply = jax.checkpoint(apply)
+  if plan.residual.cfg.remat in ('sublayer', 'minimal', 'offload'):  # nn/remat.py
+    apply = remat_lib.sublayer(plan.residual.cfg.remat, apply)
   else:
     apply = keeping_float_residuals(apply)
   return jax.vjp(apply, state_k, norm(state_k, h_BTD))
