@@ -18,12 +18,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from attnres_jax import config as config_lib
-<<<<<<< HEAD
-from attnres_jax.models.depth_stack import DepthStack
-=======
-from attnres_jax import residuals
 from attnres_jax.kernels import attention as attention_lib
->>>>>>> attention
+from attnres_jax.models.depth_stack import DepthStack
 from attnres_jax.nn import kv_cache
 from attnres_jax.nn import ops
 from attnres_jax.nn import remat
