@@ -81,13 +81,14 @@ def _phase1_fwd(buf_KBTD, folded_QD, nv, rms_KBT, bound, eps, out_dtype, width_m
     ('rep', 'rep', 'buf', rms),
     ('stat', 'stat', ('out',) * folded_QD.shape[0]),
   )
-  out = fn(nv, folded_QD, buf_KBTD, rms_KBT)
-  return out, (buf_KBTD, folded_QD, nv, rms_KBT, out[0])
+  operands = (nv, folded_QD, buf_KBTD, rms_KBT)  # the device functions' order
+  out = fn(*operands)
+  return out, (*operands, out[0])
 
 
 def _phase1_bwd(bound, eps, out_dtype, width_minor, residuals, cotangents):
   del out_dtype
-  buf_KBTD, folded_QD, nv, rms_KBT, max_BQT = residuals
+  nv, folded_QD, buf_KBTD, rms_KBT, _ = residuals
   _, dsum_BQT, douts = cotangents  # the max is stop-gradient
   d_carry_KBTD, zeroed, d_first_BTD = _INTO.get() or (None, 0, None)
   if d_carry_KBTD is not None and (
@@ -116,15 +117,7 @@ def _phase1_bwd(bound, eps, out_dtype, width_minor, residuals, cotangents):
     ('buf', rms, 'rep'),
   )
   dbuf_KBTD, drms_KBT, dfold_QD = fn(
-    nv,
-    folded_QD,
-    buf_KBTD,
-    rms_KBT,
-    max_BQT,
-    dsum_BQT,
-    tuple(douts),
-    d_carry_KBTD,
-    d_first_BTD,
+    *residuals, dsum_BQT, tuple(douts), d_carry_KBTD, d_first_BTD
   )
   return dbuf_KBTD, dfold_QD, None, drms_KBT
 
@@ -146,7 +139,7 @@ def _phase1_kept_fwd(
   buf_KBTD, folded_QD, nv, rms_KBT, max_BQT, sum_BQT, outs, bound, eps, dtype, wm
 ):
   del bound, eps, dtype, wm
-  return (max_BQT, sum_BQT, outs), (buf_KBTD, folded_QD, nv, rms_KBT, max_BQT)
+  return (max_BQT, sum_BQT, outs), (nv, folded_QD, buf_KBTD, rms_KBT, max_BQT)
 
 
 def _phase1_kept_bwd(bound, eps, out_dtype, width_minor, residuals, cotangents):

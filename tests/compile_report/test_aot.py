@@ -15,8 +15,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from attnres_jax.compile_report import aot
 from attnres_jax.compile_report import hlo_cost
@@ -26,6 +24,7 @@ from attnres_jax.compile_report import tpu_topology
 from attnres_jax.nn import sharding
 from bench import aot as aot_cli
 from configs import default as default_config
+from tests.compile_report.v5e_operands import v5e_operands
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 needs_libtpu = pytest.mark.skipif(
@@ -131,10 +130,7 @@ def _compile(function, *args):
 def test_loop_bodies_counted_by_trip_count_nested_loops_too():
   """A scan over 4 layers with a 3-step fori_loop inside each, against the same
   program unrolled: equal FLOPs with loops counted, and equal to XLA's own count."""
-  topo = aot.get_topology('v5e:2x2')
-  mesh = jax.sharding.Mesh(np.array(topo.devices), ('x',))
-  x = jax.ShapeDtypeStruct((512, 256), jnp.bfloat16, sharding=NamedSharding(mesh, P('x')))
-  w = jax.ShapeDtypeStruct((4, 256, 256), jnp.bfloat16, sharding=NamedSharding(mesh, P()))
+  x, w = v5e_operands(jnp.bfloat16, (4, 256, 256))
 
   def program(x, w, unroll):
     def layer(h, w_layer):
@@ -172,10 +168,7 @@ def test_a_conditional_counts_the_mean_of_its_branches():
   matmuls that run (counting only the first branch, as the HLO parser once did, gave
   4; every branch at full weight, 16). Once, as XLA's totals count: the larger
   branch."""
-  topo = aot.get_topology('v5e:2x2')
-  mesh = jax.sharding.Mesh(np.array(topo.devices), ('x',))
-  x = jax.ShapeDtypeStruct((512, 256), jnp.bfloat16, sharding=NamedSharding(mesh, P('x')))
-  w = jax.ShapeDtypeStruct((256, 256), jnp.bfloat16, sharding=NamedSharding(mesh, P()))
+  x, w = v5e_operands(jnp.bfloat16, (256, 256))
   branches = [
     lambda h, w: jnp.tanh(h @ w),
     lambda h, w: jnp.tanh(jnp.tanh(jnp.tanh(h @ w) @ w) @ w),

@@ -8,13 +8,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from attnres_jax.compile_report import aot
 from attnres_jax.compile_report import hlo_diff
 from attnres_jax.compile_report import hlo_hbm
 from bench import hlo_diff as hlo_diff_cli
+from tests.compile_report.v5e_operands import v5e_operands
 
 pytestmark = pytest.mark.skipif(
   importlib.util.find_spec('libtpu') is None,
@@ -24,10 +23,7 @@ pytestmark = pytest.mark.skipif(
 
 def _programs():
   """Two loops over 4 layers that differ by one reduction over the width per layer."""
-  topo = aot.get_topology('v5e:2x2')
-  mesh = jax.sharding.Mesh(np.array(topo.devices), ('x',))
-  x = jax.ShapeDtypeStruct((512, 256), jnp.float32, sharding=NamedSharding(mesh, P('x')))
-  w = jax.ShapeDtypeStruct((4, 256, 256), jnp.float32, sharding=NamedSharding(mesh, P()))
+  x, w = v5e_operands(jnp.float32, (4, 256, 256))
 
   def program(x, w, normalise):
     def layer(h, w_layer):

@@ -29,6 +29,9 @@ from attnres_jax.residuals.hyper import streams as hs
 from attnres_jax.kernels import sinkhorn_pallas as sp
 from configs import default as default_config
 from conftest import child_result
+from tests.kernels.mesh_checks import MESH_RULES
+from tests.kernels.mesh_checks import assert_mesh_results
+from tests.kernels.mesh_checks import max_relative_error
 from tests.residuals.test_hyper_connections import TINY
 from tests.residuals.test_hyper_connections import randomize
 from tests.residuals.test_hyper_connections import tokens
@@ -243,12 +246,6 @@ def test_boundary_equals_the_kernels_apart(per_stream, dtype, m, tile_bytes, mon
     assert_close(x, ref, tol, name)
 
 
-MESH_RULES = {
-  'batch': dict(batch=('data', 'fsdp')),
-  'batch_length': dict(batch=('data',), length=('fsdp',)),
-}
-
-
 def sharded_errors():
   """The child: on a (2, 2, 1) mesh under each of MESH_RULES, the largest relative
   difference between the Pallas and the XLA write (values and cotangents), whether
@@ -265,10 +262,7 @@ def sharded_errors():
 
     pallas = value_and_grads(lambda *a: under_rules(hp.write, *a), args)
     xla = value_and_grads(lambda *a: under_rules(hs.write, *a), args)
-    out[name] = max(
-      float(np.abs(a - b).max() / (np.abs(b).max() + 1e-30))
-      for a, b in zip(jax.tree.leaves(pallas), jax.tree.leaves(xla))
-    )
+    out[name] = max_relative_error(pallas, xla)
     jaxpr = jax.make_jaxpr(lambda *a: under_rules(hp.write, *a))(*args)
     out[f'{name}_per_device'] = 'shard_map' in str(jaxpr)
     logits = 3 * args[0]  # [m, m, B, T]
@@ -287,22 +281,13 @@ def sharded_errors():
         gated_read_and_grads(lambda *a, f=f: under_rules(f, *a), read_args)
         for f in (hp.gated_read, xla_gated_read)
       ]
-      out[f'{name}_gated_read_{variant}'] = max(
-        float(np.abs(a - b).max() / (np.abs(b).max() + 1e-30))
-        for a, b in zip(*map(jax.tree.leaves, gated_reads))
-      )
+      out[f'{name}_gated_read_{variant}'] = max_relative_error(*gated_reads)
       boundaries = [
         boundary_and_grads(lambda *a, f=f: under_rules(f, *a), (*args, *read_args[:2]))
         for f in (hp.boundary, kernels_apart)
       ]
-      out[f'{name}_boundary_{variant}'] = max(
-        float(np.abs(a - b).max() / (np.abs(b).max() + 1e-30))
-        for a, b in zip(*map(jax.tree.leaves, boundaries))
-      )
-    out[f'{name}_sinkhorn'] = max(
-      float(np.abs(a - b).max() / (np.abs(b).max() + 1e-30))
-      for a, b in zip(jax.tree.leaves(sinkhorns[0]), jax.tree.leaves(sinkhorns[1]))
-    )
+      out[f'{name}_boundary_{variant}'] = max_relative_error(*boundaries)
+    out[f'{name}_sinkhorn'] = max_relative_error(*sinkhorns)
   rules = {**sharding.DEFAULT_RULES, 'batch': ('data',), 'hidden': ('fsdp',)}
   try:
     with sharding.logical_rules(mesh, rules):
@@ -318,12 +303,7 @@ def test_kernel_on_a_mesh_equals_xla():
   devices): the write, HC's and mHC's gated reads and Sinkhorn equal XLA, and the
   fused boundaries the kernels apart."""
   errors = child_result(__file__, 4, 'sharded')
-  assert len(errors) == 7 * len(MESH_RULES) + 1
-  for name, error in errors.items():
-    if name.endswith(('per_device', 'refused')):
-      assert error is True, name
-    else:
-      assert error <= F32_TOL, (name, error)
+  assert_mesh_results(errors, 7 * len(MESH_RULES) + 1, F32_TOL)
 
 
 @pytest.mark.parametrize('scale', [1.0, 3.0, 30.0, 1e4])

@@ -35,6 +35,9 @@ MODEL = dict(vocab_size=64, d_model=16, num_layers=4, num_heads=2, mlp_dim=32)
 BATCH, LENGTH = 8, 12
 STEPS = 2  # the second step runs with non-zero AttnRes queries
 
+# 2 stages x 2 virtual stages over 2 pipeline devices, 4 microbatches.
+P2V2 = dict(stage=2, shape=(2, 1, 1), virtual_stages=2, num_microbatches=4)
+
 # name: (model overrides, mesh overrides); stage x virtual_stages chunks of 4 layers.
 CASES = {
   'a': {
@@ -76,37 +79,19 @@ CASES = {
       dict(stage=2, shape=(1, 2, 2), num_microbatches=2),
     ),
     # M > P: a microbatch waits on stage 0 before its second virtual stage.
-    'block2_p2v2': (
-      dict(residual='block', block_size=2),
-      dict(stage=2, shape=(2, 1, 1), virtual_stages=2, num_microbatches=4),
-    ),
+    'block2_p2v2': (dict(residual='block', block_size=2), P2V2),
     # The same with plain autodiff of each chunk instead of the linear-memory backward
     # (`residuals/attnres/backward.py`, resumed from the received carry).
-    'block2_p2v2_autodiff': (
-      dict(residual='block_autodiff', block_size=2),
-      dict(stage=2, shape=(2, 1, 1), virtual_stages=2, num_microbatches=4),
-    ),
+    'block2_p2v2_autodiff': (dict(residual='block_autodiff', block_size=2), P2V2),
     # The schedule that reruns the chunk before its backward (not keeping the
     # linear-memory backward's residuals).
     'block2_p2v2_rerun': (
       dict(residual='block', block_size=2),
-      dict(
-        stage=2,
-        shape=(2, 1, 1),
-        virtual_stages=2,
-        num_microbatches=4,
-        pipeline_schedule='remat_rerun',
-      ),
+      dict(P2V2, pipeline_schedule='remat_rerun'),
     ),
     'block2_p2v2_naive': (
       dict(residual='block', block_size=2),
-      dict(
-        stage=2,
-        shape=(2, 1, 1),
-        virtual_stages=2,
-        num_microbatches=4,
-        pipeline_transfer='naive',
-      ),
+      dict(P2V2, pipeline_transfer='naive'),
     ),
   },
 }

@@ -16,18 +16,18 @@ from attnres_jax import residuals
 from attnres_jax.residuals import registry
 from conftest import ROOT, child_env, tiny_model_config
 
-# A residual as a user would write it, outside the repository: h <- h + s * f(h) with
-# a learned scale s per sublayer from 1/2. Its parameter is named `query`, as AttnRes's
-# pseudo-queries, which AttnRes spares weight decay and this residual does not.
+# A residual as a user would write it, outside the repository, from the template
+# residual (ReZero): h <- h + s * f(h) with a learned scale s per sublayer from 1/2.
+# Its parameter is named `query`, as AttnRes's pseudo-queries, which AttnRes spares
+# weight decay and this residual does not.
 PLUGIN = """
 import dataclasses
-from typing import Any
 
 import jax.numpy as jnp
 from flax import nnx
 
-from attnres_jax.nn import sharding
 from attnres_jax.residuals import base
+from attnres_jax.residuals import rezero
 
 
 class Scales(nnx.Module):
@@ -39,32 +39,18 @@ class Scales(nnx.Module):
 
 
 @dataclasses.dataclass(frozen=True)
-class HalfResidual(base.Residual):
-  cfg: Any
+class HalfResidual(rezero.ReZeroResidual):
+  no_decay = frozenset()
+
+  @property
+  def label(self):
+    return 'Half'
 
   def layer_params(self):
     return Scales(self.cfg)
 
-  def init(self, x_BTD):
-    return x_BTD
-
-  def read(self, inner, params, per_layer, layer_in_segment, which):
-    return inner, None
-
   def write(self, inner, params, per_layer, layer_in_segment, which, out_BTD):
     return inner + params.query[...][which].astype(out_BTD.dtype) * out_BTD
-
-  def final(self, carry, params):
-    return carry, None
-
-  def forward_flops(self):
-    return float(self.cfg.d_model * 2 * self.cfg.num_layers)
-
-  def io_per_sublayer(self):
-    return 2.0, 1.0
-
-  def carry_axes(self):
-    return sharding.HIDDEN
 """
 
 

@@ -4,7 +4,6 @@ share a name each get their own decay."""
 
 import dataclasses
 import itertools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -13,8 +12,8 @@ from flax import nnx
 
 from attnres_jax import residuals
 from attnres_jax.models import transformer as model_lib
-from attnres_jax.nn import sharding
 from attnres_jax.residuals import base
+from attnres_jax.residuals import rezero
 from attnres_jax.training import optim
 from conftest import tiny_model_config, train_config
 
@@ -29,32 +28,17 @@ class Scales(nnx.Module):
 
 
 @dataclasses.dataclass(frozen=True)
-class ScaledResidual(base.Residual):
-  """h <- h + query * gain * f(h); decays both of its parameters."""
+class ScaledResidual(rezero.ReZeroResidual):
+  """h <- h + query * gain * f(h), ReZero's carry; decays both of its parameters."""
 
-  cfg: Any
+  no_decay = frozenset()
 
   def layer_params(self):
     return Scales(self.cfg)
 
-  def init(self, x_BTD):
-    return x_BTD
-
-  def read(self, inner, params, per_layer, layer_in_segment, which):
-    return inner, None
-
   def write(self, inner, params, per_layer, layer_in_segment, which, out_BTD):
     scale = params.query[...][which] * params.gain[...][which]
     return inner + scale.astype(out_BTD.dtype) * out_BTD
-
-  def final(self, carry, params):
-    return carry, None
-
-  def io_per_sublayer(self):
-    return 2.0, 1.0
-
-  def carry_axes(self):
-    return sharding.HIDDEN
 
 
 @dataclasses.dataclass(frozen=True)

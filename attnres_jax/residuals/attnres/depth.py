@@ -282,23 +282,13 @@ def phase2(
   max_BT, sum_BT, out_BTD = phase1_stats
   folded_D = _folded_query(query_D, gain_D)
   if (num_local or local_JBTD.shape[0]) > 1:
+    written = local_JBTD.shape[0] if num_written is None else num_written
     return _merge(
-      max_BT,
-      sum_BT,
-      out_BTD,
-      local_JBTD,
-      valid_J,
-      folded_D,
-      local_inv_rms_JBT,
-      float(eps),
-      local_JBTD.shape[0] if num_written is None else num_written,
+      *phase1_stats, local_JBTD, valid_J, folded_D, local_inv_rms_JBT, float(eps), written
     )
-  dots_JBT, inv_rms_JBT = _source_logits(local_JBTD, folded_D, eps, local_inv_rms_JBT)
-  logits_JBT = jnp.where(valid_J[:, None, None], dots_JBT * inv_rms_JBT, -jnp.inf)
-  new_max_BT = jax.lax.stop_gradient(jnp.maximum(max_BT, jnp.max(logits_JBT, axis=0)))
-  old_scale_BT = jnp.exp(max_BT - new_max_BT)
-  local_weights_JBT = jnp.exp(logits_JBT - new_max_BT[None])  # 0 where not valid
-  total_BT = sum_BT * old_scale_BT + jnp.sum(local_weights_JBT, axis=0)
+  old_scale_BT, local_weights_JBT, _, _, total_BT = _online_softmax_step(
+    max_BT, sum_BT, local_JBTD, valid_J, folded_D, local_inv_rms_JBT, eps
+  )
   h_BTD = out_BTD.astype(jnp.float32) * old_scale_BT[..., None] + slot_sum(
     local_weights_JBT, local_JBTD
   )
@@ -323,19 +313,32 @@ def phase1_read(phase1_stats, dtype):
   return (out_BTD.astype(jnp.float32) / sum_BT[..., None]).astype(dtype)
 
 
+def _online_softmax_step(
+  max_BT, sum_BT, local_JBTD, valid_J, folded_D, local_inv_rms_JBT, eps
+):
+  """One online-softmax step over the local sources, per token: the old statistics'
+  scale s = exp(m - m') (m' the new maximum, stop-gradient), each local source's
+  unnormalised weight w_j = exp(logit_j - m') (0 where not valid), its dot and inverse
+  RMS, and the new total s * sum + sum_j w_j."""
+  dots_JBT, inv_rms_JBT = _source_logits(local_JBTD, folded_D, eps, local_inv_rms_JBT)
+  logits_JBT = jnp.where(valid_J[:, None, None], dots_JBT * inv_rms_JBT, -jnp.inf)
+  new_max_BT = jax.lax.stop_gradient(jnp.maximum(max_BT, jnp.max(logits_JBT, axis=0)))
+  old_scale_BT = jnp.exp(max_BT - new_max_BT)
+  local_weights_JBT = jnp.exp(logits_JBT - new_max_BT[None])
+  total_BT = sum_BT * old_scale_BT + jnp.sum(local_weights_JBT, axis=0)
+  return old_scale_BT, local_weights_JBT, dots_JBT, inv_rms_JBT, total_BT
+
+
 def _merge_parts(max_BT, sum_BT, local_JBTD, valid_J, folded_D, local_inv_rms_JBT, eps):
   """Per token: the old statistics' scale c = s / total (s = exp(m - m')), each local
   source's weight alpha_j = w_j / total, its dot and inverse RMS, and the total."""
-  dots_JBT, inv_rms_JBT = _source_logits(local_JBTD, folded_D, eps, local_inv_rms_JBT)
-  logits_JBT = jnp.where(valid_J[:, None, None], dots_JBT * inv_rms_JBT, -jnp.inf)
-  new_max_BT = jnp.maximum(max_BT, jnp.max(logits_JBT, axis=0))
-  old_scale_BT = jnp.exp(max_BT - new_max_BT)
-  local_weights_JBT = jnp.exp(logits_JBT - new_max_BT[None])  # 0 where not valid
-  total_BT = sum_BT * old_scale_BT + jnp.sum(local_weights_JBT, axis=0)
+  scale_BT, weights_JBT, dots_JBT, inv_rms_JBT, total_BT = _online_softmax_step(
+    max_BT, sum_BT, local_JBTD, valid_J, folded_D, local_inv_rms_JBT, eps
+  )
   inv_total_BT = 1 / total_BT
   return (
-    old_scale_BT * inv_total_BT,
-    local_weights_JBT * inv_total_BT[None],
+    scale_BT * inv_total_BT,
+    weights_JBT * inv_total_BT[None],
     dots_JBT,
     inv_rms_JBT,
     total_BT,
