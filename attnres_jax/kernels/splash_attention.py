@@ -112,10 +112,10 @@ def split_refusal(shape) -> str | None:
 
 
 def splash_attention(q_BTNH, k_BTNH, v_BTNH):
-  """Causal softmax(q k^T / sqrt(H)) v of [B, T, N, H] arrays (one as many heads as
-  the other), as `jax.nn.dot_product_attention(q, k, v, is_causal=True)`. In Pallas
-  interpret mode off the TPU. ValueError where the mesh splits the length or head
-  dim (`split_refusal`)."""
+  """Causal softmax(q k^T / sqrt(H)) v of q, k, v [B, T, N, H] (the same N heads),
+  as `jax.nn.dot_product_attention(q, k, v, is_causal=True)`. In Pallas interpret
+  mode off the TPU. ValueError where the mesh splits the length or head dim
+  (`split_refusal`)."""
   interpret = not pallas_mesh.compiles_for_tpu()
   local = functools.partial(_local_attention, interpret=interpret)
   reason = split_refusal(q_BTNH.shape)

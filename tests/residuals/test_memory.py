@@ -74,6 +74,7 @@ def plain_gradients(residual, block_size, schedule_layers):
     ('block', 3, 0, 'layer'),
     ('full', 1, 2, 'layer'),
     ('full', 1, 2, 'sublayer'),
+    ('full', 1, 2, 'minimal'),
   ],
 )
 def test_linear_memory_backward_equals_plain_autodiff(

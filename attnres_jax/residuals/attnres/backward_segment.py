@@ -16,8 +16,8 @@ from flax import nnx
 
 from attnres_jax.kernels import depth_pallas
 from attnres_jax.kernels import pallas_mesh
-from attnres_jax.nn import sharding
 from attnres_jax.nn import remat as remat_lib
+from attnres_jax.nn import sharding
 from attnres_jax.nn import stack as stack_lib
 from attnres_jax.residuals.attnres import depth
 from attnres_jax.residuals.attnres import phases
