@@ -131,13 +131,8 @@ class ModelConfig:
     unknown = sorted(set(values) - known)
     removed = [name for name in unknown if name in REMOVED_FIELDS]
     if removed:
-      raise ValueError(
-        'Invalid model config: '
-        + '; '.join(
-          f'{name} is no longer a field: {REMOVED_FIELDS[name]}' for name in removed
-        )
-        + '.'
-      )
+      why = '; '.join(f'{n} is no longer a field: {REMOVED_FIELDS[n]}' for n in removed)
+      raise ValueError(f'Invalid model config: {why}.')
     if unknown:
       raise ValueError(
         f'Invalid model config: unknown fields {unknown}; the model '
