@@ -304,7 +304,13 @@ def main(argv):
     points = {r: ladder_points(FLAGS.root, ladder, r, widths, seeds) for r in residuals}
   for r, p in points.items():
     print(f'{r}: finished rungs {sorted(p)} (seeds {[sorted(v) for _, v in p.values()]})')
-  result = analyse(points, residuals[0], FLAGS.bootstrap, FLAGS.interval)
+  try:
+    result = analyse(points, residuals[0], FLAGS.bootstrap, FLAGS.interval)
+  except ValueError as e:  # nothing (or too little) finished under --root
+    raise app.UsageError(
+      f'{e} Train the ladder first (bench/ladder.py --root={FLAGS.root}), or re-fit '
+      'a saved study: --records=bench/results/ladder_runs.json.'
+    ) from None
   result['ladder'] = dict(
     name=ladder.name,
     tokens_per_param=ladder.tokens_per_param,
