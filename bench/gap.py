@@ -7,8 +7,8 @@ bench/sweep.py writes (<root>/results.json or a copy in bench/results/).
       --study=1200:bench/results/study1200_seeds.json \\
       --study=1200:bench/results/study1200.json --runs=full,block_s4
 
-A length may be given several files: a run is taken from the first that has it (so one
-study's newer seeds can stand beside another's older runs). Writes <out>/<name>.md,
+A length may be given several files: each run's seed is taken from the first that has
+it (so one study's newer seeds stand beside another's older ones). Writes <out>/<name>.md,
 .json and .png: per length and run, the seeds, held-out bits per byte (mean +- std), the
 mean paired difference from the reference relative to its mean, with the Student-t
 interval over seeds and the difference in standard errors.
@@ -60,12 +60,15 @@ def per_seed(row: dict) -> dict[int, float]:
 
 
 def collect(studies: list[str]) -> dict[int, dict[str, dict[int, float]]]:
-  """{steps: {run: {seed: bits per byte}}}, the first file of a length winning."""
+  """{steps: {run: {seed: bits per byte}}}; a (run, seed) from the first file of its
+  length that has it."""
   by_length = collections.defaultdict(dict)
   for study in studies:
     steps, _, path = study.partition(':')
     for row in read_records(path):
-      by_length[int(steps)].setdefault(row['run'], per_seed(row))
+      seeds = by_length[int(steps)].setdefault(row['run'], {})
+      for seed, value in per_seed(row).items():
+        seeds.setdefault(seed, value)
   return dict(sorted(by_length.items()))
 
 
