@@ -47,11 +47,14 @@ jax.config.update('jax_numpy_rank_promotion', 'raise')
 
 
 def pytest_configure(config):
-  """Child processes (train.py and eval.py runs, multi-device children, benchmarks,
-  notebook kernels) run on the CPU and share one persistent compilation cache: most
-  of them compile the same tiny programs, and a cached executable computes the same
-  numbers bit for bit. Set after this process imported JAX, so only children see it;
-  pytest-xdist's workers inherit the controller's directory."""
+  """The whole session shares one persistent compilation cache: this process, its
+  xdist workers (which inherit the controller's directory) and every child (train.py
+  and eval.py runs, multi-device children, benchmarks, notebook kernels), all on the
+  CPU. The tests compile the same tiny programs again and again from different
+  closures (the same model's loss and gradients in several tests and files; a hit
+  needs the same HLO and function name), and a cached executable computes the same
+  numbers bit for bit, with the same memory and cost analyses. Measured on
+  tests/models/test_model.py alone: 59 of its 688 compilations hit, 127 -> 106 s."""
   del config
   if 'ATTNRES_TEST_CACHE_DIR' not in os.environ:
     os.environ['ATTNRES_TEST_CACHE_DIR'] = tempfile.mkdtemp(prefix='attnres_jax_tests_')
@@ -60,6 +63,11 @@ def pytest_configure(config):
   os.environ.setdefault('JAX_COMPILATION_CACHE_DIR', os.environ['ATTNRES_TEST_CACHE_DIR'])
   for name, value in CACHE_OPTIONS.items():
     os.environ.setdefault(name.upper(), str(value))
+  # This process imported JAX before the variables above were set: its config directly.
+  jax.config.update('jax_compilation_cache_dir', os.environ['ATTNRES_TEST_CACHE_DIR'])
+  for name, value in CACHE_OPTIONS.items():
+    jax.config.update(name, value)
+  compilation_cache_lib.reset_cache()  # set up again at the next compilation
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -251,24 +259,9 @@ def start_logged(command, log, env) -> subprocess.Popen:
 
 @pytest.fixture(scope='module')
 def compilation_cache():
-  """The session's persistent compilation cache (the children's, see
-  pytest_configure) in this process too, for one module (`pytestmark =
-  pytest.mark.usefixtures('compilation_cache')`): a step compiled once, here or in a
-  child, is loaded, not rebuilt, by every later run of it; the same executable, so the
-  same numbers, bit for bit. The previous settings come back after the module
-  (`reset_cache`: the cache is set up at the first compilation after it)."""
-  path = os.environ['ATTNRES_TEST_CACHE_DIR']
-  options = {'jax_compilation_cache_dir': path, **CACHE_OPTIONS}
-  previous = {name: getattr(jax.config, name) for name in options}
-  for name, value in options.items():
-    jax.config.update(name, value)
-  compilation_cache_lib.reset_cache()
-  try:
-    yield path
-  finally:
-    for name, value in previous.items():
-      jax.config.update(name, value)
-    compilation_cache_lib.reset_cache()
+  """The session's persistent compilation cache directory (pytest_configure), for
+  modules that hand it to their train.py / eval.py children (`cached_child_env`)."""
+  return os.environ['ATTNRES_TEST_CACHE_DIR']
 
 
 def child_result(test_file: str, num_devices: int, *args: str, timeout: float = 600):
