@@ -219,7 +219,9 @@ def row_line(row: dict, baselines: dict) -> str:
     f'{row["hbm_bytes"] / 1e9:>8.1f}{times(hbm_floor):>6}'
     f'{ratio("hbm_roofline_seconds"):>7.2f}'
     f'{ratio("est_step_seconds", same_loops):>9.2f}'
-    f'{row["compile_seconds"]:>10.0f}  time: '
+    f'{row["compile_seconds"]:>10.0f}  '
+    + ('est.: roofline (compiler <= 0); ' if row.get('est_source') == 'roofline' else '')
+    + 'time: '
     + ', '.join(f'{k} {v:.0%}' for k, v in row['time_shares'].items())
   )
 

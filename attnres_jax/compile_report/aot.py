@@ -227,6 +227,11 @@ def format_table(report: dict[str, Any]) -> str:
       f'{s["bytes_accessed"] / 1e9:>9.2f}{s["est_step_seconds"] * 1e3:>9.2f}'
       f'{mfu:>6}  {coll or "-":<46}{s["compile_seconds"]:>9.1f}'
     )
+    if s.get('est_source') == 'roofline':
+      lines.append(
+        "        est.: our per-kernel roofline, loops counted (the compiler's own "
+        'estimate was not positive)'
+      )
     if s.get('analytic_kernel_seconds'):
       lines.append(
         f'        splash attention: {s["analytic_kernel_seconds"] * 1e3:.2f} ms of the '

@@ -182,7 +182,10 @@ def estimated_seconds(costs: dict[str, Any], compiler_seconds: float) -> float:
   """The compiler's step time with loops counted: its own estimate (`optimal_seconds`,
   a roofline with loop bodies once) scaled by our roofline with loops counted / once,
   both without the kernels costed analytically, whose roofline (loops counted) is
-  added: the compiler's estimate leaves them out (`splash_cost`)."""
+  added: the compiler's estimate leaves them out (`splash_cost`). Where the compiler's
+  estimate is not positive (v6e-256, the 1B step: -16.0 s), our roofline alone."""
+  if compiler_seconds <= 0:
+    return costs['roofline']
   analytic = costs.get('roofline_analytic', 0.0)
   rest_once = costs.get('roofline_once', 0.0) - costs.get('roofline_analytic_once', 0.0)
   if rest_once <= 0:

@@ -65,6 +65,9 @@ def summarize(compiled, seconds: float, topo: Topology, model_flops: float) -> d
     'xla_bytes_loops_once': float(cost.get('bytes accessed', 0.0)),
     'xla_seconds_loops_once': compiler_seconds,
     'est_step_seconds': step_seconds,
+    # Which estimate that is: the compiler's scaled by our roofline's loop factor, or,
+    # where the compiler's is not positive, our roofline alone.
+    'est_source': 'compiler' if compiler_seconds > 0 else 'roofline',
     # A second view of the step: the compiler's own per-kernel cycle estimates summed
     # with loops counted. `est_step_seconds` scales the compiler's whole-program
     # seconds (loops once) by our roofline's loop factor, which can move two programs
