@@ -60,13 +60,21 @@ def test_a_splash_kernel_counts_its_causal_half_analytically():
 
 def test_suggest_picks_the_highest_estimated_mfu_that_fits(monkeypatch):
   """The grid's choice, the compiles faked: a point that does not fit is passed over
-  whatever its estimate."""
+  whatever its estimate; the best point is then compiled on the other layout, FSDP,
+  which wins here."""
   config = default_config.get_config('tiny')
-  estimates = {('none', 8): 0.5, ('none', 16): 0.9, ('layer', 8): 0.4, ('layer', 16): 0.6}
+  data, fsdp = (-1, 1, 1), (1, -1, 1)
+  estimates = {
+    ('none', 8, data): 0.5,
+    ('none', 16, data): 0.9,
+    ('layer', 8, data): 0.4,
+    ('layer', 16, data): 0.6,
+    ('layer', 16, fsdp): 0.7,
+  }
 
   def fake_report(candidate, topology, num_slices, steps):
-    key = (candidate.model.remat, candidate.train.batch_size)
-    if key == ('none', 16):
+    key = (candidate.model.remat, candidate.train.batch_size, tuple(candidate.mesh.shape))
+    if key[:2] == ('none', 16):
       raise ValueError('The train step does not fit on v5p:2x2x1.')
     train = dict(
       memory=dict(need_bytes=1.0), est_step_seconds=1.0, est_mfu=estimates[key]
@@ -78,10 +86,15 @@ def test_suggest_picks_the_highest_estimated_mfu_that_fits(monkeypatch):
   monkeypatch.setattr(aot, 'compile_report', fake_report)
   config.train.batch_size = 8  # 2 sequences on each of the 4 chips
   result = suggest.run_grid(config, 'v5p:2x2x1', out=sys.stdout)
-  assert [(r['remat'], r['batch_size']) for r in result['rows']] == list(estimates)
+  assert [(r['remat'], r['batch_size']) for r in result['rows']] == [
+    key[:2] for key in estimates
+  ]
   assert 'error' in result['rows'][1]
-  assert suggest.flags(result['best']) == (
+  assert suggest.flags(result['rows'][3]) == (
     '--config.model.remat=layer --config.train.batch_size=16'
+  )
+  assert suggest.flags(result['best']) == (
+    "--config.model.remat=layer --config.train.batch_size=16 --config.mesh.shape='(1,-1,1)'"
   )
 
 
@@ -92,6 +105,7 @@ def test_train_py_suggest_prints_the_flags_to_pass():
   code = (
     'import sys; from attnres_jax.compile_report import suggest; '
     "suggest.POLICIES = ('minimal',); suggest.BATCH_FACTORS = (1,); "
+    'suggest.MESH_SHAPES = (); '
     "sys.argv[1:] = ['--config=configs/default.py:tiny', "
     "'--config.model.residual=standard', '--compile_only', "
     "'--topology=v5p:2x2x1', '--suggest']; "
