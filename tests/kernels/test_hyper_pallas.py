@@ -7,6 +7,7 @@ same float32 arithmetic as on the TPU. The TPU lowering (Mosaic, under shard_map
 a data-parallel mesh) is checked by an ahead-of-time compile.
 """
 
+import functools
 import importlib.util
 import json
 import os
@@ -50,6 +51,19 @@ F32_TOL = 1e-5
 BF16_TOL = 2.0**-8
 
 
+# The kernels' cases: m streams, their dtype, and the tile budget (1 byte: the
+# narrowest tile, 128 tokens, two tiles along T; None: one tile of all 256). The dtype
+# changes only the roundings and the tiling only where a tile starts, so each of the
+# paths appears once rather than in every combination: both dtypes at m = 4 (one of
+# them over two tiles), another m with bfloat16, and one stream (m = 1) in float32.
+KERNEL_CASES = [
+  (jnp.float32, 4, None),
+  (jnp.bfloat16, 4, 1),
+  (jnp.bfloat16, 2, None),
+  (jnp.float32, 1, None),
+]
+
+
 def inputs(m, batch, length, dim, dtype, seed=0):
   keys = jax.random.split(jax.random.key(seed), 4)
   return (
@@ -87,8 +101,7 @@ def assert_close(actual, expected, tol, what):
   np.testing.assert_allclose(actual / scale, expected / scale, atol=tol, err_msg=what)
 
 
-@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize('m,tile_bytes', [(4, None), (4, 1), (2, None), (1, None)])
+@pytest.mark.parametrize('dtype,m,tile_bytes', KERNEL_CASES)
 def test_kernel_equals_the_xla_write(dtype, m, tile_bytes, monkeypatch):
   """Values and the cotangents of the mixing, the write weights, the streams and
   f(h). tile_bytes=1: the narrowest tile (128 tokens), two tiles along T."""
@@ -167,8 +180,7 @@ def gated_read_and_grads(gated_read, args, seed=1):
 
 
 @pytest.mark.parametrize('per_stream', [True, False], ids=['hc', 'mhc'])
-@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize('m,tile_bytes', [(4, None), (4, 1), (2, None), (1, None)])
+@pytest.mark.parametrize('dtype,m,tile_bytes', KERNEL_CASES)
 def test_gated_read_equals_xla(per_stream, dtype, m, tile_bytes, monkeypatch):
   """HC's and mHC's read with its projections in one kernel each way equals the XLA
   steps:
@@ -222,8 +234,7 @@ def boundary_and_grads(boundary, args, seed=3):
 
 
 @pytest.mark.parametrize('per_stream', [True, False], ids=['hc', 'mhc'])
-@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize('m,tile_bytes', [(4, None), (4, 1), (2, None), (1, None)])
+@pytest.mark.parametrize('dtype,m,tile_bytes', KERNEL_CASES)
 def test_boundary_equals_the_kernels_apart(per_stream, dtype, m, tile_bytes, monkeypatch):
   """One sublayer's write fused with the next one's gated read equals the write
   kernel followed by the gated read kernel (each tested against XLA above): values
@@ -248,46 +259,57 @@ def test_boundary_equals_the_kernels_apart(per_stream, dtype, m, tile_bytes, mon
 
 def sharded_errors():
   """The child: on a (2, 2, 1) mesh under each of MESH_RULES, the largest relative
-  difference between the Pallas and the XLA write (values and cotangents), whether
-  the kernel runs per device, and whether a split of the width is refused."""
+  difference between the Pallas kernels there and the references on one device (the
+  XLA write, gated reads and Sinkhorn; the kernels apart for the fused boundary;
+  computed once for both rules), whether the kernel runs per device, and whether a
+  split of the width is refused."""
   mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 2, 1), sharding.AXIS_NAMES)
   args = inputs(4, 4, 256, 128, jnp.float32)
+  logits = 3 * args[0]  # [m, m, B, T]
+  sinkhorn_loss = lambda f: jax.jit(jax.value_and_grad(lambda x: jnp.sum(f(x) * logits)))
+  read_args = {v: gated_read_inputs(4, jnp.float32, v == 'hc') for v in ('hc', 'mhc')}
+  boundary_args = {v: (*args, *read_args[v][:2]) for v in read_args}
+  host = lambda x: jax.tree.map(np.asarray, x)
+  reference = {
+    'write': host(value_and_grads(hs.write, args)),
+    'sinkhorn': host(
+      sinkhorn_loss(lambda x: coefficients.sinkhorn(x, 20, (0, 1)))(logits)
+    ),
+    **{
+      f'gated_read_{v}': host(gated_read_and_grads(xla_gated_read, a))
+      for v, a in read_args.items()
+    },
+    **{
+      f'boundary_{v}': host(boundary_and_grads(kernels_apart, a))
+      for v, a in boundary_args.items()
+    },
+  }
   out = {}
   for name, rules in MESH_RULES.items():
     rules = {**sharding.DEFAULT_RULES, **rules}
 
-    def under_rules(write, *args, rules=rules):
+    def under_rules(fn, *args, rules=rules):
       with sharding.logical_rules(mesh, rules):
-        return write(*args)
+        return fn(*args)
 
-    pallas = value_and_grads(lambda *a: under_rules(hp.write, *a), args)
-    xla = value_and_grads(lambda *a: under_rules(hs.write, *a), args)
-    out[name] = max_relative_error(pallas, xla)
-    jaxpr = jax.make_jaxpr(lambda *a: under_rules(hp.write, *a))(*args)
+    on_mesh = lambda fn: functools.partial(under_rules, fn)
+    pallas = {
+      'write': value_and_grads(on_mesh(hp.write), args),
+      'sinkhorn': sinkhorn_loss(on_mesh(lambda x: sp.sinkhorn(x, 20)))(logits),
+      **{
+        f'gated_read_{v}': gated_read_and_grads(on_mesh(hp.gated_read), a)
+        for v, a in read_args.items()
+      },
+      **{
+        f'boundary_{v}': boundary_and_grads(on_mesh(hp.boundary), a)
+        for v, a in boundary_args.items()
+      },
+    }
+    for what, result in pallas.items():
+      key = name if what == 'write' else f'{name}_{what}'
+      out[key] = max_relative_error(host(result), reference[what])
+    jaxpr = jax.make_jaxpr(on_mesh(hp.write))(*args)
     out[f'{name}_per_device'] = 'shard_map' in str(jaxpr)
-    logits = 3 * args[0]  # [m, m, B, T]
-    sinkhorns = [
-      jax.jit(jax.value_and_grad(lambda x, f=f: jnp.sum(under_rules(f, x) * logits)))(
-        logits
-      )
-      for f in (
-        lambda x: sp.sinkhorn(x, 20),
-        lambda x: coefficients.sinkhorn(x, 20, (0, 1)),
-      )
-    ]
-    for per_stream, variant in ((True, 'hc'), (False, 'mhc')):
-      read_args = gated_read_inputs(4, jnp.float32, per_stream)
-      gated_reads = [
-        gated_read_and_grads(lambda *a, f=f: under_rules(f, *a), read_args)
-        for f in (hp.gated_read, xla_gated_read)
-      ]
-      out[f'{name}_gated_read_{variant}'] = max_relative_error(*gated_reads)
-      boundaries = [
-        boundary_and_grads(lambda *a, f=f: under_rules(f, *a), (*args, *read_args[:2]))
-        for f in (hp.boundary, kernels_apart)
-      ]
-      out[f'{name}_boundary_{variant}'] = max_relative_error(*boundaries)
-    out[f'{name}_sinkhorn'] = max_relative_error(*sinkhorns)
   rules = {**sharding.DEFAULT_RULES, 'batch': ('data',), 'hidden': ('fsdp',)}
   try:
     with sharding.logical_rules(mesh, rules):
@@ -301,7 +323,7 @@ def sharded_errors():
 def test_kernel_on_a_mesh_equals_xla():
   """Streams (and mHC's maps) split over batch, or over batch and length (4 CPU
   devices): the write, HC's and mHC's gated reads and Sinkhorn equal XLA, and the
-  fused boundaries the kernels apart."""
+  fused boundaries the kernels apart, both references on one device."""
   errors = child_result(__file__, 4, 'sharded')
   assert_mesh_results(errors, 7 * len(MESH_RULES) + 1, F32_TOL)
 
@@ -347,9 +369,14 @@ def test_tile_choice():
   assert sp.choose_tile(1024) == sp.MAX_TILE and sp.choose_tile(96) == 96
 
 
-def model_loss_and_grads(residual, kernel, dtype='float32', length=32):
+def model_loss_and_grads(residual, kernel, dtype='float32', length=32, **overrides):
   cfg = ar.model_config(
-    **TINY, residual=residual, depth_kernel=kernel, dtype=dtype, param_dtype='float32'
+    **TINY,
+    residual=residual,
+    depth_kernel=kernel,
+    dtype=dtype,
+    param_dtype='float32',
+    **overrides,
   )
   model = randomize(ar.Transformer(cfg, rngs=nnx.Rngs(0)))
   graphdef, state = nnx.split(model)
@@ -365,10 +392,11 @@ def model_loss_and_grads(residual, kernel, dtype='float32', length=32):
 @pytest.mark.parametrize('residual', ['hc', 'mhc'])
 def test_model_with_the_kernel_equals_the_xla_model(residual):
   """Loss and every parameter's gradient, float32, dynamic HC / mHC with every
-  parameter moved from its initial value: only the weight cotangents' summation
-  order differs (above), through four sublayers: 1e-5 of each gradient's scale.
-  Measured: losses identical, gradients <= 5.8e-7 of their scale."""
-  loss, grads = model_loss_and_grads(residual, 'pallas')
+  parameter moved from its initial value, the kernels under remat (as training runs
+  them; remat = no remat for XLA's: test_hyper_connections): only the weight
+  cotangents' summation order differs (above), through four sublayers: 1e-5 of each
+  gradient's scale. Measured: losses identical, gradients <= 5.8e-7 of their scale."""
+  loss, grads = model_loss_and_grads(residual, 'pallas', remat='sublayer')
   ref_loss, ref_grads = model_loss_and_grads(residual, 'xla')
   np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
   flat, ref_flat = (jax.tree.leaves_with_path(g) for g in (grads, ref_grads))

@@ -80,11 +80,13 @@ def fused(
   )
 
 
+@functools.partial(jax.jit, static_argnums=(5, 6))
 def expected(
   buffer_KBTD, queries_QD, gains_QD, carry_KBTD, first_BTD, num_valid, num_zeroed
 ):
   """The carry plus autodiff's cotangent of the XLA Phase 1 and (if given) `first_BTD`
-  at slot 0, zeroed from num_valid on for `num_zeroed` slots."""
+  at slot 0, zeroed from num_valid on for `num_zeroed` slots (compiled: op by op it
+  takes longer than the kernel it checks)."""
   d_KBTD = buffer_cotangent(depth.phase1, buffer_KBTD, queries_QD, gains_QD, num_valid)
   out_KBTD = carry_KBTD.astype(jnp.float32) + d_KBTD.astype(jnp.float32)
   if first_BTD is not None:
@@ -96,13 +98,25 @@ def expected(
 SHAPES = {'kernel': (6, 2, 256, 128), 'xla_add': (6, 2, 12, 32)}  # lanes or not
 
 
-@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize('shape', list(SHAPES))
+# (num_valid, num_zeroed, d_first given) of the carry's sum: zeroed slots past the
+# valid ones, none zeroed, every slot valid (the zeroed ones past the buffer). Each on
+# both paths (the kernel, the XLA add), in float32 on one and bfloat16 on the other:
+# the dtype changes the roundings only, the path how the sum is written.
+CARRY_CASES = [(1, 3, True), (4, 2, False), (2, 0, True), (6, 3, False)]
+
+
 @pytest.mark.parametrize(
-  'num_valid, num_zeroed, first',
-  [(1, 3, True), (4, 2, False), (2, 0, True), (6, 3, False)],
+  'shape, dtype, num_valid, num_zeroed, first',
+  [
+    (shape, dtype, *case)
+    for shape, dtypes in (
+      ('kernel', (jnp.float32, jnp.bfloat16)),
+      ('xla_add', (jnp.bfloat16, jnp.float32)),
+    )
+    for case, dtype in zip(CARRY_CASES, dtypes * 2)
+  ],
 )
-def test_phase1_vjp_sums_into_the_carry(dtype, shape, num_valid, num_zeroed, first):
+def test_phase1_vjp_sums_into_the_carry(shape, dtype, num_valid, num_zeroed, first):
   args = operands(dtype, SHAPES[shape])
   first_BTD = (
     3 * jax.random.normal(jax.random.key(5), SHAPES[shape][1:]) if first else None
@@ -124,10 +138,16 @@ def test_phase1_vjp_sums_into_the_carry(dtype, shape, num_valid, num_zeroed, fir
   assert bool(ALIASED.search(jaxpr)) == (shape == 'kernel')
 
 
-@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize('shape', list(SHAPES))
-@pytest.mark.parametrize('num_valid', [6, 4])
-def test_phase1_vjp_written_width_minor_equals_xla(dtype, shape, num_valid):
+@pytest.mark.parametrize(
+  'shape, dtype, num_valid',
+  [  # both layouts in both dtypes; every slot valid on one, two past the valid on the other
+    ('kernel', jnp.float32, 6),
+    ('kernel', jnp.bfloat16, 4),
+    ('xla_add', jnp.float32, 4),
+    ('xla_add', jnp.bfloat16, 6),
+  ],
+)
+def test_phase1_vjp_written_width_minor_equals_xla(shape, dtype, num_valid):
   """Without a carry, `width_minor_cotangent` (the final read's): the kernel writes
   the buffer's cotangent in [tile, D] blocks where the lanes allow, the XLA layout
   elsewhere; either way autodiff's cotangent of the XLA Phase 1, zero past num_valid."""
@@ -135,7 +155,8 @@ def test_phase1_vjp_written_width_minor_equals_xla(dtype, shape, num_valid):
   impl = functools.partial(depth_pallas.phase1, width_minor_cotangent=True)
   fn = jax.jit(lambda *a: buffer_cotangent(impl, *a, num_valid))
   got = fn(buffer_KBTD, queries_QD, gains_QD)
-  want = buffer_cotangent(depth.phase1, buffer_KBTD, queries_QD, gains_QD, num_valid)
+  reference = jax.jit(lambda *a: buffer_cotangent(depth.phase1, *a, num_valid))
+  want = reference(buffer_KBTD, queries_QD, gains_QD)
   assert got.dtype == want.dtype == dtype
   scale = float(jnp.abs(want.astype(jnp.float32)).max())
   # As the carry's sums above without the carry: float32 the same terms in another
@@ -157,8 +178,9 @@ def test_phase1_vjp_written_width_minor_equals_xla(dtype, shape, num_valid):
 
 def test_carry_of_another_dtype_is_refused():
   buffer_KBTD, queries_QD, gains_QD, carry_KBTD = operands(jnp.bfloat16, (3, 1, 8, 32))
+  traced = jax.jit(fused, static_argnums=(5, 6))  # refused while tracing, before a run
   with pytest.raises(ValueError, match="carry of the buffer's shape and dtype"):
-    fused(buffer_KBTD, queries_QD, gains_QD, carry_KBTD.astype(jnp.float32), None, 2, 1)
+    traced(buffer_KBTD, queries_QD, gains_QD, carry_KBTD.astype(jnp.float32), None, 2, 1)
 
 
 def cost_bytes(num_valid, expected_valid=None, num_zeroed=2, shape=(9, 2, 256, 128)):
@@ -360,22 +382,23 @@ def kernel_launches(jaxpr) -> int:
 
 
 @pytest.mark.parametrize(
-  'residual, block_size, schedule_layers, phase1_backward, segment_kinds',
+  'residual, block_size, schedule_layers, phase1_backwards, segment_kinds',
   [
-    ('full', 1, 0, 'auto', 1),  # 3 segments of 1 layer
-    ('full', 1, 2, 'auto', 2),
-    ('block', 4, 0, 'auto', 2),  # segments of 2 layers, one block each, and one of 1
-    ('full', 1, 0, 'keep', 1),  # Phase 1's results kept from the forward pass
-    ('block', 4, 0, 'keep', 2),
+    ('full', 1, 0, ('auto', 'keep'), 1),  # 3 segments of 1 layer
+    ('full', 1, 2, ('auto',), 2),
+    # segments of 2 layers, one block each, and one of 1
+    ('block', 4, 0, ('auto', 'keep'), 2),
   ],
+  ids=['full-1-0-auto-keep', 'full-1-2-auto', 'block-4-0-auto-keep'],
 )
 def test_linear_memory_backward_with_the_kernels_equals_autodiff(
-  residual, block_size, schedule_layers, phase1_backward, segment_kinds
+  residual, block_size, schedule_layers, phase1_backwards, segment_kinds
 ):
   """Full and Block AttnRes with the Phase 1 kernel, 128 tokens of width 128 (the
   accumulate kernel runs: lane-aligned), through the segments' scan and a shorter
   last segment; with Phase 1 computed again in the backward pass (what 'auto' picks
-  at this depth) or kept from the forward pass."""
+  at this depth) or kept from the forward pass ('keep'), each against one plain
+  autodiff of the same model."""
   model = tiny_model(
     residual,
     block_size,
@@ -385,36 +408,39 @@ def test_linear_memory_backward_with_the_kernels_equals_autodiff(
     depth_kernel='pallas',
     schedule_layers=schedule_layers,
   )
-  # 'auto': the rule (`choices.keeps_phase1`); 'keep': the test-only override.
-  keep = {'auto': None, 'keep': True}[phase1_backward]
   tokens = jax.random.randint(jax.random.key(2), (2, 128), 0, 256)
   plain = gradients(model, tokens, autodiff_backward=True)
-  linear = gradients(model, tokens, keep_phase1=keep)
 
   def jaxpr_of(keep_phase1):
     graphdef, state = nnx.split(with_residual(model, keep_phase1=keep_phase1))
     loss = lambda s: jnp.mean(nnx.merge(graphdef, s)(tokens) ** 2)
     return jax.make_jaxpr(jax.grad(loss))(state).jaxpr
 
-  jaxpr = jaxpr_of(keep)
-  assert re.search(r'input_output_aliases=\(\(\d+, 0\),\)', str(jaxpr))  # fused sum
-  if phase1_backward == 'keep':  # the backward pass launches no forward kernel: one
-    # fewer in the scan's body and in a shorter last segment (`segment_kinds` of
-    # them), each one per platform (jax.lax.platform_dependent: TPU, interpret mode)
-    recomputed = jaxpr_of(False)
-    removed = kernel_launches(recomputed) - kernel_launches(jaxpr)
-    assert removed == segment_kinds * 2
-  # As test_memory.assert_grads_close (5e-5 there): the two backward passes sum the
-  # same float32 terms in different orders, a few ulps of each parameter's largest
-  # gradient entry; here over 128 tokens of width 128 instead of 12 of width 32, so
-  # longer sums. Measured: 6.1e-5 (the MLP's up projection, schedule_layers=2), the
-  # same to all digits without the accumulate kernel and the slices outside the scan
-  # (main before them): the Phase 1 kernel's order of sums, not this path's.
-  for (path, a), b in zip(
-    jax.tree_util.tree_leaves_with_path(linear), jax.tree.leaves(plain)
-  ):
-    scale = float(jnp.abs(b).max()) + 1e-30
-    np.testing.assert_allclose(a / scale, b / scale, atol=1e-4, err_msg=str(path))
+  for phase1_backward in phase1_backwards:
+    # 'auto': the rule (`choices.keeps_phase1`); 'keep': the test-only override.
+    keep = {'auto': None, 'keep': True}[phase1_backward]
+    linear = gradients(model, tokens, keep_phase1=keep)
+    jaxpr = jaxpr_of(keep)
+    assert re.search(r'input_output_aliases=\(\(\d+, 0\),\)', str(jaxpr))  # fused sum
+    if phase1_backward == 'keep':  # the backward pass launches no forward kernel: one
+      # fewer in the scan's body and in a shorter last segment (`segment_kinds` of
+      # them), each one per platform (jax.lax.platform_dependent: TPU, interpret mode)
+      recomputed = jaxpr_of(False)
+      removed = kernel_launches(recomputed) - kernel_launches(jaxpr)
+      assert removed == segment_kinds * 2
+    # As test_memory.assert_grads_close (5e-5 there): the two backward passes sum the
+    # same float32 terms in different orders, a few ulps of each parameter's largest
+    # gradient entry; here over 128 tokens of width 128 instead of 12 of width 32, so
+    # longer sums. Measured: 6.1e-5 (the MLP's up projection, schedule_layers=2), the
+    # same to all digits without the accumulate kernel and the slices outside the scan
+    # (main before them): the Phase 1 kernel's order of sums, not this path's.
+    for (path, a), b in zip(
+      jax.tree_util.tree_leaves_with_path(linear), jax.tree.leaves(plain)
+    ):
+      scale = float(jnp.abs(b).max()) + 1e-30
+      np.testing.assert_allclose(
+        a / scale, b / scale, atol=1e-4, err_msg=f'{phase1_backward} {path}'
+      )
 
 
 @pytest.mark.parametrize(
