@@ -25,8 +25,8 @@ MODES = [
   ('block', 4),
   ('block', NUM_SUBLAYERS),
 ]
-# One mode per code path of the layer scan, for the properties that hold per token
-# whatever the block bookkeeping (causality, finite gradients): the standard residual,
+# One mode per code path of the layer scan, for the properties that do not depend on
+# where the block boundaries fall (causality, finite gradients): the standard residual,
 # Full (Block S = 1 runs the same code: E1 below), a block spanning layers in a single
 # segment (S = 3), a partial last block in a shorter last segment (S = 4). Block S = 2
 # and S = 6 only move the block boundaries, which the literal-method test checks.

@@ -52,9 +52,10 @@ CASES = {
       dict(residual='block', block_size=4),
       dict(stage=4, num_microbatches=2, pipeline_schedule='gpipe'),
     ),
-    # HC's m streams cross the stage boundary whole.
-    'hc_p2v1': (dict(residual='hc'), dict(stage=2, num_microbatches=2)),
-    # With the Pallas kernels HC carries a pending write across the boundary.
+    # HC's m streams cross the stage boundary whole; with the Pallas kernels they
+    # carry a pending write across it. (HC with the XLA path adds no pipeline path:
+    # its streams are mHC's below, in the same carry; its coefficients are this
+    # case's.)
     'hc_pallas_p2v1': (
       dict(residual='hc', depth_kernel='pallas'),
       dict(stage=2, num_microbatches=2),
@@ -272,15 +273,6 @@ def run_checks(group: str) -> dict:
       out[name]['custom_vjp'] = chunk_backward_is_custom(
         model_config, mesh_overrides, reference['host'][0]
       )
-    if name == 'block2_p2v2_naive':  # forward, both transfers, the same parameters
-      out['forward_loss'] = {
-        transfer: forward_loss(
-          model_config,
-          dict(mesh_overrides, pipeline_transfer=transfer),
-          reference['host'][0],
-        )
-        for transfer in ('naive', 'cached')
-      }
     if name == 'block2_mixed':  # checkpoints, both ways
       out['checkpoint'] = checkpoint_round_trip(
         jax,
@@ -377,8 +369,7 @@ def test_cached_transfer_is_bitwise_equal_and_sends_less(children):
   out = children('b')
   cached, naive = out['block2_p2v2'], out['block2_p2v2_naive']
   # The forward pass is bitwise equal: the receiver's buffer holds the very values
-  # the naive transfer would carry (non-zero queries: parameters after two steps).
-  assert out['forward_loss']['cached'] == out['forward_loss']['naive']
+  # the naive transfer would carry (with non-zero queries: the Fig. 3 test below).
   assert cached['metrics'][0]['loss'] == naive['metrics'][0]['loss']
   # The backward pass adds a cached block's cotangent at the stage that cached it,
   # not along the chain of stages: the same sum in another order, so the updates
@@ -432,7 +423,7 @@ def test_figure_3_pipeline_equals_one_device_and_transfers_are_bitwise_equal(chi
   # Cached and naive: the receiver's buffer holds the very values the whole buffer
   # would carry, so the loss is bitwise equal (with 4 stages, 2 virtual stages, 4
   # microbatches and blocks spanning two chunks: the cache is read at every transition
-  # of the second virtual stage).
+  # of the second virtual stage), with random parameters (non-zero queries).
   assert got['cached'] == got['naive']
   # Against one device: float32 sums in another order (per microbatch, one-shot reads
   # for the blocks that straddle chunks) differ by a few ulps of the O(100) loss sum;
