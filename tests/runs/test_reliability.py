@@ -172,9 +172,6 @@ def test_a_rerun_drops_what_a_killed_run_logged_after_its_checkpoint(tmp_path):
 # process: the children keep this process's XLA flags.
 
 
-pytestmark = pytest.mark.usefixtures('compilation_cache')
-
-
 @pytest.fixture(scope='module')
 def child_env(compilation_cache) -> dict[str, str]:  # pylint: disable=redefined-outer-name
   return cached_child_env(compilation_cache)

@@ -26,8 +26,6 @@ from attnres_jax.training import loop as loop_lib
 from conftest import ROOT, cached_child_env, start_logged, tiny_run_command
 from conftest import endless_run_config
 
-pytestmark = pytest.mark.usefixtures('compilation_cache')
-
 EXIT_SECONDS = 5.0  # a stop signal is acted on within this (issue 56)
 
 

@@ -30,10 +30,6 @@ from configs import default as default_config
 from conftest import tiny_run_config
 from conftest import child_env
 
-# The session's persistent compilation cache: a run of a config compiled before loads
-# its steps instead of compiling them again.
-pytestmark = pytest.mark.usefixtures('compilation_cache')
-
 
 def _train_records(workdir) -> list[dict]:
   return [r for r in metrics_lib.read_jsonl(workdir) if 'train/loss' in r]

@@ -33,11 +33,6 @@ from configs import default as default_config
 from conftest import tiny_run_config
 
 
-# The session's persistent compilation cache: a run of a config compiled before loads
-# its steps instead of compiling them again.
-pytestmark = pytest.mark.usefixtures('compilation_cache')
-
-
 def _checkpoint_entries(workdir) -> list[str]:
   return sorted(os.listdir(checkpointing.checkpoint_dir(workdir)))
 

@@ -19,10 +19,6 @@ from configs import default as default_config
 
 from conftest import train_config as _train_config
 
-# The session's persistent compilation cache: a run of a config compiled before loads
-# its steps instead of compiling them again.
-pytestmark = pytest.mark.usefixtures('compilation_cache')
-
 
 def _decayed(name: str) -> bool:
   """The decay rule, restated: norm gains, embeddings (by default) and the AttnRes
