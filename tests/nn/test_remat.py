@@ -14,6 +14,7 @@ from jax._src.ad_checkpoint import saved_residuals
 from attnres_jax import config as config_lib
 from attnres_jax.models import transformer as model_lib
 from attnres_jax.nn import remat as remat_lib
+from conftest import DEFAULT_EMITTERS
 
 TINY = dict(d_model=32, num_layers=2, num_heads=2, mlp_dim=64)
 BATCH, SEQ = 2, 16
@@ -35,7 +36,7 @@ def loss_fn(**fields):
 @functools.cache
 def loss_and_grads(residual, policy):
   loss, state = loss_fn(residual=residual, remat=policy)
-  return jax.jit(jax.value_and_grad(loss))(state)
+  return jax.jit(jax.value_and_grad(loss), compiler_options=DEFAULT_EMITTERS)(state)
 
 
 @pytest.mark.parametrize(

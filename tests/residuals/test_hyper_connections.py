@@ -12,6 +12,7 @@ from flax import nnx
 
 import attnres_jax as ar
 from attnres_jax.residuals.hyper import connections as hcl
+from conftest import DEFAULT_EMITTERS
 from tests.residuals.hc_reference import hc_step
 from tests.residuals.hc_reference import mhc_step
 
@@ -84,9 +85,9 @@ def reference_logits(model, tokens_BT):
 # -- the model ----------------------------------------------------------------------
 
 
-def loss_logits_and_grads(model, logits_fn=lambda model, x: model(x)):
+def loss_logits_and_grads(model, logits_fn=lambda model, x: model(x), **jit_options):
   """A loss of the logits (mean of sin: no symmetric cancellation), the logits and
-  every parameter's gradient, in one compiled program."""
+  every parameter's gradient, in one compiled program (`jit_options` to jax.jit)."""
   graphdef, params = nnx.split(model, nnx.Param)
   x = tokens()
 
@@ -94,7 +95,8 @@ def loss_logits_and_grads(model, logits_fn=lambda model, x: model(x)):
     logits = logits_fn(nnx.merge(graphdef, params), x)
     return jnp.mean(jnp.sin(logits)), logits
 
-  (value, logits), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+  grad_fn = jax.jit(jax.value_and_grad(loss, has_aux=True), **jit_options)
+  (value, logits), grads = grad_fn(params)
   return value, logits, grads
 
 
@@ -190,18 +192,21 @@ def test_identity_init_matches_the_standard_model(residual):
 @pytest.mark.parametrize('residual', ['hc', 'mhc'])
 def test_execution_variants_equal_the_scan(residual):
   """E4: scan = unrolled loop, remat = no remat, forward and gradients (the Pallas
-  kernels under remat equal XLA's model in test_hyper_pallas). The scan's
-  logits and gradients are those of the papers' equations' tests (dynamic); the
-  forward is compared by the mean square of the logits (a sum without cancellation;
-  the gradients' loss, a mean of sines, nearly cancels)."""
-  (_, logits, grads), _ = model_and_papers_equations(residual, True)
+  kernels under remat equal XLA's model in test_hyper_pallas). The forward is
+  compared by the mean square of the logits (a sum without cancellation; the
+  gradients' loss, a mean of sines, nearly cancels). Compiled with XLA's default CPU
+  emitters (`DEFAULT_EMITTERS`): with the test session's faster older emitter, HC's
+  unrolled gradients differ from the scan's by 5e-5 of their norm (4.5e-7 with the
+  default emitters), more than the float32 reordering this test bounds."""
+  options = dict(compiler_options=DEFAULT_EMITTERS)
+  _, logits, grads = loss_logits_and_grads(randomize(make_model(residual)), **options)
   mean_square = lambda logits: np.mean(np.square(np.asarray(logits, np.float64)))
   for execution in (
     dict(scan_layers=False),
     dict(remat='sublayer'),
   ):
     model = randomize(make_model(residual, **execution))
-    _, logits_other, grads_other = loss_logits_and_grads(model)
+    _, logits_other, grads_other = loss_logits_and_grads(model, **options)
     # Same float32 operations, fused or ordered differently by XLA: a few ulps.
     np.testing.assert_allclose(
       mean_square(logits_other), mean_square(logits), rtol=1e-5, err_msg=str(execution)

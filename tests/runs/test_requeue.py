@@ -24,7 +24,7 @@ from attnres_jax.runs import workdir as workdir_lib
 from attnres_jax.training import loop as loop_lib
 
 from conftest import ROOT, cached_child_env, start_logged, tiny_run_command
-from conftest import endless_run_config
+from conftest import FAST_COMPILE, endless_run_config
 
 EXIT_SECONDS = 5.0  # a stop signal is acted on within this (issue 56)
 
@@ -169,8 +169,11 @@ def test_sigterm_during_the_first_compile_exits_at_once_and_resumes(
     for name in (metrics_lib.JSONL, checkpointing.CONFIG_JSON)
   }
   ckpt_dir = checkpointing.checkpoint_dir(workdir)
-  # A fresh compilation cache: the child compiles its train step, as a new VM does.
+  # A fresh compilation cache and XLA's default compile settings (not the session's
+  # fast ones, which compile this step in under 2 s): the child compiles its train
+  # step as a new VM does.
   env = dict(child_env, JAX_COMPILATION_CACHE_DIR=str(tmp_path / 'cache'))
+  env['XLA_FLAGS'] = env['XLA_FLAGS'].replace(FAST_COMPILE, '').strip()
   env['JAX_LOG_COMPILES'] = '1'  # says when XLA compiles what
   log = tmp_path / 'train.log'
   process = start_logged(
