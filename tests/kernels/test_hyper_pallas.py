@@ -74,17 +74,34 @@ def inputs(m, batch, length, dim, dtype, seed=0):
   )
 
 
-def value_and_grads(write, args, seed=1):
+@functools.cache
+def compiled_vjp(fn, tile_bytes=None):
+  """`fn`'s results and their VJP of the given cotangents, one jit per function and
+  tile budget (the budget a test sets, part of the key since the tile is chosen while
+  tracing): the tests of one shape share a compilation, e.g. the write's and the gated
+  read's with the fused boundary's reference, the kernels apart."""
+  del tile_bytes
+
+  def results_and_vjp(args, cotangents):
+    outs, vjp = jax.vjp(fn, *args)
+    return outs, vjp(jax.tree.unflatten(jax.tree.structure(outs), cotangents))
+
+  return jax.jit(results_and_vjp)
+
+
+def random_cotangents(shapes, seed):
+  """Each result's cotangent: random float32 weights of it (a scalar sum(result *
+  weights), so each result gets its own), in the result's dtype as autodiff's
+  cotangent of that scalar."""
+  keys = jax.random.split(jax.random.key(seed), len(shapes))
+  return [jax.random.normal(k, x.shape).astype(x.dtype) for k, x in zip(keys, shapes)]
+
+
+def value_and_grads(write, args, seed=1, tile_bytes=None):
   """The new streams and the gradients of a random weighting of them w.r.t. every
   input (each new stream gets its own cotangent)."""
   weights = jax.random.normal(jax.random.key(seed), args[2].shape)
-
-  def loss(*args):
-    new = write(*args)
-    return jnp.sum(new.astype(jnp.float32) * weights), new
-
-  grads, new = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(*args)
-  return new, grads
+  return compiled_vjp(write, tile_bytes)(args, [weights.astype(args[2].dtype)])
 
 
 def narrow_tiles(monkeypatch, tile_bytes):
@@ -108,7 +125,7 @@ def test_kernel_equals_the_xla_write(dtype, m, tile_bytes, monkeypatch):
   if tile_bytes is not None:
     narrow_tiles(monkeypatch, tile_bytes)
   args = inputs(m, 2, 256, 128, dtype)
-  new, grads = value_and_grads(hp.write, args)
+  new, grads = value_and_grads(hp.write, args, tile_bytes=tile_bytes)
   ref_new, ref_grads = value_and_grads(hs.write, args)
   assert new.dtype == ref_new.dtype == dtype
   tol = F32_TOL if dtype == jnp.float32 else BF16_TOL
@@ -160,23 +177,22 @@ def xla_gated_read(phi, gate, streams, eps):
   return h, jnp.concatenate([rows, inv_rms]), streams
 
 
-def gated_read_and_grads(gated_read, args, seed=1):
+def pallas_gated_read(phi, gate, streams):
+  return hp.gated_read(phi, gate, streams, 1e-6)
+
+
+def xla_gated_read_eps(phi, gate, streams):
+  return xla_gated_read(phi, gate, streams, 1e-6)
+
+
+def gated_read_and_grads(gated_read, args, seed=1, tile_bytes=None):
   """The gated read's three results and the gradients of a random weighting of all
-  of them w.r.t. phi, the gate and the streams."""
-  weights = [
-    jax.random.normal(k, x.shape)
-    for k, x in zip(
-      jax.random.split(jax.random.key(seed), 3),
-      jax.eval_shape(lambda a: gated_read(*a, 1e-6), args),
-    )
-  ]
-
-  def loss(*args):
-    outs = gated_read(*args, 1e-6)
-    return sum(jnp.sum(o.astype(jnp.float32) * w) for o, w in zip(outs, weights)), outs
-
-  grads, outs = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(*args)
-  return outs, grads
+  of them w.r.t. phi, the gate and the streams (`gated_read` without eps: 1e-6).
+  The results' shapes and dtypes: the XLA steps' (a kernel's of other shapes fails
+  its VJP)."""
+  shapes = jax.eval_shape(xla_gated_read_eps, *args)
+  cotangents = random_cotangents(shapes, seed)
+  return compiled_vjp(gated_read, tile_bytes)(args, cotangents)
 
 
 @pytest.mark.parametrize('per_stream', [True, False], ids=['hc', 'mhc'])
@@ -198,8 +214,8 @@ def test_gated_read_equals_xla(per_stream, dtype, m, tile_bytes, monkeypatch):
   if tile_bytes is not None:
     narrow_tiles(monkeypatch, tile_bytes)
   args = gated_read_inputs(m, dtype, per_stream)
-  outs, grads = gated_read_and_grads(hp.gated_read, args)
-  ref_outs, ref_grads = gated_read_and_grads(xla_gated_read, args)
+  outs, grads = gated_read_and_grads(pallas_gated_read, args, tile_bytes=tile_bytes)
+  ref_outs, ref_grads = gated_read_and_grads(xla_gated_read_eps, args)
   for name, x, ref in zip(('h', 'projections', 'passed'), outs, ref_outs):
     assert x.dtype == ref.dtype, name
     bf16 = x.dtype == jnp.bfloat16
@@ -212,25 +228,38 @@ def test_gated_read_equals_xla(per_stream, dtype, m, tile_bytes, monkeypatch):
   assert_close(grads[2], ref_grads[2], streams_tol, 'streams')
 
 
-def kernels_apart(mix, write, streams, out, phi, gate, eps):
-  """`hyper_pallas.boundary` as the two kernels it fuses: the write, then the gated
-  read of the new streams."""
-  return hp.gated_read(phi, gate, hp.write(mix, write, streams, out), eps)
+def pallas_boundary(mix, write, streams, out, phi, gate):
+  return hp.boundary(mix, write, streams, out, phi, gate, 1e-6)
 
 
-def boundary_and_grads(boundary, args, seed=3):
+def boundary_shapes(args):
+  """The boundary's results' shapes and dtypes: the XLA write's, then the XLA gated
+  read's."""
+  return jax.eval_shape(lambda *a: xla_gated_read_eps(*a[4:], hs.write(*a[:4])), *args)
+
+
+def boundary_and_grads(boundary, args, seed=3, tile_bytes=None):
   """The boundary's three results and the gradients of a random weighting of them
-  w.r.t. all six inputs (the write's weights, streams and f(h); phi and the gate)."""
-  shapes = jax.eval_shape(lambda a: boundary(*a, 1e-6), args)
-  keys = jax.random.split(jax.random.key(seed), len(shapes))
-  weights = [jax.random.normal(k, x.shape) for k, x in zip(keys, shapes)]
+  w.r.t. all six inputs (the write's weights, streams and f(h); phi and the gate)
+  (`boundary` without eps: 1e-6)."""
+  cotangents = random_cotangents(boundary_shapes(args), seed)
+  return compiled_vjp(boundary, tile_bytes)(args, cotangents)
 
-  def loss(*args):
-    outs = boundary(*args, 1e-6)
-    return sum(jnp.sum(o.astype(jnp.float32) * w) for o, w in zip(outs, weights)), outs
 
-  grads, outs = jax.jit(jax.grad(loss, argnums=tuple(range(6)), has_aux=True))(*args)
-  return outs, grads
+def kernels_apart_and_grads(args, seed=3, tile_bytes=None):
+  """The same of the boundary as the two kernels it fuses, the write, then the gated
+  read of the new streams: the chain rule through the two kernels' compiled VJPs (the
+  programs the tests above compile): the write's forward, the gated read's results
+  and VJP, the write's VJP of the new streams' cotangent."""
+  cotangents = random_cotangents(boundary_shapes(args), seed)
+  write = compiled_vjp(hp.write, tile_bytes)
+  write_args, read_args = args[:4], args[4:]
+  new, _ = write(write_args, [jnp.zeros_like(write_args[2])])
+  outs, (d_phi, d_gate, d_new) = compiled_vjp(pallas_gated_read, tile_bytes)(
+    (*read_args, new), cotangents
+  )
+  _, write_grads = write(write_args, [d_new])
+  return outs, (*write_grads, d_phi, d_gate)
 
 
 @pytest.mark.parametrize('per_stream', [True, False], ids=['hc', 'mhc'])
@@ -247,8 +276,8 @@ def test_boundary_equals_the_kernels_apart(per_stream, dtype, m, tile_bytes, mon
   if tile_bytes is not None:
     narrow_tiles(monkeypatch, tile_bytes)
   args = (*inputs(m, 2, 256, 128, dtype), *gated_read_inputs(m, dtype, per_stream)[:2])
-  outs, grads = boundary_and_grads(hp.boundary, args)
-  ref_outs, ref_grads = boundary_and_grads(kernels_apart, args)
+  outs, grads = boundary_and_grads(pallas_boundary, args, tile_bytes=tile_bytes)
+  ref_outs, ref_grads = kernels_apart_and_grads(args, tile_bytes=tile_bytes)
   tol = F32_TOL if dtype == jnp.float32 else BF16_TOL
   names = ('h', 'projections', 'new streams', 'mix', 'write weights', 'streams')
   names += ('f(h)', 'phi', 'gate')
@@ -276,12 +305,11 @@ def sharded_errors():
       sinkhorn_loss(lambda x: coefficients.sinkhorn(x, 20, (0, 1)))(logits)
     ),
     **{
-      f'gated_read_{v}': host(gated_read_and_grads(xla_gated_read, a))
+      f'gated_read_{v}': host(gated_read_and_grads(xla_gated_read_eps, a))
       for v, a in read_args.items()
     },
     **{
-      f'boundary_{v}': host(boundary_and_grads(kernels_apart, a))
-      for v, a in boundary_args.items()
+      f'boundary_{v}': host(kernels_apart_and_grads(a)) for v, a in boundary_args.items()
     },
   }
   out = {}
@@ -297,11 +325,11 @@ def sharded_errors():
       'write': value_and_grads(on_mesh(hp.write), args),
       'sinkhorn': sinkhorn_loss(on_mesh(lambda x: sp.sinkhorn(x, 20)))(logits),
       **{
-        f'gated_read_{v}': gated_read_and_grads(on_mesh(hp.gated_read), a)
+        f'gated_read_{v}': gated_read_and_grads(on_mesh(pallas_gated_read), a)
         for v, a in read_args.items()
       },
       **{
-        f'boundary_{v}': boundary_and_grads(on_mesh(hp.boundary), a)
+        f'boundary_{v}': boundary_and_grads(on_mesh(pallas_boundary), a)
         for v, a in boundary_args.items()
       },
     }
@@ -328,6 +356,26 @@ def test_kernel_on_a_mesh_equals_xla():
   assert_mesh_results(errors, 7 * len(MESH_RULES) + 1, F32_TOL)
 
 
+def pallas_sinkhorn(logits):
+  return sp.sinkhorn(logits, 20)
+
+
+def xla_sinkhorn(logits):
+  return coefficients.sinkhorn(logits, 20, (0, 1))
+
+
+@functools.cache
+def sinkhorn_value_and_grad(fn, max_tile=None):
+  """The maps and the logits' gradient of a weighting of them, one jit per function and
+  tile cap (part of the key: the tile is chosen while tracing) for all scales."""
+  del max_tile
+
+  def value_and_grad(logits, weights):
+    return fn(logits), jax.grad(lambda x: jnp.sum(fn(x) * weights))(logits)
+
+  return jax.jit(value_and_grad)
+
+
 @pytest.mark.parametrize('scale', [1.0, 3.0, 30.0, 1e4])
 @pytest.mark.parametrize('max_tile', [None, 128])
 def test_sinkhorn_kernel_equals_the_xla_sinkhorn(scale, max_tile, monkeypatch):
@@ -343,13 +391,8 @@ def test_sinkhorn_kernel_equals_the_xla_sinkhorn(scale, max_tile, monkeypatch):
     monkeypatch.setattr(sp, 'MAX_TILE', max_tile)
   logits = scale * jax.random.normal(jax.random.key(0), (4, 4, 2, 256))
   weights = jax.random.normal(jax.random.key(1), logits.shape)
-
-  def value_and_grad(fn):
-    loss = lambda x: jnp.sum(fn(x) * weights)
-    return jax.jit(lambda x: (fn(x), jax.grad(loss)(x)))(logits)
-
-  out, grad = value_and_grad(lambda x: sp.sinkhorn(x, 20))
-  ref_out, ref_grad = value_and_grad(lambda x: coefficients.sinkhorn(x, 20, (0, 1)))
+  out, grad = sinkhorn_value_and_grad(pallas_sinkhorn, max_tile)(logits, weights)
+  ref_out, ref_grad = sinkhorn_value_and_grad(xla_sinkhorn)(logits, weights)
   np.testing.assert_allclose(out, ref_out, atol=1e-6)
   np.testing.assert_allclose(out.sum(1), 1.0, atol=1e-6)  # rows, as the reference
   assert bool(jnp.all(jnp.isfinite(grad)))

@@ -317,11 +317,13 @@ def test_phase1_vjp_sums_into_the_carry_on_a_mesh():
 
 
 def gradients(model, tokens, **residual_fields):
-  """`residual_fields`: AttnResResidual's test-only references."""
+  """The gradients and the jaxpr of their program (the same trace: the jit's cache);
+  `residual_fields`: AttnResResidual's test-only references."""
   model = with_residual(model, **residual_fields)
   graphdef, state = nnx.split(model)
   loss = lambda s: jnp.mean(nnx.merge(graphdef, s)(tokens) ** 2)
-  return jax.jit(jax.grad(loss))(state)
+  grad_fn = jax.jit(jax.grad(loss))
+  return grad_fn(state), jax.make_jaxpr(grad_fn)(state).jaxpr
 
 
 def test_phase1_with_kept_results_returns_them_and_the_kernels_vjp():
@@ -409,23 +411,27 @@ def test_linear_memory_backward_with_the_kernels_equals_autodiff(
     schedule_layers=schedule_layers,
   )
   tokens = jax.random.randint(jax.random.key(2), (2, 128), 0, 256)
-  plain = gradients(model, tokens, autodiff_backward=True)
-
-  def jaxpr_of(keep_phase1):
-    graphdef, state = nnx.split(with_residual(model, keep_phase1=keep_phase1))
-    loss = lambda s: jnp.mean(nnx.merge(graphdef, s)(tokens) ** 2)
-    return jax.make_jaxpr(jax.grad(loss))(state).jaxpr
-
+  plain, _ = gradients(model, tokens, autodiff_backward=True)
+  # What 'auto' picks at this depth: Phase 1 computed again (the rule as
+  # `attnres.backward` applies it, over the scan's segments' first slots); so the
+  # 'auto' program below is the one that recomputes, which 'keep' is compared with.
+  residual = model.residual
+  segments = model.cfg.num_layers // residual.segment_layers
+  mean_first = sum(residual.first_local_slot(s) for s in range(segments)) / segments
+  assert not choices.keeps_phase1(
+    mean_first, residual.sublayers_per_layer * residual.segment_layers
+  )
+  jaxprs = {}
   for phase1_backward in phase1_backwards:
     # 'auto': the rule (`choices.keeps_phase1`); 'keep': the test-only override.
     keep = {'auto': None, 'keep': True}[phase1_backward]
-    linear = gradients(model, tokens, keep_phase1=keep)
-    jaxpr = jaxpr_of(keep)
+    linear, jaxpr = gradients(model, tokens, keep_phase1=keep)
+    jaxprs[phase1_backward] = jaxpr
     assert re.search(r'input_output_aliases=\(\(\d+, 0\),\)', str(jaxpr))  # fused sum
     if phase1_backward == 'keep':  # the backward pass launches no forward kernel: one
       # fewer in the scan's body and in a shorter last segment (`segment_kinds` of
       # them), each one per platform (jax.lax.platform_dependent: TPU, interpret mode)
-      recomputed = jaxpr_of(False)
+      recomputed = jaxprs['auto']  # Phase 1 computed again (above)
       removed = kernel_launches(recomputed) - kernel_launches(jaxpr)
       assert removed == segment_kinds * 2
     # As test_memory.assert_grads_close (5e-5 there): the two backward passes sum the
@@ -473,7 +479,9 @@ def test_resumed_chunk_with_the_kernels_equals_autodiff(
   head, chunk = (
     jax.tree.map(lambda x, s=s: x[s], layer_state) for s in (slice(2), slice(2, 4))
   )
-  carry = run(head, residual.init(model.embed(tokens)), 0, positions_BT)
+  # Compiled (op by op, the kernels' interpret mode dispatches hundreds of programs).
+  head_fn = jax.jit(lambda head, x: run(head, residual.init(x), 0, positions_BT))
+  carry = head_fn(head, model.embed(tokens))
   weights = jax.tree.map(
     lambda x: jax.random.normal(jax.random.key(x.ndim), x.shape), carry
   )
@@ -484,7 +492,7 @@ def test_resumed_chunk_with_the_kernels_equals_autodiff(
       out = run(chunk, carry, first_segment, positions_BT, custom_stack=custom_stack)
       return sum(jnp.sum(o * w) for o, w in zip(out, weights))
 
-    grad_fn = jax.grad(loss, argnums=(0, 1))
+    grad_fn = jax.jit(jax.grad(loss, argnums=(0, 1)))
     return grad_fn(chunk, carry), str(jax.make_jaxpr(grad_fn)(chunk, carry))
 
   (plain, _), (linear, jaxpr) = grads(None), grads(residual.custom_stack)
