@@ -25,8 +25,8 @@ FAST_COMPILE = (
 # XLA's default CPU fusion emitters, for one program (`jax.jit(...,
 # compiler_options=DEFAULT_EMITTERS)`): the tests that claim two programs agree bit for
 # bit (a remat policy's rerun and the kept values) make that claim of the default
-# build; the older emitter of FAST_COMPILE contracts a rerun's multiply-adds
-# differently from the first run's (1 float32 ulp in a tenth of the gradient entries).
+# build; with the older emitter of FAST_COMPILE a rerun's gradients differ from the
+# first run's in the last bit (1 float32 ulp) of about a tenth of their entries.
 DEFAULT_EMITTERS = {'xla_cpu_use_fusion_emitters': True}
 if FAST_COMPILE not in os.environ.get('XLA_FLAGS', ''):
   os.environ['XLA_FLAGS'] = f'{os.environ.get("XLA_FLAGS", "")} {FAST_COMPILE}'.strip()
