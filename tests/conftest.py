@@ -417,7 +417,6 @@ FILE_SECONDS = {
 }
 
 
-@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, when it is loaded
 def pytest_collection_modifyitems(config, items):
   """Marks the quick tier (`tests/quick_tier.py`)."""
   for item in items:
@@ -437,6 +436,7 @@ def pytest_collection_modifyitems(config, items):
     raise pytest.UsageError(f'tests/quick_tier.py: entries that select no test: {stale}')
 
 
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, when it is loaded
 def pytest_xdist_make_scheduler(config, log):
   """`--dist loadfile` (pyproject.toml), the slowest remaining file first. xdist's own
   order (most tests first) leaves the slow files of few tests (the multi-process and

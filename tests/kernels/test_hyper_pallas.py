@@ -77,9 +77,9 @@ def inputs(m, batch, length, dim, dtype, seed=0):
 @functools.cache
 def compiled_vjp(fn, tile_bytes=None):
   """`fn`'s results and their VJP of the given cotangents, one jit per function and
-  tile budget (the budget a test sets, part of the key since the tile is chosen while
-  tracing): the tests of one shape share a compilation, e.g. the write's and the gated
-  read's with the fused boundary's reference, the kernels apart."""
+  tile budget or cap (the one a test sets, part of the key since the tile is chosen
+  while tracing): the tests of one shape share a compilation, e.g. the write's and the
+  gated read's with the fused boundary's reference, the kernels apart."""
   del tile_bytes
 
   def results_and_vjp(args, cotangents):
@@ -364,18 +364,6 @@ def xla_sinkhorn(logits):
   return coefficients.sinkhorn(logits, 20, (0, 1))
 
 
-@functools.cache
-def sinkhorn_value_and_grad(fn, max_tile=None):
-  """The maps and the logits' gradient of a weighting of them, one jit per function and
-  tile cap (part of the key: the tile is chosen while tracing) for all scales."""
-  del max_tile
-
-  def value_and_grad(logits, weights):
-    return fn(logits), jax.grad(lambda x: jnp.sum(fn(x) * weights))(logits)
-
-  return jax.jit(value_and_grad)
-
-
 @pytest.mark.parametrize('scale', [1.0, 3.0, 30.0, 1e4])
 @pytest.mark.parametrize('max_tile', [None, 128])
 def test_sinkhorn_kernel_equals_the_xla_sinkhorn(scale, max_tile, monkeypatch):
@@ -391,8 +379,9 @@ def test_sinkhorn_kernel_equals_the_xla_sinkhorn(scale, max_tile, monkeypatch):
     monkeypatch.setattr(sp, 'MAX_TILE', max_tile)
   logits = scale * jax.random.normal(jax.random.key(0), (4, 4, 2, 256))
   weights = jax.random.normal(jax.random.key(1), logits.shape)
-  out, grad = sinkhorn_value_and_grad(pallas_sinkhorn, max_tile)(logits, weights)
-  ref_out, ref_grad = sinkhorn_value_and_grad(xla_sinkhorn)(logits, weights)
+  # One program per function and tile cap for all scales (the logits an argument).
+  out, (grad,) = compiled_vjp(pallas_sinkhorn, max_tile)((logits,), [weights])
+  ref_out, (ref_grad,) = compiled_vjp(xla_sinkhorn)((logits,), [weights])
   np.testing.assert_allclose(out, ref_out, atol=1e-6)
   np.testing.assert_allclose(out.sum(1), 1.0, atol=1e-6)  # rows, as the reference
   assert bool(jnp.all(jnp.isfinite(grad)))
