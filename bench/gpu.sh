@@ -33,12 +33,15 @@ else
   shallow=8 deep=32 decode=(--sizes=1024x8 --batches=8,64 --prompt_len=1024 --new_tokens=33)
 fi
 
+failed=()
 part() {  # part NAME SECONDS COMMAND...: runs COMMAND, its log in OUT_DIR/NAME.log
   local name=$1 seconds=$2
   shift 2
   echo "== $name ($(date -u +%H:%M:%S), limit ${seconds} s)"
   timeout "$seconds" "$@" 2>&1 | tee "$out/$name.log" | grep -v '^[WI]0000'
-  echo "== $name: exit ${PIPESTATUS[0]}"
+  local status=${PIPESTATUS[0]}
+  echo "== $name: exit $status"
+  [ "$status" = 0 ] || failed+=("$name")
 }
 
 "$python" -c 'import jax; print("jax", jax.__version__, jax.devices())'
@@ -53,3 +56,8 @@ part train_deep 260 "$python" bench/memory.py "${train[@]}" --layers=$deep \
   --out="$out/train_deep.jsonl"
 part comparators 180 "$python" bench/memory.py "${train[@]}" --layers=$shallow \
   --modes=standard,standard@2,hc,mhc --out="$out/comparators.jsonl"
+# Every part runs; the script's own status says whether any failed.
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "== failed: ${failed[*]}"
+  exit 1
+fi
